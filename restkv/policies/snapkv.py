@@ -1,0 +1,24 @@
+"""SnapKV (Li et al., 2024, arXiv 2404.14469).
+
+Score of a past token = attention it receives from the observation window (the last
+``window_size`` prompt queries), summed over the window, reduced over each query group,
+then smoothed with ``--pooling``/``--kernel_size``; the window itself is always kept.
+Defaults follow the ReST-KV runs: window 32, avgpool, kernel 5.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from restkv.policies import register_policy
+from restkv.policies.base import Policy, ScoringContext
+
+
+@register_policy
+class SnapKV(Policy):
+    name = "snapkv"
+    uses_pooling = True
+
+    def score(self, ctx: ScoringContext) -> torch.Tensor:
+        summed = ctx.window_attention().sum(dim=2)
+        return ctx.pool(ctx.reduce_groups(summed))
