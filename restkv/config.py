@@ -12,7 +12,7 @@ script fails at construction instead of producing a silently different run.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 POOLINGS = ("none", "avgpool", "maxpool", "adaptive")
@@ -24,57 +24,44 @@ class ConfigError(ValueError):
     """A compression setting is invalid; the message names the flag and the allowed values."""
 
 
+def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with its command-line help (runners build their flags from these)."""
+    metadata = {"help": help}
+    if choices is not None:
+        metadata["choices"] = choices
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True)
 class CompressionConfig:
-    """Every knob of a compression run.
+    """Every knob of a compression run; each field's ``metadata["help"]`` says what it does.
 
-    Parameters
-    ----------
-    method:
-        Registered policy name (``restkv.policies.available_methods()``).
-    max_capacity_prompts:
-        Tokens kept per layer and KV head, observation window included.
-    compression_ratio:
-        Fraction of each row's prompt that is removed, in (0, 1). Exclusive with
-        ``max_capacity_prompts``.
-    window_size:
-        Observation window: the last ``window_size`` prompt tokens score the rest and are
-        always kept.
-    kernel_size, pooling:
-        Spatial smoothing of the scores (odd kernel; ``none``, ``avgpool``, ``maxpool`` or
-        ``adaptive`` for ReST-KV).
-    gqa_score_agg:
-        How the scores of a query group are reduced to one per KV head.
-    n_sink:
-        StreamingLLM attention sinks. ``max_capacity_prompts - window_size`` reproduces the
-        original release's layout.
-    l2norm_skip_layers, l2norm_protect_window:
-        L2Norm leaves these layers uncompressed; optionally keeps the window.
-    h2o_queries, h2o_normalize:
-        H2O accumulates the attention of the observation window (default) or of all prompt
-        queries (causal, chunked); ``h2o_normalize`` divides each column by the number of
-        queries that can see it.
-    tova_per_head:
-        TOVA averages the last query's attention over the whole layer (default, one kept
-        set per layer) or per query group.
-    seed:
-        Seed of the ``random`` control policy.
+    The runners expose every field as ``--<name>``, so the field names are the public flag
+    names (those of the original ReST-KV release where it had them).
     """
 
-    method: str = "snapkv"
-    max_capacity_prompts: int | None = None
-    compression_ratio: float | None = None
-    window_size: int = 32
-    kernel_size: int = 5
-    pooling: str = "avgpool"
-    gqa_score_agg: str = "mean"
-    n_sink: int = 4
-    l2norm_skip_layers: tuple[int, ...] = (0, 1)
-    l2norm_protect_window: bool = False
-    h2o_queries: str = "window"
-    h2o_normalize: bool = False
-    tova_per_head: bool = False
-    seed: int = 0
+    method: str = option("snapkv", "compression method (see restkv.available_methods())")
+    max_capacity_prompts: int | None = option(
+        None, "tokens kept per layer and KV head, observation window included"
+    )
+    compression_ratio: float | None = option(
+        None, "fraction of each row's prompt that is removed, in (0, 1); exclusive with --max_capacity_prompts"
+    )
+    window_size: int = option(32, "observation window: the last tokens that score the rest and are always kept")
+    kernel_size: int = option(5, "odd kernel of the spatial smoothing of the scores")
+    pooling: str = option("avgpool", "spatial smoothing of the scores", POOLINGS)
+    gqa_score_agg: str = option("mean", "how a query group's scores are reduced to one per KV head", GQA_AGGREGATIONS)
+    n_sink: int = option(
+        4, "StreamingLLM attention sinks (max_capacity_prompts - window_size reproduces the original release)"
+    )
+    l2norm_skip_layers: tuple[int, ...] = option((0, 1), "layers L2Norm leaves uncompressed")
+    l2norm_protect_window: bool = option(False, "L2Norm also keeps the observation window")
+    h2o_queries: str = option(
+        "window", "H2O accumulates the attention of the observation window or of all prompt queries", H2O_QUERIES
+    )
+    h2o_normalize: bool = option(False, "H2O divides each token's sum by the number of queries that see it")
+    tova_per_head: bool = option(False, "TOVA averages the last query's attention per query group, not per layer")
+    seed: int = option(0, "seed of the random control policy")
 
     def __post_init__(self) -> None:
         from restkv.policies import available_methods, get_policy
