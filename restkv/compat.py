@@ -15,6 +15,21 @@ MIN_TRANSFORMERS = Version("5.22.0")
 MAX_TRANSFORMERS_EXCLUSIVE = Version("5.25.0")
 
 
+#: transformers 5.24 renamed the model/attention argument ``past_key_values`` to ``cache``
+#: (the old name stays a deprecated alias until 5.40).
+CACHE_ARGUMENT = "cache" if Version(transformers.__version__) >= Version("5.24.0") else "past_key_values"
+
+
+def with_cache(cache, **kwargs) -> dict:
+    """Keyword arguments for ``model(...)``/``model.generate(...)`` passing ``cache``."""
+    return {CACHE_ARGUMENT: cache, **kwargs}
+
+
+def output_cache(output):
+    """The cache held by a model or ``generate`` output, under either name."""
+    return getattr(output, "cache", None) if CACHE_ARGUMENT == "cache" else output.past_key_values
+
+
 class UnsupportedTransformersVersion(RuntimeError):
     """The installed transformers is outside the tested range."""
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from restkv.compat import with_cache
+
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counting real tokens only (what ``generate`` uses), so padding does not shift RoPE."""
@@ -29,9 +31,9 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
-        cache=cache,
         use_cache=True,
         logits_to_keep=1,
+        **with_cache(cache),
     )
     return cache
 
@@ -43,12 +45,14 @@ def generate_after_context(
     question_ids: torch.Tensor,
     context_mask: torch.Tensor | None = None,
     question_mask: torch.Tensor | None = None,
+    return_cache: bool = False,
     **generate_kwargs,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, DynamicCache]:
     """Query-agnostic generation: compress ``context_ids`` alone, then answer ``question_ids``.
 
     Both parts may be left-padded (rows of different lengths); the returned ids are the
-    generated tokens only, ``[B, new]``.
+    generated tokens only, ``[B, new]``. ``return_cache=True`` also returns the cache, so a
+    caller can check what it holds (``restkv.cache.cache_report``).
     """
     if context_mask is None:
         context_mask = torch.ones_like(context_ids)
@@ -57,8 +61,7 @@ def generate_after_context(
     cache = prefill(model, context_ids, context_mask)
     input_ids = torch.cat([context_ids, question_ids], dim=-1)
     attention_mask = torch.cat([context_mask, question_mask], dim=-1)
-    output = model.generate(
-        input_ids=input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs
-    )
+    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, **with_cache(cache), **generate_kwargs)
     sequences = output.sequences if hasattr(output, "sequences") else output
-    return sequences[:, input_ids.shape[-1] :]
+    new_tokens = sequences[:, input_ids.shape[-1] :]
+    return (new_tokens, cache) if return_cache else new_tokens

@@ -1,0 +1,131 @@
+"""The compressed cache: budget, memory, GQA storage, segments, state between prompts."""
+
+import pytest
+import torch
+
+from restkv.attention import Segment, attend_segments
+from restkv.cache import CompressedLayer, cache_nbytes, cache_report, format_report
+from restkv.compat import output_cache, with_cache
+from restkv.generation import position_ids_from_mask, prefill
+from tiny_models import FAMILY_BACKENDS, left_padded, random_prompt, replace_for, tiny_model
+
+
+def full_cache_as_compressed(model, input_ids, attention_mask):
+    """Prefill natively, then hand every layer's full K/V to a CompressedLayer (nothing dropped)."""
+    cache = prefill(model, input_ids, attention_mask)
+    length = input_ids.shape[1]
+    padding = (length - attention_mask.sum(dim=-1))[:, None, None]
+    for index, layer in enumerate(cache.layers):
+        keys, values = layer.keys, layer.values
+        columns = torch.arange(length).expand(*keys.shape[:3]).clone()
+        columns = columns.masked_fill(columns < padding, -1)
+        sliding = getattr(layer, "sliding_window", None)
+        cache.layers[index] = CompressedLayer(keys, values, columns, tokens_seen=length, sliding_window=sliding)
+    return cache
+
+
+@pytest.mark.parametrize("family, backend", FAMILY_BACKENDS)
+def test_attention_over_segments_equals_native_decode(family, backend):
+    """Decode over a compressed layer that holds every token (padding excluded) gives the
+    native logits: the segmented softmax, masks and positions are right."""
+    model = tiny_model(family, backend)
+    input_ids, attention_mask = left_padded([40, 25])
+    native_cache = prefill(model, input_ids, attention_mask)
+    compressed_cache = full_cache_as_compressed(model, input_ids, attention_mask)
+    replace_for(family)(method="snapkv", max_capacity_prompts=20, window_size=8)
+    step = torch.tensor([[7, 9, 11], [5, 6, 8]])  # a 3-token chunk, then single tokens
+    mask = attention_mask
+    for chunk in (step, step[:, :1], step[:, 1:2]):
+        mask = torch.cat([mask, torch.ones_like(chunk)], dim=-1)
+        positions = position_ids_from_mask(mask)[:, -chunk.shape[1] :]
+        with torch.no_grad():
+            native = model(chunk, attention_mask=mask, position_ids=positions, **with_cache(native_cache)).logits
+            ours = model(chunk, attention_mask=mask, position_ids=positions, **with_cache(compressed_cache)).logits
+        torch.testing.assert_close(ours, native, rtol=1e-4, atol=1e-4)
+    assert all(isinstance(layer, CompressedLayer) for layer in compressed_cache.layers)
+
+
+def test_shared_softmax_with_residual_log_count_bias_is_one_softmax_over_all_entries():
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 2, 1, 4, generator=generator)
+    main_k, main_v = torch.randn(1, 1, 3, 4, generator=generator), torch.randn(1, 1, 3, 4, generator=generator)
+    res_k, res_v = torch.randn(1, 1, 2, 4, generator=generator), torch.randn(1, 1, 2, 4, generator=generator)
+    log_counts = torch.log(torch.tensor([3.0, 5.0]))
+    scale = 0.5
+    out = attend_segments(
+        query,
+        [
+            Segment(main_k, main_v, torch.ones(1, 1, 1, 3, dtype=torch.bool)),
+            Segment(res_k, res_v, torch.ones(1, 1, 1, 2, dtype=torch.bool), log_counts.view(1, 1, 1, 1, 2)),
+        ],
+        scale,
+    )
+    logits = torch.cat([query @ main_k.transpose(-1, -2) * scale, query @ res_k.transpose(-1, -2) * scale + log_counts], dim=-1)
+    expected = torch.softmax(logits, dim=-1) @ torch.cat([main_v, res_v], dim=2)
+    torch.testing.assert_close(out.transpose(1, 2), expected)
+
+
+@pytest.mark.parametrize("family, backend", [("llama", "sdpa"), ("gemma3", "sdpa"), ("qwen2", "eager")])
+def test_stored_tokens_and_bytes_follow_the_budget(family, backend):
+    model = tiny_model(family, backend)
+    prompt = random_prompt(1, 200)
+    reference = prefill(model, prompt)
+    full_bytes = cache_nbytes(reference)
+    replace_for(family)(method="snapkv", max_capacity_prompts=50, window_size=8)
+    cache = prefill(model, prompt)
+    reports = cache_report(cache)
+    for layer, report in zip(cache.layers, reports):
+        assert report.tokens_seen == 200
+        assert layer.kept_counts.tolist() == [[50] * model.config.num_key_value_heads]
+        assert layer.kept_keys.shape[1] == model.config.num_key_value_heads  # GQA: never repeated
+    # K/V bytes scale with budget / prompt; the int32 positions add 4 bytes per kept slot.
+    head_dim = cache.layers[0].kept_keys.shape[-1]
+    position_overhead = 4 / (2 * head_dim * 4)
+    assert cache_nbytes(cache) <= full_bytes * 50 / 200 * (1 + position_overhead) + 1024
+    assert "3 of 3 layers hold fewer entries than tokens seen" in format_report(reports)
+
+
+def test_a_second_prompt_is_compressed_too():
+    model = tiny_model("llama")
+    replace_for("llama")(method="snapkv", max_capacity_prompts=30, window_size=8)
+    first = model.generate(random_prompt(1, 80, seed=1), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    second = model.generate(random_prompt(1, 120, seed=2), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    for out, length in ((first, 80), (second, 120)):
+        reports = cache_report(output_cache(out))
+        assert all(r.compressed and r.tokens_seen == length + 2 and r.stored_max == 32 for r in reports)
+
+
+def test_a_reset_cache_serves_the_next_prompt_from_scratch():
+    model = tiny_model("llama")
+    replace_for("llama")(method="snapkv", max_capacity_prompts=30, window_size=8)
+    cache = prefill(model, random_prompt(1, 80))
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    with torch.no_grad():
+        model(random_prompt(1, 20), **with_cache(cache))  # within budget: back to a native layer
+    assert cache.get_seq_length() == 20
+    assert not any(isinstance(layer, CompressedLayer) for layer in cache.layers)
+
+
+def test_beam_style_reordering_and_cropping_of_the_tail():
+    model = tiny_model("llama")
+    input_ids, attention_mask = left_padded([60, 50])
+    replace_for("llama")(method="snapkv", max_capacity_prompts=30, window_size=8)
+    cache = prefill(model, input_ids, attention_mask)
+    layer = cache.layers[0]
+    kept_row_1 = layer.kept_keys[1].clone()
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(cache.layers[0].kept_keys[0], kept_row_1)
+    with torch.no_grad():
+        model(torch.tensor([[5, 6], [7, 8]]), attention_mask=torch.ones(2, 62, dtype=torch.long), **with_cache(cache))
+    assert cache.get_seq_length() == 62
+    cache.crop(-1)
+    assert cache.get_seq_length() == 61 and cache.layers[0].tail_length == 1
+    with pytest.raises(RuntimeError, match="only drop tokens appended after compression"):
+        cache.crop(-5)
+
+
+def test_unpatched_forward_refuses_a_compressed_layer():
+    layer = CompressedLayer(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), torch.tensor([[[0, 1]]]), tokens_seen=5)
+    with pytest.raises(RuntimeError, match="compressed by restkv"):
+        layer.update(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4))

@@ -1,0 +1,66 @@
+import pytest
+
+from restkv import CompressionConfig, ConfigError
+from restkv.config import option_names
+
+
+@pytest.mark.parametrize(
+    "options, fragment",
+    [
+        (dict(method="nope", max_capacity_prompts=64), "--method 'nope' is not a known method"),
+        (dict(method="snapkv", max_capacity_prompts=32, window_size=32), "--window_size 32 must be smaller"),
+        (dict(method="snapkv", max_capacity_prompts=16, window_size=32), "--window_size 32 must be smaller"),
+        (dict(method="snapkv", max_capacity_prompts=0), "--max_capacity_prompts must be >= 1"),
+        (dict(method="snapkv", max_capacity_prompts=-8), "--max_capacity_prompts must be >= 1"),
+        (dict(method="snapkv", compression_ratio=0.0), "--compression_ratio must lie in the open interval (0, 1)"),
+        (dict(method="snapkv", compression_ratio=1.0), "--compression_ratio must lie in the open interval (0, 1)"),
+        (dict(method="snapkv", compression_ratio=-0.5), "--compression_ratio must lie in the open interval (0, 1)"),
+        (dict(method="snapkv"), "needs a budget"),
+        (dict(method="snapkv", max_capacity_prompts=64, compression_ratio=0.5), "not both"),
+        (dict(method="snapkv", max_capacity_prompts=64, kernel_size=4), "--kernel_size must be odd"),
+        (dict(method="snapkv", max_capacity_prompts=64, pooling="median"), "--pooling 'median' is not allowed"),
+        (dict(method="snapkv", max_capacity_prompts=64, gqa_score_agg="min"), "--gqa_score_agg"),
+        (dict(method="streamingllm", max_capacity_prompts=64, n_sink=64), "--n_sink 64 must be smaller"),
+        (dict(method="snapkv", max_capacity_prompts=64.5), "--max_capacity_prompts must be an integer"),
+    ],
+)
+def test_invalid_settings_name_the_flag(options, fragment):
+    with pytest.raises(ConfigError) as error:
+        CompressionConfig(**options)
+    assert fragment in str(error.value)
+
+
+def test_unknown_method_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="snapkv") as error:
+        CompressionConfig(method="snapkvv", max_capacity_prompts=64)
+    assert "streamingllm" in str(error.value)
+
+
+def test_unknown_option_is_rejected_with_the_known_ones():
+    with pytest.raises(ConfigError, match="unknown option") as error:
+        CompressionConfig.from_options(method="snapkv", max_capacity_prompt=64)
+    assert "max_capacity_prompts" in str(error.value)
+
+
+def test_dict_and_replace_round_trip():
+    config = CompressionConfig.from_any({"method": "snapkv", "max_capacity_prompts": 128})
+    assert config == CompressionConfig(method="snapkv", max_capacity_prompts=128)
+    changed = config.replace(max_capacity_prompts=256, pooling="maxpool")
+    assert (changed.max_capacity_prompts, changed.pooling, changed.method) == (256, "maxpool", "snapkv")
+    assert set(config.to_dict()) == set(option_names())
+
+
+def test_fullkv_needs_no_budget_and_keeps_everything():
+    config = CompressionConfig(method="fullkv")
+    assert config.budget_for(5000) == 5000
+
+
+@pytest.mark.parametrize("length, expected", [(1000, 128), (100, 100)])
+def test_budget_is_tokens_per_head_capped_by_the_row(length, expected):
+    assert CompressionConfig(max_capacity_prompts=128).budget_for(length) == expected
+
+
+def test_ratio_budget_floors_the_kept_fraction():
+    config = CompressionConfig(compression_ratio=0.9)
+    assert config.budget_for(1005) == 100  # floor(1005 * 0.1)
+    assert config.budget_for(1000) == 100  # not 99 from float noise

@@ -1,0 +1,68 @@
+"""Query-aware and query-agnostic compression through the same patched model."""
+
+import torch
+
+from restkv.attention import _tail_visibility, key_validity
+from restkv.cache import CompressedLayer
+from restkv.generation import generate_after_context
+from tiny_models import left_padded, random_prompt, replace_for, tiny_model
+
+GENERATE = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+
+
+def test_query_agnostic_with_a_large_budget_equals_plain_generation():
+    model = tiny_model("llama")
+    context, question = random_prompt(1, 70, seed=1), random_prompt(1, 6, seed=2)
+    reference = model.generate(torch.cat([context, question], dim=-1), **GENERATE)[:, 76:]
+    replace_for("llama")(method="snapkv", max_capacity_prompts=100, window_size=8)
+    assert torch.equal(generate_after_context(model, context, question, **GENERATE), reference)
+
+
+def test_question_chunk_attends_to_the_compressed_context_and_nothing_is_compressed_again():
+    model = tiny_model("mistral")
+    context, question = random_prompt(1, 90, seed=1), random_prompt(1, 7, seed=2)
+    replace_for("mistral")(method="snapkv", max_capacity_prompts=30, window_size=8)
+    tokens, cache = generate_after_context(model, context, question, return_cache=True, **GENERATE)
+    for layer in cache.layers:
+        assert isinstance(layer, CompressedLayer)
+        assert layer.prompt_tokens == 90  # compressed once, on the context alone
+        assert layer.kept_counts.tolist() == [[30, 30]]
+        assert layer.tail_length == 7 + 4  # the question and the generated tokens, exact
+    aware = model.generate(torch.cat([context, question], dim=-1), **GENERATE)[:, 97:]
+    assert tokens.shape == aware.shape  # both modes run through the same API
+
+
+def test_query_agnostic_rows_of_a_padded_batch_equal_their_single_runs():
+    model = tiny_model("qwen2")
+    replace_for("qwen2")(method="h2o", max_capacity_prompts=24, window_size=8)
+    context, context_mask = left_padded([80, 50, 33], seed=3)
+    question, question_mask = left_padded([6, 3, 5], seed=9)
+    batched = generate_after_context(model, context, question, context_mask, question_mask, **GENERATE)
+    for row in range(3):
+        alone = generate_after_context(
+            model, context[row : row + 1, context_mask[row].bool()], question[row : row + 1, question_mask[row].bool()], **GENERATE
+        )
+        assert torch.equal(batched[row], alone[0])
+
+
+def test_prefill_padding_is_read_from_every_mask_form():
+    valid = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]).bool()
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    boolean = causal[None, None] & valid[:, None, None, :]
+    additive = torch.zeros(2, 1, 5, 5).masked_fill(~boolean, torch.finfo(torch.float32).min)
+    for mask in (boolean, additive, valid.long()):  # sdpa, eager, flash_attention_2 (2-D)
+        assert torch.equal(key_validity(mask, 2, 5, "cpu"), valid)
+    assert bool(key_validity(None, 2, 5, "cpu").all())
+
+
+def test_tail_visibility_is_causal_within_the_chunk_and_respects_padding():
+    # 2 earlier tail tokens (the second is padding in row 1), then a chunk of 2 queries.
+    padding_2d = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 1, 1]])
+    visible = _tail_visibility(padding_2d, batch=2, q_len=2, tail_length=4, device="cpu")
+    assert visible[0].tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert visible[1].tolist() == [[True, False, True, False], [True, False, True, True]]
+    four_d = torch.zeros(2, 1, 2, 6, dtype=torch.bool)
+    four_d[..., :] = padding_2d[:, None, None, :].bool()
+    four_d[:, :, 0, -1] = False
+    assert torch.equal(_tail_visibility(four_d, 2, 2, 4, "cpu"), visible)
+    assert _tail_visibility(None, 1, 2, 4, "cpu")[0].tolist() == [[True, True, True, False], [True] * 4]

