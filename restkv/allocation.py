@@ -1,22 +1,288 @@
 """How many tokens each row, layer and KV head keeps.
 
-The uniform allocation gives every KV head of every layer the row's budget. Head- and
-layer-adaptive allocations (PyramidKV, AdaKV, HeadKV) return ragged counts through the
-same function, and the cache stores them ragged.
+``allocate(ctx, scores)`` is called once per compressed layer with the scorer's
+``[B, H_kv, N]`` scores and returns the kept count per row and KV head, protected tokens
+(the recent window) included. Any scorer composes with any allocation:
+
+* ``uniform``: every KV head keeps the row budget ``C``.
+* ``pyramid`` (PyramidKV, ALGORITHMS.md 4.8): layer ``l`` keeps ``B_l + W`` with ``B_l``
+  falling linearly from ``n_max`` to ``n_min``; the layers sum exactly to ``N * B`` (largest
+  remainder), or floor the step like the original release with ``--pyramid_reference_rounding``.
+* ``adakv`` (AdaKV, 4.9): within a layer, heads share ``H_kv * B`` candidates through a
+  global top-k over their scores; every head keeps at least ``floor * B``.
+* ``headkv`` (HeadKV, 4.10): per-head budgets from a file of head importance scores,
+  model-wide: per-layer totals vary, the model total is exactly ``N * H_kv * B``.
+
+``B = C - W`` is the row's candidate budget (``W`` = its protected tokens). A row whose
+visible tokens fit in its budget keeps all of them, whatever the allocation. The counts are
+ragged per head; ``restkv.selection`` and the compressed cache pad only up to the layer's
+largest head.
 """
 
 from __future__ import annotations
 
+import os
+from functools import lru_cache
+from typing import NamedTuple
+
 import torch
 
+from restkv.config import CompressionConfig
+from restkv.policies import get_policy
 from restkv.policies.base import ScoringContext
+
+
+def allocation_of(config: CompressionConfig) -> str:
+    """The allocation a config runs: the method's own, else ``--allocation``, else
+    ``--use_pyramid``'s pyramid, else uniform."""
+    return get_policy(config.method).allocation or config.allocation or ("pyramid" if config.use_pyramid else "uniform")
 
 
 def allocate(ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
     """``[B, H_kv]`` tokens kept per row and KV head, protected tokens included."""
-    return uniform(ctx)
+    allocator = _CANDIDATE_ALLOCATORS[allocation_of(ctx.config)]
+    protected = ctx.protected.sum(dim=-1)
+    rows = []
+    for row, (budget, window, length) in enumerate(zip(ctx.budgets.tolist(), protected.tolist(), ctx.lengths.tolist())):
+        shape = RowShape(row, budget, window, length)
+        if shape.candidate_budget >= shape.candidates:  # the row fits: keep every visible token
+            rows.append(torch.full((ctx.num_kv_heads,), shape.candidates, dtype=torch.long))
+        else:
+            rows.append(allocator(ctx, scores, shape).cpu())
+    return torch.stack(rows).to(ctx.budgets.device) + protected[:, None]
 
 
-def uniform(ctx: ScoringContext) -> torch.Tensor:
-    """Every KV head keeps the row budget."""
-    return ctx.budgets[:, None].expand(-1, ctx.num_kv_heads).clone()
+class RowShape(NamedTuple):
+    """One row's budget: ``budget`` = C tokens per head (window included), ``window`` = W
+    protected tokens, ``length`` = L visible tokens."""
+
+    row: int
+    budget: int
+    window: int
+    length: int
+
+    @property
+    def candidate_budget(self) -> int:
+        """``B = C - W``."""
+        return self.budget - self.window
+
+    @property
+    def candidates(self) -> int:
+        """``L - W`` tokens that compete."""
+        return self.length - self.window
+
+
+# ---------------------------------------------------------------- per-row allocators
+# Each returns ``[H_kv]`` candidate (non-protected) counts for a row that must be compressed
+# (``B < L - W``).
+
+
+def _uniform(ctx: ScoringContext, scores: torch.Tensor, shape: RowShape) -> torch.Tensor:
+    return torch.full((ctx.num_kv_heads,), shape.candidate_budget, dtype=torch.long)
+
+
+def _pyramid(ctx: ScoringContext, scores: torch.Tensor, shape: RowShape) -> torch.Tensor:
+    config = ctx.config
+    schedule = pyramid_schedule(
+        shape.budget,
+        shape.window,
+        shape.length,
+        ctx.num_layers,
+        beta=config.pyramid_beta,
+        reference_rounding=config.pyramid_reference_rounding,
+        middle_regime=not config.use_pyramid,
+    )
+    return torch.full((ctx.num_kv_heads,), schedule[ctx.layer_idx], dtype=torch.long)
+
+
+def _adakv(ctx: ScoringContext, scores: torch.Tensor, shape: RowShape) -> torch.Tensor:
+    config = ctx.config
+    return adakv_caps(
+        scores[shape.row][:, ctx.candidates[shape.row]],
+        shape.candidate_budget,
+        config.floor,
+        normalize=config.adakv_normalize,
+        reference=config.adakv_reference_allocation,
+    )
+
+
+def _headkv(ctx: ScoringContext, scores: torch.Tensor, shape: RowShape) -> torch.Tensor:
+    config = ctx.config
+    path = os.path.abspath(config.head_scores)
+    # The reference runner computes capacities from C and keeps the window on top.
+    budget = shape.budget if config.headkv_window_outside else shape.candidate_budget
+    table = headkv_table(
+        path,
+        os.path.getmtime(path),
+        budget,
+        shape.candidates,
+        ctx.num_layers,
+        ctx.query.shape[1],
+        ctx.num_kv_heads,
+        config.head_beta,
+        config.head_temp,
+    )
+    return torch.tensor(table[ctx.layer_idx], dtype=torch.long)
+
+
+_CANDIDATE_ALLOCATORS = {"uniform": _uniform, "pyramid": _pyramid, "adakv": _adakv, "headkv": _headkv}
+
+
+# ---------------------------------------------------------------- PyramidKV
+@lru_cache(maxsize=256)
+def pyramid_schedule(
+    budget: int,
+    window: int,
+    length: int,
+    num_layers: int,
+    beta: int = 20,
+    reference_rounding: bool = False,
+    middle_regime: bool = True,
+) -> tuple[int, ...]:
+    """PyramidKV's candidate budget ``B_l`` of every layer (ALGORITHMS.md 4.8).
+
+    Parameters
+    ----------
+    budget: ``C`` tokens per head under a uniform allocation, window included.
+    window: ``W`` protected tokens (kept on top of ``B_l``).
+    length: ``L`` tokens of the row.
+    beta: the last layer keeps about ``(C - W) / beta`` candidates.
+    reference_rounding: floor the step like the original release (the total overshoots
+        ``N * B``); otherwise a real-valued step with largest-remainder rounding, so the
+        layers sum to exactly ``N * B``.
+    middle_regime: PyramidKV's rule that rows with ``L < 2B`` keep the uniform ``B`` (the
+        ReST-KV release's ``--use_pyramid`` has no such regime).
+
+    Returns a non-increasing tuple of ``num_layers`` candidate counts, each at most ``L - W``.
+    """
+    candidates = budget - window
+    n_min = candidates // beta
+    n_max = 2 * candidates - n_min
+    if n_max >= length - window:
+        n_max = length - window
+        n_min = 2 * candidates - n_max
+    if (middle_regime and length < 2 * candidates) or num_layers == 1:
+        return (candidates,) * num_layers
+    if reference_rounding:
+        step = (n_max - n_min) // (num_layers - 1)
+        return tuple(n_max - layer * step for layer in range(num_layers))
+    # B_l = n_max - l (n_max - n_min) / (N - 1) in exact integer arithmetic; the real values
+    # sum to N B because n_max + n_min = 2B.
+    spread, intervals = n_max - n_min, num_layers - 1
+    numerators = [n_max * intervals - layer * spread for layer in range(num_layers)]
+    counts = [value // intervals for value in numerators]
+    remainders = [value % intervals for value in numerators]
+    missing = num_layers * candidates - sum(counts)
+    # Largest remainder first; ties go to the lower layer, which keeps the schedule monotone.
+    for layer in sorted(range(num_layers), key=lambda i: (-remainders[i], i))[:missing]:
+        counts[layer] += 1
+    return tuple(counts)
+
+
+# ---------------------------------------------------------------- AdaKV
+def adakv_caps(
+    scores: torch.Tensor, budget: int, floor: float, normalize: bool = True, reference: bool = False
+) -> torch.Tensor:
+    """AdaKV's candidate count per head of one row (ALGORITHMS.md 4.9).
+
+    Parameters
+    ----------
+    scores: ``[H_kv, n]`` scores of the row's ``n`` candidates (``n > budget``).
+    budget: ``B`` candidates per head on average; the heads share ``H_kv * B``.
+    floor: safeguard ``alpha``: every head keeps at least ``floor(alpha * B)``.
+    normalize: weight head ``k``'s scores by (sum of its top-``B``) / (sum of all), as the
+        KVCache-Factory / ReST-KV runs do, so heads with flat attention compete fairly.
+    reference: the original rounding ``round((1 - alpha) n_k + floor)`` after a global top-
+        ``H_kv B`` over all scores (totals off by a few tokens); otherwise each head's top
+        ``floor`` is reserved and the rest goes to the global top of the remaining
+        candidates, so the total is exactly ``H_kv * B`` and every head gets its floor.
+
+    Returns ``[H_kv]`` long counts, each in ``[floor, n]``. Ties in the global ranking go to
+    the lower head, then the lower rank (deterministic).
+    """
+    num_heads, available = scores.shape
+    reserved = int(floor * budget)
+    ranked = torch.sort(scores.float(), dim=-1, descending=True, stable=True).values
+    if normalize:
+        totals = ranked.sum(dim=-1, keepdim=True)
+        share = ranked[:, :budget].sum(dim=-1, keepdim=True) / totals
+        ranked = ranked * torch.where(totals != 0, share, torch.ones_like(share))
+    if reference:
+        won = _global_top(ranked, num_heads * budget)
+        return torch.round(won.float() * (1.0 - floor) + reserved).long()
+    return reserved + _global_top(ranked[:, reserved:], num_heads * (budget - reserved))
+
+
+def _global_top(ranked: torch.Tensor, count: int) -> torch.Tensor:
+    """How many of the ``count`` largest entries of ``ranked`` ``[H, n]`` each head holds."""
+    num_heads, width = ranked.shape
+    order = torch.sort(ranked.flatten(), descending=True, stable=True).indices[:count]
+    return torch.bincount(order // width, minlength=num_heads)
+
+
+# ---------------------------------------------------------------- HeadKV
+@lru_cache(maxsize=64)
+def headkv_table(
+    path: str,
+    mtime: float,
+    budget: int,
+    available: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    beta: float = 1.01,
+    temperature: float = 1.0,
+) -> tuple[tuple[int, ...], ...]:
+    """HeadKV's candidate count of every (layer, KV head), model-wide (ALGORITHMS.md 4.10).
+
+    Head importance ``s`` (mean of each head's probe scores, normalised to sum 1, then
+    ``s^T / sum s^T``) is summed over each query group; each KV head gets
+    ``s * pool + base`` with ``pool = floor(B / beta) * N * H_kv`` and
+    ``base = B - floor(B / beta)``. Counts above ``available`` are clamped and the excess is
+    spread over the other heads in proportion to their scores; largest-remainder rounding
+    makes the model total exactly ``N * H_kv * B``. ``mtime`` keys the cache, so a file
+    rewritten in place is read again. Computed once per (file, budget, row length, model
+    shape), not per layer.
+    """
+    from restkv.head_scores import load_head_scores  # lazy: keeps `python -m restkv.head_scores` clean
+
+    importance = load_head_scores(path, num_layers, num_heads).double()
+    importance = importance / importance.sum()
+    importance = importance**temperature
+    importance = importance / importance.sum()
+    per_kv_head = importance.view(num_layers, num_kv_heads, num_heads // num_kv_heads).sum(dim=-1).flatten()
+    pooled = int(budget // beta)
+    ideal = per_kv_head * (pooled * num_layers * num_kv_heads) + (budget - pooled)
+    total = num_layers * num_kv_heads * budget
+    counts = _round_to_total(_clamp_spreading_excess(ideal, per_kv_head, float(available)), total, available)
+    return tuple(tuple(row) for row in counts.view(num_layers, num_kv_heads).tolist())
+
+
+def _clamp_spreading_excess(ideal: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
+    """Clamp ``ideal`` at ``limit`` and give what was cut to the unclamped entries, in
+    proportion to ``weights`` (uniformly if they are all zero), until nothing exceeds it."""
+    values = ideal.clone()
+    while bool((values > limit).any()):
+        excess = float((values - limit).clamp(min=0).sum())
+        values = values.clamp(max=limit)
+        free = values < limit
+        if not bool(free.any()):
+            break
+        share = torch.where(free, weights, torch.zeros_like(weights))
+        share = share / share.sum() if float(share.sum()) > 0 else free.double() / float(free.sum())
+        values = values + excess * share
+    return values
+
+
+def _round_to_total(values: torch.Tensor, total: int, limit: int) -> torch.Tensor:
+    """Integers near ``values`` that sum to ``total`` (largest remainder; ties to the lower
+    index), none above ``limit``."""
+    counts = values.floor().long().clamp(max=limit)
+    missing = min(total - int(counts.sum()), int((counts < limit).sum()))
+    if missing > 0:
+        # Remainders equal up to float noise count as ties (so the lower index wins, predictably).
+        remainders = (values - counts.double()).round(decimals=9)
+        remainders = torch.where(counts < limit, remainders, torch.full_like(values, -1.0))
+        order = torch.sort(remainders, descending=True, stable=True).indices[:missing]
+        counts[order] += 1
+    return counts

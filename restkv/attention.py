@@ -35,6 +35,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from restkv.cache import CompressedLayer, native_layer
 from restkv.compress import compress_kv, needs_compression, valid_from_mask
 from restkv.config import CompressionConfig
+from restkv.residual import MASKED, ResidualReadout
 
 
 @dataclass(frozen=True)
@@ -68,24 +69,37 @@ class Segment:
     """One block of keys/values inside the shared softmax.
 
     keys, values: ``[B, H_kv, S, d]``. visible: bool, broadcastable to ``[B, H_kv, 1, q, S]``
-    (given as ``[B, H_kv | 1, q | 1, S]``). bias: optional float32 added to the logits,
-    broadcastable to ``[B, H_kv, G, q, S]`` (ResKV's log-counts).
+    (given as ``[B, H_kv | 1, q | 1, S]``). log_counts: optional float32 broadcastable to
+    ``[B, H_kv, G, q, S]`` (given as ``[B, H_kv, 1, 1, S]``): a finite value marks the slot as a
+    ResKV residual entry with that log member count, ``-inf`` an exact token.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     visible: torch.Tensor
-    bias: torch.Tensor | None = None
+    log_counts: torch.Tensor | None = None
+
+
+#: how residual entries are read when the caller gives no readout: ``beta log c`` with beta = 1,
+#: no gate, one softmax
+PLAIN_READOUT = ResidualReadout(gate=False)
 
 
 def attend_segments(
-    query: torch.Tensor, segments: list[Segment], scaling: float, softcap: float | None = None
+    query: torch.Tensor,
+    segments: list[Segment],
+    scaling: float,
+    softcap: float | None = None,
+    readout: ResidualReadout | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` ``[B, H, q, d]`` over several segments with ONE softmax.
 
     K/V stay at ``H_kv`` heads: the ``G`` query heads of a group are stacked instead of
     repeating keys. Logits are computed in the model dtype and normalised in float32, as
-    transformers' eager attention does. Returns ``[B, q, H, d]`` (the interface layout).
+    transformers' eager attention does. Residual entries (segments with ``log_counts``) get
+    ``beta log c + log g(q)`` per query head, the gate computed from the same logits of the
+    exact entries (``readout``, default ``PLAIN_READOUT``). Returns ``[B, q, H, d]`` (the
+    interface layout).
     """
     batch, num_heads, q_len, head_dim = query.shape
     num_kv_heads = segments[0].keys.shape[1]
@@ -97,12 +111,15 @@ def attend_segments(
         raw = raw.float().view(batch, num_kv_heads, groups, q_len, -1)
         if softcap is not None:
             raw = torch.tanh(raw / softcap) * softcap
-        if segment.bias is not None:
-            raw = raw + segment.bias
-        visible = segment.visible.unsqueeze(2)
-        logits.append(raw.masked_fill(~visible, torch.finfo(torch.float32).min))
-    weights = torch.softmax(torch.cat(logits, dim=-1), dim=-1).to(query.dtype)
-    weights = weights.view(batch, num_kv_heads, groups * q_len, -1)
+        logits.append(raw)
+    if all(segment.log_counts is None for segment in segments):
+        masked = [raw.masked_fill(~segment.visible.unsqueeze(2), MASKED) for raw, segment in zip(logits, segments)]
+        weights = torch.softmax(torch.cat(masked, dim=-1), dim=-1)
+    else:
+        weights = (readout or PLAIN_READOUT).weights(
+            logits, [segment.visible.unsqueeze(2) for segment in segments], [segment.log_counts for segment in segments]
+        )
+    weights = weights.to(query.dtype).view(batch, num_kv_heads, groups * q_len, -1)
     output = None
     start = 0
     for segment in segments:
@@ -193,7 +210,16 @@ def _compressed_layer(module, config, query, key, value, valid, params) -> Compr
     )
     padding = (length - valid.sum(dim=-1))[:, None, None]
     columns = torch.where(kept.indices >= 0, kept.indices + padding, kept.indices)
-    return CompressedLayer(kept.keys, kept.values, columns, tokens_seen=length, sliding_window=params.sliding_window)
+    residual = {}
+    if kept.residual_log_counts is not None:
+        residual["residual_log_counts"] = kept.residual_log_counts
+        residual["residual_readout"] = ResidualReadout.from_config(config)
+        if params.sliding_window is not None:
+            first = kept.residual_positions
+            residual["residual_columns"] = torch.where(first >= 0, first + padding, first)
+    return CompressedLayer(
+        kept.keys, kept.values, columns, tokens_seen=length, sliding_window=params.sliding_window, **residual
+    )
 
 
 def _native_attention(module, family, query, key, value, attention_mask, params, kwargs):
@@ -255,17 +281,28 @@ def _attend_compressed(layer: CompressedLayer, query, key, value, attention_mask
     if params.sliding_window is not None:
         in_window = layer.kept_columns[:, :, None, :] > (query_columns[:, None] - params.sliding_window)
         kept_visible = kept_visible & in_window
-    segments = [Segment(layer.kept_keys, layer.kept_values, kept_visible)]
-    if layer.residual_keys is not None:
-        residual_visible = torch.isfinite(layer.residual_log_counts)[:, :, None, :]
-        segments.append(
-            Segment(layer.residual_keys, layer.residual_values, residual_visible, layer.residual_log_counts[:, :, None, None, :])
-        )
     tail_visible = _tail_visibility(attention_mask, query.shape[0], q_len, layer.tail_length, query.device)
-    segments.append(Segment(tail_keys, tail_values, tail_visible[:, None]))
-    output = attend_segments(query, segments, params.scaling, params.softcap)
+    segments = [
+        _kept_segment(layer, kept_visible, query_columns, params.sliding_window),
+        Segment(tail_keys, tail_values, tail_visible[:, None]),
+    ]
+    output = attend_segments(query, segments, params.scaling, params.softcap, layer.residual_readout)
     layer.trim_tail_to_window()
     return output
+
+
+def _kept_segment(layer: CompressedLayer, kept_visible, query_columns, sliding_window) -> Segment:
+    """The kept slots; with residual entries (in the last ``R`` slots) the segment carries their
+    log-counts (``-inf`` on the exact slots)."""
+    if layer.residual_width == 0:
+        return Segment(layer.kept_keys, layer.kept_values, kept_visible)
+    exact_slots = layer.kept_keys.shape[2] - layer.residual_width
+    entries = torch.isfinite(layer.residual_log_counts)[:, :, None, :]
+    if sliding_window is not None:  # an entry is visible while its oldest member is
+        entries = entries & (layer.residual_columns[:, :, None, :] > (query_columns[:, None] - sliding_window))
+    visible = kept_visible | torch.nn.functional.pad(entries, (exact_slots, 0), value=False)
+    log_counts = torch.nn.functional.pad(layer.residual_log_counts, (exact_slots, 0), value=float("-inf"))
+    return Segment(layer.kept_keys, layer.kept_values, visible, log_counts[:, :, None, None, :])
 
 
 def _tail_visibility(attention_mask, batch: int, q_len: int, tail_length: int, device) -> torch.Tensor:

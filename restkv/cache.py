@@ -7,9 +7,12 @@ take part in one softmax (``restkv.attention.attend_segments``):
 * **kept**: the selected prompt tokens, ``[B, H_kv, K, d]`` per KV head (never repeated per
   query head). Rows and heads may keep different counts; slots are padded only up to the
   largest count in the layer and marked by ``kept_columns == -1``.
-* **residual**: summary entries of evicted tokens (ResKV), ``[B, H_kv, R, d]`` plus a
-  float32 log-count bias per entry (``-inf`` marks an unused slot). Empty unless a method
-  builds them.
+* **residual**: summary entries of evicted tokens (ResKV, ``restkv.residual``). They live in
+  the last ``R`` slots of the kept tensors (a head with ``r`` entries keeps ``m = b - r``
+  tokens in its first slots and its entries in its last ``r``), so a layer holds exactly the
+  base method's slots; ``residual_log_counts`` ``[B, H_kv, R]`` (float32 ``log c``, ``-inf``
+  where the slot holds no entry) marks them, and ``residual_readout`` says how attention reads
+  them (count exponent, gate, shared or separate softmax). None without ``--residual``.
 * **tail**: tokens appended after compression (question chunk, generated tokens), dense
   ``[B, H_kv, T, d]`` shared by every head, grown by doubling.
 
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
+from restkv.residual import ResidualReadout
+
 
 class CompressedLayer(CacheLayerMixin):
     """One layer's compressed K/V (see the module docstring for the segments)."""
@@ -39,18 +44,20 @@ class CompressedLayer(CacheLayerMixin):
         kept_columns: torch.Tensor,
         tokens_seen: int,
         sliding_window: int | None = None,
-        residual_keys: torch.Tensor | None = None,
-        residual_values: torch.Tensor | None = None,
         residual_log_counts: torch.Tensor | None = None,
+        residual_columns: torch.Tensor | None = None,
+        residual_readout: ResidualReadout | None = None,
     ) -> None:
         super().__init__()
         self.kept_keys = kept_keys
         self.kept_values = kept_values
         # int32 column indices in the padded batch (what attention masks index); -1 = unused slot.
         self.kept_columns = kept_columns.to(torch.int32)
-        self.residual_keys = residual_keys
-        self.residual_values = residual_values
         self.residual_log_counts = residual_log_counts
+        # Sliding-window layers only: the padded-batch column of each entry's oldest member; an
+        # entry is visible while all its members are (int32, -1 = no entry).
+        self.residual_columns = None if residual_columns is None else residual_columns.to(torch.int32)
+        self.residual_readout = residual_readout
         self.tail_keys: torch.Tensor | None = None
         self.tail_values: torch.Tensor | None = None
         self.tail_length = 0
@@ -66,6 +73,21 @@ class CompressedLayer(CacheLayerMixin):
     def kept_counts(self) -> torch.Tensor:
         """``[B, H_kv]`` prompt tokens kept per row and KV head."""
         return (self.kept_columns >= 0).sum(dim=-1)
+
+    @property
+    def residual_width(self) -> int:
+        """``R``: trailing slots of the kept tensors that may hold residual entries."""
+        return 0 if self.residual_log_counts is None else self.residual_log_counts.shape[-1]
+
+    @property
+    def residual_keys(self) -> torch.Tensor | None:
+        """``[B, H_kv, R, d]`` the last ``R`` kept slots (entries where ``residual_log_counts`` is finite)."""
+        return None if self.residual_log_counts is None else self.kept_keys[:, :, -self.residual_width :]
+
+    @property
+    def residual_values(self) -> torch.Tensor | None:
+        """``[B, H_kv, R, d]`` values of the last ``R`` kept slots."""
+        return None if self.residual_log_counts is None else self.kept_values[:, :, -self.residual_width :]
 
     @property
     def residual_counts(self) -> torch.Tensor:
@@ -111,7 +133,7 @@ class CompressedLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         """Bytes held by every tensor of the layer (tail counted at its used length)."""
         tensors = [self.kept_keys, self.kept_values, self.kept_columns]
-        tensors += [t for t in (self.residual_keys, self.residual_values, self.residual_log_counts) if t is not None]
+        tensors += [t for t in (self.residual_log_counts, self.residual_columns) if t is not None]
         tensors += list(self.tail) if self.tail_length else []
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -143,13 +165,13 @@ class CompressedLayer(CacheLayerMixin):
         empty = self.kept_keys[:, :, :0]
         self.kept_keys = self.kept_values = empty
         self.kept_columns = self.kept_columns[:, :, :0]
-        self.residual_keys = self.residual_values = self.residual_log_counts = None
+        self.residual_log_counts = self.residual_columns = None
         self.tail_keys = self.tail_values = None
         self.tail_length = self.tokens_seen = self.prompt_tokens = 0
 
     def _map_batch(self, fn) -> None:
-        for name in ("kept_keys", "kept_values", "kept_columns", "residual_keys", "residual_values",
-                     "residual_log_counts", "tail_keys", "tail_values"):
+        for name in ("kept_keys", "kept_values", "kept_columns", "residual_log_counts", "residual_columns",
+                     "tail_keys", "tail_values"):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, fn(tensor))

@@ -6,28 +6,46 @@ What a notebook gets from ``compress_kv`` is exactly what the model keeps.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from restkv.allocation import allocate
 from restkv.config import CompressionConfig, ConfigError
+from restkv.merging import apply_merge
 from restkv.policies import get_policy
 from restkv.policies.base import ScoringContext
+from restkv.residual import ResidualPlan, build_residual
 from restkv.selection import gather_columns, select_columns
 
 
-class CompressedKV(NamedTuple):
-    """Kept entries of one layer.
+@dataclass(frozen=True)
+class CompressedKV:
+    """One layer's compressed K/V.
 
-    keys, values: ``[B, H_kv, K, d]`` (zeros in unused slots).
-    indices: ``[B, H_kv, K]`` row-local prompt positions in ascending order (0 = the row's
-    first real token); -1 in unused slots, when heads or rows keep different counts.
+    keys, values: ``[B, H_kv, S, d]``. Each head's kept prompt tokens fill its first slots in
+    ascending position order; with ``--residual`` its residual entries fill its last slots;
+    slots in between are unused (zeros).
+    indices: ``[B, H_kv, S]`` row-local prompt positions of the kept tokens (0 = the row's
+    first real token); -1 in residual and unused slots.
+    residual_log_counts: ``[B, H_kv, R]`` float32, ``log c`` (member count) of the entry in
+    each of the last ``R`` slots, ``-inf`` where that slot holds no residual entry; None
+    when no head of the layer has one.
+    residual_positions: ``[B, H_kv, R]`` row-local position of each entry's oldest member
+    (-1 where no entry); None likewise.
+
+    Unpacks as ``keys, values, indices`` (what callers that ignore residual entries read).
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     indices: torch.Tensor
+    residual_log_counts: torch.Tensor | None = None
+    residual_positions: torch.Tensor | None = None
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter((self.keys, self.values, self.indices))
 
 
 def compress_kv(
@@ -61,8 +79,9 @@ def compress_kv(
 
     Returns
     -------
-    ``CompressedKV(keys, values, indices)``. A row whose length does not exceed its budget
-    keeps every real token.
+    ``CompressedKV`` (keys, values, indices, and with ``--residual`` the residual entries'
+    log-counts and oldest positions). A row whose length does not exceed its budget keeps
+    every real token.
     """
     config = CompressionConfig.from_any(config)
     valid = _validate_inputs(query, key, value, attention_mask)
@@ -87,16 +106,42 @@ def compress_kv(
         sliding_window=sliding_window,
         o_proj_weight=o_proj_weight,
     )
+    residual = None
     if needs_compression(config, valid, layer_idx, sliding_window):
         scores = policy.score(ctx)
         keep = allocate(ctx, scores)
+        if config.residual:
+            residual = build_residual(ctx, scores, keep)
+            keep = keep - residual.sizes
     else:
         scores = torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device)
         keep = ctx.lengths[:, None].expand(-1, key.shape[1])
     columns = select_columns(scores, visible, ctx.protected, keep)
     keys, values = policy.finalize(ctx, columns, gather_columns(key, columns), gather_columns(value, columns))
+    keys, values = apply_merge(ctx, columns, keys, values)
     indices = torch.where(columns >= 0, columns - padding, columns)
-    return CompressedKV(keys, values, indices)
+    if residual is None or not bool(residual.sizes.any()):
+        return CompressedKV(keys, values, indices)
+    return _with_residual_entries(keys, values, indices, residual, keep, padding)
+
+
+def _with_residual_entries(
+    keys: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, plan: ResidualPlan, main: torch.Tensor,
+    padding: torch.Tensor,
+) -> CompressedKV:
+    """Place each head's residual entries in its last slots; the layer stays ``max(m + r)``
+    slots wide, the width the base method stores."""
+    width = int((main + plan.sizes).max())
+    grow = width - keys.shape[2]
+    keys = torch.nn.functional.pad(keys, (0, 0, 0, grow))
+    values = torch.nn.functional.pad(values, (0, 0, 0, grow))
+    indices = torch.nn.functional.pad(indices, (0, grow), value=-1)
+    slots = plan.log_counts.shape[-1]
+    reserved = torch.arange(slots, device=keys.device) >= slots - plan.sizes[..., None]  # [B, H_kv, R]
+    keys[:, :, width - slots :] = torch.where(reserved[..., None], plan.keys, keys[:, :, width - slots :])
+    values[:, :, width - slots :] = torch.where(reserved[..., None], plan.values, values[:, :, width - slots :])
+    positions = torch.where(plan.first_columns >= 0, plan.first_columns - padding, -1)
+    return CompressedKV(keys, values, indices, plan.log_counts, positions)
 
 
 def row_budgets(

@@ -38,16 +38,18 @@ def window_attention(
     num_kv_heads = key.shape[1]
     groups = num_heads // num_kv_heads
     w = min(num_queries, length)
-    q = query[:, :, length - w :, :].float().reshape(batch, num_kv_heads, groups * w, head_dim)
-    logits = torch.matmul(q, key.float().transpose(-1, -2)) * scaling
-    logits = logits.view(batch, num_heads, w, length)
+    q = query[:, :, length - w :, :].float().reshape(batch * num_kv_heads, groups * w, head_dim)
+    k = key.float().reshape(batch * num_kv_heads, length, head_dim).transpose(-1, -2)
+    # The scale is applied inside the matmul (one pass over the [H, w, N] logits, not two).
+    logits = torch.baddbmm(q.new_empty(()), q, k, beta=0.0, alpha=scaling).view(batch, num_heads, w, length)
     if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
+        logits = logits.div_(softcap).tanh_().mul_(softcap)
     visible = key_visibility(valid, w, sliding_window)
-    logits = logits.masked_fill(~visible[:, None], torch.finfo(logits.dtype).min)
-    weights = torch.softmax(logits, dim=-1)
-    # A padding query sees no key: the softmax over `min` values is uniform, zero it.
-    return weights * visible[:, None]
+    weights = torch.softmax(logits.masked_fill_(~visible[:, None], torch.finfo(logits.dtype).min), dim=-1)
+    padding_queries = ~valid[:, length - w :]
+    if bool(padding_queries.any()):  # a padding query sees no key: zero its uniform softmax row
+        weights.masked_fill_(padding_queries[:, None, :, None], 0.0)
+    return weights
 
 
 def key_visibility(valid: torch.Tensor, num_queries: int, sliding_window: int | None = None) -> torch.Tensor:

@@ -32,5 +32,7 @@ def available_methods() -> list[str]:
 
 # Registration happens on import; keep one line per method.
 from restkv.policies import fullkv, h2o, l2norm, random_control, snapkv, streamingllm, tova  # noqa: E402,F401
+from restkv.policies import restkv  # noqa: E402,F401
+from restkv.policies import pyramidkv, adakv, headkv, cam  # noqa: E402,F401
 
 __all__ = ["Policy", "ScoringContext", "available_methods", "get_policy", "register_policy"]

@@ -9,10 +9,11 @@ subclass decorated with ``@register_policy``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from restkv.adaptive_pooling import adaptive_pool
 from restkv.scoring import pool_scores, reduce_groups, window_attention
 
 if TYPE_CHECKING:
@@ -80,7 +81,10 @@ class ScoringContext:
         return reduce_groups(scores, self.num_kv_heads, self.config.gqa_score_agg)
 
     def pool(self, scores: torch.Tensor) -> torch.Tensor:
-        """Spatial smoothing with ``--pooling``/``--kernel_size`` over the candidates."""
+        """Spatial smoothing with ``--pooling``/``--kernel_size`` over the candidates
+        (``adaptive``: ReST-KV's drift-driven kernel, ``restkv.adaptive_pooling``)."""
+        if self.config.pooling == "adaptive":
+            return adaptive_pool(self, scores)
         return pool_scores(scores, self.candidates, self.config.pooling, self.config.kernel_size)
 
 
@@ -90,6 +94,11 @@ class Policy:
     name: ClassVar[str]
     #: whether ``--pooling`` applies (documented per method)
     uses_pooling: ClassVar[bool] = False
+    #: the budget allocation the method is defined with (``--method pyramidkv`` = SnapKV + pyramid);
+    #: None lets ``--allocation`` choose
+    allocation: ClassVar[str | None] = None
+    #: the method's own defaults of options left at None (``config.METHOD_DEFAULTS``)
+    option_defaults: ClassVar[dict[str, Any]] = {}
 
     def protected_count(self, config: "CompressionConfig", budget: int) -> int:
         """Most recent tokens always kept, out of a row budget of ``budget`` tokens."""

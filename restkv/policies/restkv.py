@@ -1,0 +1,246 @@
+"""ReST-KV (An et al., ICLR 2026, arXiv 2605.08840): output-reconstruction scoring with
+spatial-temporal smoothing.
+
+Deleting key ``j`` from a head whose attention output is ``o`` changes that output by
+``(a_j / (1 - a_j)) * (v_j - o)`` (the other weights renormalise), so the layer output moves
+by ``r_j * W_o^h (v_j - o)`` with the odds ratio ``r_j = a_j / (1 - a_j)``. The score of a
+past token is the norm of that change (ALGORITHMS.md 2.1-2.5):
+
+* ``--metric_mode after`` (paper): aggregate the window attention over the window queries
+  first (``--use_ema --alpha``, or the mean), then ``score = r(ā) * ‖W_o^h (ō - v_j)‖^tau``
+  with ``ō`` the aggregated-attention mixture of the past values
+  (``--restkv_mean_output full``: of all values).
+* ``--metric_mode before``: the exact change per window query, then aggregated;
+  ``--use_norm`` divides each query's term by ``‖W_o^h o_i‖``.
+* ``--no-use_wo`` measures the gap in value space (and, as the release does, without tau).
+
+Query heads are reduced to one score per KV head (``--gqa_score_agg``, default mean;
+``--restkv_gqa vector`` scores the norm of the group's summed change instead), then
+smoothed (``--pooling``, default ``adaptive``, see ``restkv.adaptive_pooling``). Defaults are
+the paper's: ``--use_wo --use_ema --alpha 0.3 --metric_mode after --pooling adaptive
+--scale 2000``, window 32, kernel 5.
+
+Output-space norms never form ``[N, hidden]`` tensors: ``‖W_o^h x‖² = xᵀ Γ_h x`` with the
+per-head Gram matrix ``Γ_h = W_o^hᵀ W_o^h`` (d x d).
+
+Ablations (ALGORITHMS.md 2.12): ``--indicator attn`` (aggregated attention, SnapKV's
+ranking), ``attn_v`` (times ``‖v_j‖``), ``random`` (the ``random`` control's scores, not
+smoothed), ``reconstruction`` (the above); ``--temporal none|mean|ema|inv_ema`` overrides
+``--use_ema``; ``--pooling none|avgpool|maxpool|adaptive``. The switches apply to every
+indicator; the release's ablation rows for ``attn``/``attn_v`` always used the window mean
+(same ranking as its sum) and avgpool 5, i.e. ``--temporal mean --pooling avgpool``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from restkv.policies import get_policy, register_policy
+from restkv.policies.base import Policy, ScoringContext
+from restkv.temporal import aggregate_queries
+
+#: attention weights are clamped to 1 - ODDS_EPSILON before the odds ratio (no inf / NaN)
+ODDS_EPSILON = 1e-6
+#: key columns per chunk of the output-space norms, bounding their memory to O(chunk * H * d)
+NORM_CHUNK = 8192
+#: smallest output norm divided by under --use_norm
+MIN_OUTPUT_NORM = 1e-12
+
+
+@register_policy
+class RestKV(Policy):
+    name = "restkv"
+    uses_pooling = True
+    option_defaults = {"pooling": "adaptive"}
+
+    def validate(self, config) -> None:
+        from restkv.config import ConfigError
+
+        super().validate(config)
+        if config.restkv_gqa == "vector":
+            if config.indicator != "reconstruction" or config.metric_mode != "after":
+                raise ConfigError(
+                    "--restkv_gqa vector scores the reconstruction indicator in --metric_mode after; got "
+                    f"--indicator {config.indicator} --metric_mode {config.metric_mode}"
+                )
+            if config.tau != 1:
+                raise ConfigError(f"--restkv_gqa vector takes no exponent; use --tau 1 (got {config.tau})")
+
+    def score(self, ctx: ScoringContext) -> torch.Tensor:
+        config = ctx.config
+        if config.indicator == "random":
+            return get_policy("random").score(ctx)
+        if config.indicator == "reconstruction":
+            if config.restkv_gqa == "vector":
+                per_kv_head = group_change_norms(ctx)
+            elif config.metric_mode == "after":
+                per_kv_head = ctx.reduce_groups(reconstruction_after(ctx))
+            else:
+                per_kv_head = ctx.reduce_groups(reconstruction_before(ctx))
+        else:
+            attention = aggregate_queries(ctx.window_attention(), config.temporal, config.alpha)
+            if config.indicator == "attn_v":
+                attention = _per_query_head(_grouped(attention, ctx) * ctx.value.float().norm(dim=-1)[:, :, None])
+            per_kv_head = ctx.reduce_groups(attention)
+        return ctx.pool(per_kv_head)
+
+
+def reconstruction_after(ctx: ScoringContext) -> torch.Tensor:
+    """``[B, H, N]``: ``r(ā_j) * ‖W_o^h (ō - v_j)‖^tau`` per query head (``--metric_mode after``)."""
+    config = ctx.config
+    mean_attention, mean_output = _aggregated_attention_and_output(ctx)
+    gram = _head_grams(ctx) if config.use_wo else None
+    gaps = torch.empty_like(_grouped(mean_attention, ctx))
+    values = ctx.value.float()
+    for columns in _column_chunks(values.shape[2]):
+        differences = mean_output[:, :, :, None, :] - values[:, :, None, columns, :]
+        gaps[..., columns] = _projected_norms(differences, gram)
+    if config.use_wo:
+        gaps = gaps.pow(config.tau)
+    return _odds(mean_attention) * _per_query_head(gaps)
+
+
+def group_change_norms(ctx: ScoringContext) -> torch.Tensor:
+    """``[B, H_kv, N]``: ``‖Σ_{h in group} r_h W_o^h (v_j - ō_h)‖`` (``--restkv_gqa vector``).
+
+    The exact layer-output change when token ``j`` leaves the KV head (all ``G`` query heads
+    lose it), through the group's Gram matrix ``[G*d, G*d]`` (cross-head blocks included).
+    """
+    mean_attention, mean_output = _aggregated_attention_and_output(ctx)
+    odds = _grouped(_odds(mean_attention), ctx)
+    values = ctx.value.float()
+    batch, num_kv_heads, length, _ = values.shape
+    gram = _group_grams(ctx) if ctx.config.use_wo else None
+    norms = torch.empty(batch, num_kv_heads, length, dtype=torch.float32, device=values.device)
+    for columns in _column_chunks(length):
+        changes = odds[..., columns, None] * (values[:, :, None, columns, :] - mean_output[:, :, :, None, :])
+        if gram is None:  # value space: every W_o^h is the identity
+            norms[..., columns] = changes.sum(dim=2).norm(dim=-1)
+        else:
+            stacked = changes.permute(0, 1, 3, 2, 4).reshape(batch, num_kv_heads, -1, gram.shape[-1])
+            norms[..., columns] = _projected_norms(stacked, gram[None])
+    return norms
+
+
+def reconstruction_before(ctx: ScoringContext) -> torch.Tensor:
+    """``[B, H, N]``: ``Agg_i r(A_ij) * ‖W_o^h (o_i - v_j)‖`` per query head (``--metric_mode before``).
+
+    ``o_i`` is query ``i``'s true attention output over every key. The squared norms are
+    expanded as ``o Γ o - 2 (Γ o)·v + v Γ v`` (a ``[w, d] x [d, N]`` product per head); the
+    most-attended key of each query, where ``o_i ≈ v_j`` makes that expansion cancel, is
+    recomputed directly.
+    """
+    config = ctx.config
+    weights = ctx.window_attention().clamp(max=1.0 - ODDS_EPSILON)
+    batch, num_heads, window, length = weights.shape
+    num_kv_heads, head_dim = ctx.num_kv_heads, ctx.value.shape[-1]
+    groups = num_heads // num_kv_heads
+    values = ctx.value.float()
+    gram = _head_grams(ctx) if config.use_wo else None
+
+    outputs = torch.matmul(weights.reshape(batch, num_kv_heads, groups * window, length), values)
+    outputs = outputs.view(batch, num_kv_heads, groups, window, head_dim)
+    projected_outputs = outputs if gram is None else outputs @ gram
+    output_sq = (projected_outputs * outputs).sum(dim=-1)
+    cross = torch.matmul(
+        projected_outputs.reshape(batch, num_kv_heads, groups * window, head_dim), values.transpose(-1, -2)
+    ).view(batch, num_kv_heads, groups, window, length)
+    value_sq = torch.empty(batch, num_kv_heads, groups, length, dtype=torch.float32, device=values.device)
+    for columns in _column_chunks(length):
+        value_sq[..., columns] = _projected_squared_norms(values[:, :, None, columns, :], gram)
+    squared = output_sq[..., None] - 2 * cross + value_sq[:, :, :, None, :]
+
+    most_attended = _grouped(weights.argmax(dim=-1), ctx)  # [B, H_kv, G, w]
+    nearest_values = values[:, :, None].expand(-1, -1, groups, -1, -1).gather(
+        3, most_attended[..., None].expand(-1, -1, -1, -1, head_dim)
+    )
+    exact = _projected_squared_norms(outputs - nearest_values, gram)
+    squared = squared.scatter(-1, most_attended[..., None], exact[..., None])
+
+    terms = _odds(weights) * _per_query_head(squared.clamp(min=0).sqrt())
+    if config.use_norm:
+        output_norms = output_sq.clamp(min=0).sqrt().clamp(min=MIN_OUTPUT_NORM)
+        terms = terms / _per_query_head(output_norms)[..., None]
+    return aggregate_queries(terms, config.temporal, config.alpha)
+
+
+def _aggregated_attention_and_output(ctx: ScoringContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ā`` ``[B, H, N]`` (clamped below 1) and ``ō`` ``[B, H_kv, G, d]``, the ``ā``-weighted
+    sum of the past values (``--restkv_mean_output past_only``, the release) or of all values.
+
+    ``ō`` uses the clamped weights so that a one-hot head keeps a finite, top-ranked score:
+    ``r * ‖ō - v_j‖`` then tends to ``‖v_j - ō^(-j)‖`` instead of ``inf * 0``.
+    """
+    config = ctx.config
+    mean_attention = aggregate_queries(ctx.window_attention(), config.temporal, config.alpha)
+    mean_attention = mean_attention.clamp(max=1.0 - ODDS_EPSILON)
+    mixing = mean_attention
+    if config.restkv_mean_output == "past_only":
+        mixing = mean_attention * ctx.candidates[:, None, :]
+    mean_output = torch.matmul(_grouped(mixing, ctx), ctx.value.float())
+    return mean_attention, mean_output
+
+
+def _odds(weights: torch.Tensor) -> torch.Tensor:
+    """``a / (1 - a)`` of weights already clamped below 1."""
+    return weights / (1.0 - weights)
+
+
+def _projected_norms(vectors: torch.Tensor, gram: torch.Tensor | None) -> torch.Tensor:
+    """``‖W_o x‖ = sqrt(xᵀ Γ x)`` over the last dimension (``gram=None``: the plain norm)."""
+    if gram is None:
+        return vectors.norm(dim=-1)
+    return _projected_squared_norms(vectors, gram).sqrt()
+
+
+def _projected_squared_norms(vectors: torch.Tensor, gram: torch.Tensor | None) -> torch.Tensor:
+    """``xᵀ Γ x`` over the last dimension, never negative (``gram=None``: ``‖x‖²``)."""
+    if gram is None:
+        return vectors.square().sum(dim=-1)
+    return ((vectors @ gram) * vectors).sum(dim=-1).clamp(min=0)
+
+
+def _head_grams(ctx: ScoringContext) -> torch.Tensor:
+    """``[H_kv, G, d, d]``: ``Γ_h = W_o^hᵀ W_o^h`` of each query head, grouped by KV head."""
+    weight = _output_weight(ctx)
+    per_head = torch.einsum("chd,che->hde", weight, weight)
+    return per_head.view(ctx.num_kv_heads, -1, *per_head.shape[1:])
+
+
+def _group_grams(ctx: ScoringContext) -> torch.Tensor:
+    """``[H_kv, G*d, G*d]``: the Gram matrix of each query group's columns of ``W_o``."""
+    weight = _output_weight(ctx)
+    grouped = weight.reshape(weight.shape[0], ctx.num_kv_heads, -1)
+    return torch.einsum("ckx,cky->kxy", grouped, grouped)
+
+
+def _output_weight(ctx: ScoringContext) -> torch.Tensor:
+    """``o_proj.weight`` as ``[D, H, d]`` float32, checked against the query heads."""
+    weight = ctx.o_proj_weight
+    num_heads, head_dim = ctx.query.shape[1], ctx.query.shape[-1]
+    if weight is None:
+        raise ValueError(
+            "ReST-KV with --use_wo needs the layer's output projection: pass o_proj_weight ([hidden, heads * "
+            "head_dim]) to compress_kv, or use --no-use_wo"
+        )
+    if weight.dim() != 2 or weight.shape[1] != num_heads * head_dim:
+        raise ValueError(
+            f"o_proj_weight must have shape [hidden, heads * head_dim] = [D, {num_heads * head_dim}]; "
+            f"got {list(weight.shape)}"
+        )
+    return weight.float().view(weight.shape[0], num_heads, head_dim)
+
+
+def _grouped(per_query_head: torch.Tensor, ctx: ScoringContext) -> torch.Tensor:
+    """``[B, H, ...]`` -> ``[B, H_kv, G, ...]`` (query head ``h`` reads KV head ``h // G``)."""
+    batch, num_heads = per_query_head.shape[:2]
+    return per_query_head.view(batch, ctx.num_kv_heads, num_heads // ctx.num_kv_heads, *per_query_head.shape[2:])
+
+
+def _per_query_head(grouped: torch.Tensor) -> torch.Tensor:
+    """``[B, H_kv, G, ...]`` -> ``[B, H, ...]``."""
+    return grouped.flatten(1, 2)
+
+
+def _column_chunks(length: int) -> list[slice]:
+    return [slice(start, min(start + NORM_CHUNK, length)) for start in range(0, length, NORM_CHUNK)]
