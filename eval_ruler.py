@@ -1,0 +1,15 @@
+"""Score RULER predictions with RULER's metrics.
+
+    python eval_ruler.py --results_dir results/ruler/smollm2-135m/snapkv_128
+
+``--results_dir`` is a run folder of ``run_ruler.py`` (``<length>/<task>.jsonl`` files, shards
+merged) or any folder above several of them; each run gets ``ruler_scores.json``
+({length: {task: score}}) and ``ruler_scores.csv`` (tasks by length, with averages), and its
+table is printed. Predictions are post-processed as RULER does (strip, control characters to
+newlines); niah/vt/cwe/fwe use string_match_all and qa string_match_part.
+"""
+
+from restkv.benchmarks.ruler import evaluate
+
+if __name__ == "__main__":
+    evaluate()

@@ -1,0 +1,200 @@
+"""Needle-in-a-Haystack: the grid, the haystack, needle insertion, the prompt and the scorer.
+
+The protocol is the ReST-KV release's (itself from gkamradt's test via KVCache-Factory):
+
+* grid: context lengths ``start, start + step, ..., <= end`` (the paper: 1000..32000 by 200)
+  × depth percents ``round(linspace(0, 100, 10))``;
+* context: the haystack's first ``length`` tokens, minus a 200-token buffer for the prompt and
+  answer; if haystack + needle are too long the haystack is cut to ``buffer - needle``; at
+  depth 100 the needle goes last, otherwise at ``int(len * depth / 100)`` moved back to just
+  after a sentence-ending token (any token whose text ends with a period, found from the
+  tokenizer instead of the release's hard-coded ids);
+* prompt: the release's "long story book" wrapper, greedy decoding, at most 30 new tokens,
+  stopping at EOS or a newline. The release sent it raw, starting with a literal
+  ``<|im_start|>``; chat models such as SmolLM2 answer nothing to that (their first token is
+  a newline), so by default the wrapper goes inside the chat template without that literal,
+  and ``chat=False`` reproduces the release's raw prompt;
+* score (no LLM judge): the share of the distinct lower-cased words of the expected answer
+  "eat a sandwich and sit in Dolores Park on a sunny day." that appear among the response's
+  whitespace-separated lower-cased words, in [0, 1] — the release's plotting scorer.
+
+Haystack: the essays in ``data/PaulGrahamEssays`` if present, else the project's synthetic
+prose (:mod:`restkv.benchmarks.haystack`); the choice is recorded with the results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+from restkv.benchmarks.haystack import HaystackText
+
+NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
+RETRIEVAL_QUESTION = "The best thing to do in San Francisco is: "
+EXPECTED_ANSWER = "eat a sandwich and sit in Dolores Park on a sunny day."
+PROMPT_OPENING = "This is a very long story book: <book> "
+RAW_PROMPT_START = "<|im_start|> "
+PROMPT_QUESTION = " </book>.\n Based on the content of the book, Question: {question}\nAnswer:"
+CONTEXT_BUFFER = 200
+MAX_NEW_TOKENS = 30
+SCORER = "word recall: |words(response) ∩ words(expected answer)| / |words(expected answer)|, lower-cased"
+
+
+def context_lengths(start: int, end: int, step: int) -> list[int]:
+    """``start, start + step, ...`` up to ``end`` inclusive (the release's ``np.arange(s, e + 1, step)``)."""
+    if start < 1 or step < 1 or end < start:
+        raise ValueError(f"context lengths need 1 <= --s_len <= --e_len and --step >= 1; got {start}, {end}, {step}")
+    return list(range(start, end + 1, step))
+
+
+def depth_percents(intervals: int = 10, minimum: float = 0, maximum: float = 100) -> list[int]:
+    """``intervals`` evenly spaced depths from ``minimum`` to ``maximum``, rounded to integers."""
+    if intervals < 1 or not 0 <= minimum <= maximum <= 100:
+        raise ValueError(
+            f"depths need intervals >= 1 and 0 <= min <= max <= 100; got {intervals}, {minimum}, {maximum}"
+        )
+    if intervals == 1:
+        return [round(minimum)]
+    return [round(minimum + (maximum - minimum) * i / (intervals - 1)) for i in range(intervals)]
+
+
+def haystack_ids(tokenizer, haystack: HaystackText, min_tokens: int) -> list[int]:
+    """Token ids of the haystack text, repeated until there are at least ``min_tokens``."""
+    ids = tokenizer(haystack.text, add_special_tokens=False).input_ids
+    if not ids:
+        raise ValueError(f"the haystack {haystack.source} is empty")
+    copies = 1
+    while len(ids) < min_tokens:  # tokens merge across copies, so check after each try
+        copies = max(copies + 1, -(-copies * min_tokens // len(ids)))
+        ids = tokenizer(haystack.text * copies, add_special_tokens=False).input_ids
+    return ids
+
+
+class SentenceEnds:
+    """Which token ids end a sentence (their text ends with a period), cached per id."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._known: dict[int, bool] = {}
+
+    def __call__(self, token_id: int) -> bool:
+        if token_id not in self._known:
+            self._known[token_id] = self.tokenizer.decode([token_id]).strip().endswith(".")
+        return self._known[token_id]
+
+
+def insert_needle(
+    haystack: Sequence[int],
+    needle: Sequence[int],
+    context_length: int,
+    depth_percent: float,
+    is_sentence_end,
+    buffer: int = CONTEXT_BUFFER,
+) -> list[int]:
+    """The context's token ids: ``context_length - buffer`` tokens, the needle at ``depth_percent``."""
+    budget = context_length - buffer
+    if budget <= len(needle):
+        raise ValueError(
+            f"context length {context_length} leaves no room for the needle after the {buffer}-token buffer"
+        )
+    kept = list(haystack[: min(context_length, budget - len(needle))])
+    if depth_percent >= 100:
+        return kept + list(needle)
+    point = int(len(kept) * depth_percent / 100)
+    while point > 0 and not is_sentence_end(kept[point - 1]):
+        point -= 1
+    return kept[:point] + list(needle) + kept[point:]
+
+
+@dataclass(frozen=True)
+class NeedlePrompt:
+    """One grid cell's prompt, split where the question starts (for query-agnostic runs)."""
+
+    context_length: int
+    depth_percent: int
+    context: str
+    question: str
+
+
+def build_prompts(
+    tokenizer,
+    haystack: HaystackText,
+    lengths: Iterable[int],
+    depths: Iterable[int],
+    needle: str = NEEDLE,
+    question: str = RETRIEVAL_QUESTION,
+    buffer: int = CONTEXT_BUFFER,
+    chat: bool = True,
+) -> list[NeedlePrompt]:
+    """Every (length, depth) cell's prompt, lengths outer, depths inner (``chat=False``: the raw release prompt)."""
+    lengths, depths = list(lengths), list(depths)
+    ids = haystack_ids(tokenizer, haystack, max(lengths))
+    needle_ids = tokenizer(needle, add_special_tokens=False).input_ids
+    ends = SentenceEnds(tokenizer)
+    opening = PROMPT_OPENING if chat else RAW_PROMPT_START + PROMPT_OPENING
+    prompts = []
+    for length in lengths:
+        for depth in depths:
+            context_ids = insert_needle(ids, needle_ids, length, depth, ends, buffer)
+            text = tokenizer.decode(context_ids, skip_special_tokens=True)
+            prompts.append(NeedlePrompt(length, depth, opening + text, PROMPT_QUESTION.format(question=question)))
+    return prompts
+
+
+def score_response(response: str, expected: str = EXPECTED_ANSWER) -> float:
+    """Share of the expected answer's distinct lower-cased words found in the response (0..1)."""
+    wanted = set(expected.lower().split())
+    return len(set(response.lower().split()) & wanted) / len(wanted)
+
+
+def score_records(records: Iterable[Mapping]) -> list[dict]:
+    """Result rows ``{context_length, depth_percent, response, score}`` from prediction lines."""
+    return [
+        {
+            "context_length": int(record["context_length"]),
+            "depth_percent": int(record["depth_percent"]),
+            "response": record["pred"],
+            "score": score_response(record["pred"]),
+        }
+        for record in records
+    ]
+
+
+def write_results(rows: Sequence[Mapping], path: str | Path, **about) -> dict:
+    """``needle_results.json``: the scorer, the mean score and one row per cell (plus ``about``)."""
+    if not rows:
+        raise ValueError("no needle results to write")
+    results = {
+        **about,
+        "scorer": SCORER,
+        "mean_score": round(statistics.fmean(row["score"] for row in rows), 4),
+        "cells": list(rows),
+    }
+    path = Path(path)
+    staging = path.with_name(f".{path.name}.{os.getpid()}")  # shards may finish at the same time
+    staging.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(staging, path)
+    return results
+
+
+def read_results(path: str | Path) -> list[dict]:
+    """The cells of a ``needle_results.json``."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if "cells" not in data:
+        raise ValueError(f"{path} is not a needle_results.json (no 'cells')")
+    return data["cells"]
+
+
+def score_grid(rows: Iterable[Mapping]) -> tuple[list[int], list[int], list[list[float | None]]]:
+    """(depths, lengths, mean score per [depth][length], None where a cell has no result)."""
+    cells: dict[tuple[int, int], list[float]] = {}
+    for row in rows:
+        cells.setdefault((int(row["depth_percent"]), int(row["context_length"])), []).append(float(row["score"]))
+    depths = sorted({d for d, _ in cells})
+    lengths = sorted({n for _, n in cells})
+    grid = [[statistics.fmean(cells[(d, n)]) if (d, n) in cells else None for n in lengths] for d in depths]
+    return depths, lengths, grid

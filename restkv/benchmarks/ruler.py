@@ -1,0 +1,484 @@
+"""RULER: task definitions, data files, prompts, post-processing and metrics.
+
+Everything here follows NVIDIA/RULER (``scripts/synthetic.yaml``,
+``scripts/data/synthetic/constants.py``, ``scripts/eval/evaluate.py``):
+
+* 13 tasks in 5 families; the templates, answer prefixes and tokens to generate are RULER's,
+  verbatim (they are part of the benchmark's definition);
+* a data file is ``<data_dir>/<length>/<task>/validation.jsonl`` as RULER's ``prepare.py``
+  writes it (fields ``index, input, outputs, length, length_w_model_temp, answer_prefix``),
+  or the ReST-KV release's flat ``<data_dir>/<length>/<task>.jsonl``;
+* the prompt is ``input`` (inside the model's chat template when one is used) followed by
+  ``answer_prefix``; older RULER data have the prefix inside ``input`` and no such field;
+* a prediction is stripped, control characters become newlines, and it is stripped again;
+  ``string_match_all`` (fraction of gold strings contained, case-insensitive) scores the
+  niah/vt/cwe/fwe tasks and ``string_match_part`` (any gold string contained) the qa tasks,
+  both as ``round(100 * mean, 2)``; the score at a length is the plain mean over its tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from restkv.benchmarks.runner import (
+    Benchmark,
+    BenchmarkRun,
+    DataError,
+    Sample,
+    datasets_in,
+    format_table,
+    parse_args,
+    read_predictions,
+    selected_datasets,
+)
+
+
+@dataclass(frozen=True)
+class TaskFamily:
+    """One of RULER's generators: its template, answer prefix, output length and metric."""
+
+    name: str
+    tokens_to_generate: int
+    template: str
+    answer_prefix: str
+    metric: str  # "all" (string_match_all) or "part" (string_match_part)
+
+
+FAMILIES = {
+    family.name: family
+    for family in (
+        TaskFamily(
+            "niah",
+            128,
+            "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
+            "I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
+            "What are all the special magic {type_needle_v} for {query} mentioned in the provided text?",
+            " The special magic {type_needle_v} for {query} mentioned in the provided text are",
+            "all",
+        ),
+        TaskFamily(
+            "variable_tracking",
+            30,
+            "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+            "Question: Find all variables that are assigned the value {query} in the text above.",
+            " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are "
+            "assigned the value {query}, they are: ",
+            "all",
+        ),
+        TaskFamily(
+            "common_words_extraction",
+            120,
+            "Below is a numbered list of words. In these words, some appear more often than others. "
+            "Memorize the ones that appear most often.\n{context}\n"
+            "Question: What are the 10 most common words in the above list?",
+            " Answer: The top 10 words that appear most often in the list are:",
+            "all",
+        ),
+        TaskFamily(
+            "freq_words_extraction",
+            50,
+            "Read the following coded text and track the frequency of each coded word. "
+            "Find the three most frequently appeared coded words. {context}\n"
+            "Question: Do not provide any explanation. Please ignore the dots '....'. "
+            "What are the three most frequently appeared words in the above coded text?",
+            " Answer: According to the coded text above, the three most frequently appeared words are:",
+            "all",
+        ),
+        TaskFamily(
+            "qa",
+            32,
+            "Answer the question based on the given documents. Only give me the answer and do not output any "
+            "other words.\n\nThe following are given documents.\n\n{context}\n\n"
+            "Answer the question based on the given documents. Only give me the answer and do not output any "
+            "other words.\n\nQuestion: {query}",
+            " Answer:",
+            "part",
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class RulerTask:
+    """A RULER task: a family plus its complexity arguments (RULER's ``synthetic.yaml``)."""
+
+    name: str
+    family_name: str
+    args: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def family(self) -> TaskFamily:
+        return FAMILIES[self.family_name]
+
+    @property
+    def tokens_to_generate(self) -> int:
+        return self.family.tokens_to_generate
+
+    @property
+    def metric(self) -> str:
+        return self.family.metric
+
+
+def _niah(name: str, haystack: str, key: str, value: str, k: int = 1, v: int = 1, q: int = 1) -> RulerTask:
+    return RulerTask(
+        name,
+        "niah",
+        {
+            "type_haystack": haystack,
+            "type_needle_k": key,
+            "type_needle_v": value,
+            "num_needle_k": k,
+            "num_needle_v": v,
+            "num_needle_q": q,
+        },
+    )
+
+
+TASKS = {
+    task.name: task
+    for task in (
+        _niah("niah_single_1", "noise", "words", "numbers"),
+        _niah("niah_single_2", "essay", "words", "numbers"),
+        _niah("niah_single_3", "essay", "words", "uuids"),
+        _niah("niah_multikey_1", "essay", "words", "numbers", k=4),
+        _niah("niah_multikey_2", "needle", "words", "numbers"),
+        _niah("niah_multikey_3", "needle", "uuids", "uuids"),
+        _niah("niah_multivalue", "essay", "words", "numbers", v=4),
+        _niah("niah_multiquery", "essay", "words", "numbers", q=4),
+        RulerTask("vt", "variable_tracking", {"type_haystack": "noise", "num_chains": 1, "num_hops": 4}),
+        RulerTask("cwe", "common_words_extraction", {"freq_cw": 30, "freq_ucw": 3, "num_cw": 10, "num_fewshot": 1}),
+        RulerTask("fwe", "freq_words_extraction", {"alpha": 2.0, "coded_wordlen": 6}),
+        RulerTask("qa_1", "qa", {"dataset": "squad"}),
+        RulerTask("qa_2", "qa", {"dataset": "hotpotqa"}),
+    )
+}
+
+# The 11 tasks that need no external data set (the ReST-KV paper's RULER set).
+SYNTHETIC_TASKS = tuple(name for name, task in TASKS.items() if task.family_name != "qa")
+
+
+def get_task(name: str) -> RulerTask:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown RULER task {name!r}; choose from {', '.join(TASKS)}") from None
+
+
+def parse_task_list(values: Sequence[str] | str) -> list[str]:
+    """Task names from ``a,b c`` style command-line values; ``all`` = every task, ``synthetic`` = the 11."""
+    if isinstance(values, str):
+        values = [values]
+    names: list[str] = []
+    for value in values:
+        for name in filter(None, (part.strip() for part in value.split(","))):
+            expanded = {"all": list(TASKS), "synthetic": list(SYNTHETIC_TASKS)}.get(name, [name])
+            for item in expanded:
+                get_task(item)
+                if item not in names:
+                    names.append(item)
+    if not names:
+        raise ValueError("no RULER task given")
+    return names
+
+
+# ----------------------------------------------------------------------------- data files
+
+
+def task_file_candidates(data_dir: str | Path, length: int, task: str) -> list[Path]:
+    """Where a task's data may live: RULER's layouts first, then the ReST-KV flat layout."""
+    root = Path(data_dir) / str(length)
+    return [
+        root / task / "validation.jsonl",
+        root / "data" / task / "validation.jsonl",
+        root / f"{task}.jsonl",
+    ]
+
+
+def find_task_file(data_dir: str | Path, length: int, task: str) -> Path:
+    candidates = task_file_candidates(data_dir, length, task)
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"no RULER data for task {task!r} at length {length}; looked for "
+        + ", ".join(str(p) for p in candidates)
+        + ". Generate it with: python -m restkv.benchmarks.ruler_data --tokenizer MODEL "
+        f"--lengths {length} --tasks {task} --out {data_dir}"
+    )
+
+
+def read_samples(path: str | Path) -> list[dict]:
+    """The samples of a RULER data file; each needs ``input`` and ``outputs`` (a list of strings)."""
+    samples = []
+    with open(path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            sample = json.loads(line)
+            if "input" not in sample or "outputs" not in sample:
+                raise ValueError(f"{path}:{line_number}: a RULER sample needs 'input' and 'outputs'")
+            if isinstance(sample["outputs"], str):
+                sample["outputs"] = [sample["outputs"]]
+            samples.append(sample)
+    return samples
+
+
+def load_task(data_dir: str | Path, length: int, task: str) -> list[dict]:
+    get_task(task)
+    return read_samples(find_task_file(data_dir, length, task))
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def chat_wrap(tokenizer, text: str, use_chat_template: bool) -> str:
+    """``text`` as the user turn of the tokenizer's chat template, ready for the answer.
+
+    Tokenizers without a chat template (base models) get ``text`` unchanged, which is
+    RULER's ``base`` model template.
+    """
+    if not use_chat_template or not getattr(tokenizer, "chat_template", None):
+        return text
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+
+
+#: Where each family's question starts in ``input`` (its last occurrence): the part before is
+#: the context a query-agnostic run compresses alone.
+QUESTION_MARKERS = {
+    "niah": "\nWhat ",
+    "variable_tracking": "\nQuestion: Find all variables",
+    "common_words_extraction": "\nQuestion: What are the",
+    "freq_words_extraction": "\nQuestion: Do not provide any explanation.",
+    "qa": "\n\nAnswer the question based on the given documents.",
+}
+
+
+def split_question(task: str, text: str) -> tuple[str, str]:
+    """(context, question) of a RULER ``input``; the question is empty if its marker is absent."""
+    position = text.rfind(QUESTION_MARKERS[get_task(task).family_name])
+    if position <= 0:
+        return text, ""
+    return text[:position], text[position:]
+
+
+def build_prompt(sample: Mapping, tokenizer, use_chat_template: bool) -> str:
+    """RULER's prompt: the (chat-wrapped) ``input`` followed by ``answer_prefix``.
+
+    The prefix starts the assistant's turn, as RULER appends it after its model template.
+    """
+    return chat_wrap(tokenizer, sample["input"], use_chat_template) + sample.get("answer_prefix", "")
+
+
+# ----------------------------------------------------------------------------- metrics
+
+_CONTROL = re.compile(r"[\x00-\x1f]")
+
+
+def postprocess_prediction(prediction: str) -> str:
+    """RULER's clean-up: strip, control characters to newlines, strip again."""
+    return _CONTROL.sub("\n", prediction.strip()).strip()
+
+
+def sample_match_all(prediction: str, references: Sequence[str]) -> float:
+    """Fraction of the gold strings contained in the prediction (case-insensitive)."""
+    lowered = prediction.lower()
+    return sum(ref.lower() in lowered for ref in references) / len(references)
+
+
+def sample_match_part(prediction: str, references: Sequence[str]) -> float:
+    """1.0 if any gold string is contained in the prediction (case-insensitive)."""
+    lowered = prediction.lower()
+    return float(any(ref.lower() in lowered for ref in references))
+
+
+SAMPLE_METRICS = {"all": sample_match_all, "part": sample_match_part}
+
+
+def _mean_percent(values: Sequence[float]) -> float:
+    if not values:
+        raise ValueError("cannot score an empty list of predictions")
+    return round(sum(values) / len(values) * 100, 2)
+
+
+def string_match_all(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
+    return _mean_percent([sample_match_all(p, r) for p, r in zip(predictions, references, strict=True)])
+
+
+def string_match_part(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
+    return _mean_percent([sample_match_part(p, r) for p, r in zip(predictions, references, strict=True)])
+
+
+def score_task(task: str, predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
+    """A task's RULER score (0-100) after RULER's post-processing of each prediction."""
+    metric = SAMPLE_METRICS[get_task(task).metric]
+    cleaned = [postprocess_prediction(p) for p in predictions]
+    return _mean_percent([metric(p, r) for p, r in zip(cleaned, references, strict=True)])
+
+
+def ordered_tasks(names: Iterable[str]) -> list[str]:
+    """RULER's task order for known tasks, then any others alphabetically."""
+    names = set(names)
+    return [t for t in TASKS if t in names] + sorted(names - set(TASKS))
+
+
+def score_table(scores: Mapping[int | str, Mapping[str, float]]) -> tuple[list[str], list[dict[str, Any]]]:
+    """(columns, rows): one row per context length plus, over several lengths, a ``mean`` row.
+
+    Columns are the tasks in RULER's order, then ``Avg`` (the mean over a row's tasks). A task
+    missing at a length is absent from that row and left out of its average.
+    """
+    lengths = sorted(scores, key=int)
+    tasks = ordered_tasks({t for per_length in scores.values() for t in per_length})
+    rows = []
+    for length in lengths:
+        values = {t: scores[length][t] for t in tasks if t in scores[length]}
+        rows.append({"length": str(length), **values, "Avg": round(sum(values.values()) / len(values), 2)})
+    if len(rows) > 1:
+        mean_row: dict[str, Any] = {"length": "mean"}
+        for column in [*tasks, "Avg"]:
+            present = [row[column] for row in rows if column in row]
+            mean_row[column] = round(sum(present) / len(present), 2)
+        rows.append(mean_row)
+    return [*tasks, "Avg"], rows
+
+
+def write_scores(scores: Mapping[int | str, Mapping[str, float]], out_dir: str | Path) -> tuple[Path, Path]:
+    """``ruler_scores.json`` ({length: {task: score}}) and ``ruler_scores.csv`` (the table) in ``out_dir``."""
+    out_dir = Path(out_dir)
+    json_path, csv_path = out_dir / "ruler_scores.json", out_dir / "ruler_scores.csv"
+    ordered = {str(length): dict(scores[length]) for length in sorted(scores, key=int)}
+    json_path.write_text(json.dumps(ordered, indent=2) + "\n", encoding="utf-8")
+    columns, rows = score_table(scores)
+    with open(csv_path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["length", *columns])
+        writer.writeheader()
+        writer.writerows(rows)
+    return json_path, csv_path
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def ruler_samples(args: argparse.Namespace, dataset: str) -> list[Sample]:
+    """The samples of ``dataset`` = ``"<length>/<task>"``; ids are line numbers (niah's index is not unique)."""
+    length, task = dataset.split("/")
+    try:
+        records = load_task(args.data_dir, int(length), task)
+    except (ValueError, KeyError) as error:
+        raise DataError(str(error)) from None
+    samples = []
+    for position, record in enumerate(records):
+        context, question = split_question(task, record["input"])
+        samples.append(
+            Sample(
+                id=str(position),
+                context=context,
+                question=question,
+                max_new_tokens=get_task(task).tokens_to_generate,
+                fields={"outputs": record["outputs"], "length": record.get("length")},
+                chat=args.chat_template,
+                answer_prefix=record.get("answer_prefix", ""),
+            )
+        )
+    return samples
+
+
+BENCHMARK = Benchmark(
+    "ruler",
+    datasets=tuple(TASKS),
+    default_datasets=SYNTHETIC_TASKS,
+    load_samples=ruler_samples,
+    default_data_dir="data/RULER",
+)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("ruler")
+    group.add_argument("--context_lengths", type=int, nargs="+", default=[4096],
+                       help="sequence lengths to run (subfolders of --data_dir)")
+    group.add_argument("--chat_template", action=argparse.BooleanOptionalAction, default=True,
+                       help="wrap input in the tokenizer's chat template (the generator counts it by default)")
+
+
+def run(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> Path:
+    """``run_ruler.py``: parse flags, load and patch the model (unless given), run every task file."""
+    args = parse_args(BENCHMARK, argv, add_flags)
+    if args.model_max_len is None:  # RULER samples are built to fit their length: never cut them
+        args.model_max_len = max(args.context_lengths)
+    tasks = selected_datasets(args, BENCHMARK)
+    datasets = [f"{length}/{task}" for length in args.context_lengths for task in tasks]
+    for dataset in datasets:  # fail before loading the model
+        length, task = dataset.split("/")
+        find_task_file(args.data_dir, int(length), task)
+    session = BenchmarkRun.start(BENCHMARK, args, model=model, tokenizer=tokenizer)
+    for dataset in datasets:
+        session.run_dataset(dataset, ruler_samples(args, dataset))
+    print(f"predictions in {session.folder}")
+    return session.folder
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def length_dirs(run_dir: Path) -> list[Path]:
+    return sorted((p for p in run_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+
+
+def find_runs(results_dir: Path) -> list[Path]:
+    """``results_dir`` itself if it holds ``<length>/`` folders, else every run folder below it."""
+    if not results_dir.is_dir():
+        raise FileNotFoundError(f"--results_dir {results_dir} is not a folder")
+    if length_dirs(results_dir):
+        return [results_dir]
+    runs = sorted({p.parent.parent for p in results_dir.glob("**/[0-9]*/*.jsonl") if p.parent.name.isdigit()})
+    if not runs:
+        raise FileNotFoundError(f"no RULER predictions (<length>/<task>.jsonl) under {results_dir}")
+    return runs
+
+
+def score_run(run_dir: Path) -> dict[int, dict[str, float]]:
+    """{length: {task: score}} of every task file in a run folder."""
+    scores: dict[int, dict[str, float]] = {}
+    for folder in length_dirs(run_dir):
+        for task in ordered_tasks(datasets_in(folder)):
+            if task not in TASKS:
+                print(f"warning: {folder / task}.jsonl is not a RULER task; skipped", file=sys.stderr)
+                continue
+            records = read_predictions(folder, task)
+            if not records:
+                continue
+            predictions, references = [], []
+            for number, record in enumerate(records, 1):
+                gold = record.get("outputs", record.get("output"))
+                if "pred" not in record or gold is None:
+                    raise ValueError(f"{folder / task}.jsonl record {number}: needs 'pred' and 'outputs'")
+                predictions.append(record["pred"])
+                references.append([gold] if isinstance(gold, str) else gold)
+            scores.setdefault(int(folder.name), {})[task] = score_task(task, predictions, references)
+    return scores
+
+
+def evaluate(argv: Sequence[str] | None = None) -> dict[Path, dict[int, dict[str, float]]]:
+    """``eval_ruler.py``: score every run folder under ``--results_dir``, print and write the tables."""
+    parser = argparse.ArgumentParser(description="Score RULER predictions (RULER's string-match metrics).")
+    parser.add_argument("--results_dir", required=True, help="a run_py run folder, or a folder above several")
+    args = parser.parse_args(argv)
+    results = {}
+    for run_dir in find_runs(Path(args.results_dir)):
+        scores = score_run(run_dir)
+        if not scores:
+            continue
+        json_path, _ = write_scores(scores, run_dir)
+        columns, rows = score_table(scores)
+        print(f"{run_dir}\n{format_table(rows, columns, first='length')}\n(written to {json_path} and .csv)\n")
+        results[run_dir] = scores
+    return results

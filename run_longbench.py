@@ -1,0 +1,15 @@
+"""Run LongBench with a compressed KV cache: one jsonl of predictions per dataset.
+
+    python run_longbench.py --method snapkv --model_path smollm2-135m --max_capacity_prompts 128
+    python run_longbench.py --method restkv --max_capacity_prompts 128 --datasets qasper hotpotqa --query_agnostic
+
+Data: ``--data_dir`` (default data/LongBench) holds the official ``<dataset>.jsonl`` files.
+Flags and output layout: ``python run_longbench.py --help`` and restkv/benchmarks/runner.py.
+Score the predictions with ``python eval.py --results_dir <save_dir>/<model>``.
+"""
+
+from restkv.benchmarks import longbench
+from restkv.benchmarks.runner import main
+
+if __name__ == "__main__":
+    main(longbench.BENCHMARK)

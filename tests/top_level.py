@@ -1,0 +1,39 @@
+"""Import the repository's top-level scripts (run_*.py, eval*.py) and visualization/ in tests.
+
+pytest puts ``tests/`` on sys.path, not the repository root where those live.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script(name: str) -> ModuleType:
+    """``import name`` from the repository root (e.g. ``run_ruler``, ``visualization.figures``)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module(name)
+
+
+def dry_run_script(script: str, *args: str, **env: str) -> list[list[str]]:
+    """Run ``scripts/<script>`` with PYTHON=echo: the python command lines it would run, split."""
+    import os
+    import subprocess
+
+    result = subprocess.run(["bash", str(ROOT / "scripts" / script), *args], capture_output=True, text=True,
+                            env={**os.environ, "PYTHON": "echo", **env}, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [line.split() for line in result.stdout.splitlines()]
+
+
+def usage_exit(script: str) -> tuple[int, str]:
+    """(exit code, stderr) of ``scripts/<script>`` run without arguments."""
+    import subprocess
+
+    result = subprocess.run(["bash", str(ROOT / "scripts" / script)], capture_output=True, text=True, timeout=30)
+    return result.returncode, result.stderr

@@ -1,0 +1,1 @@
+"""Figures drawn from result files (see visualize.py for the command line)."""
