@@ -13,15 +13,17 @@ from restkv.allocation import adakv_caps, allocation_of, headkv_table, pyramid_s
 from restkv.cache import cache_report
 from restkv.head_scores import load_head_scores, save_head_scores
 from restkv.policies import get_policy
-from tiny_models import FAMILY_BACKENDS, left_padded, random_prompt, replace_for, tiny_model
-
-
-def random_qkv(batch=1, heads=4, kv_heads=2, length=96, dim=16, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    query = torch.randn(batch, heads, length, dim, generator=generator) * 2
-    key = torch.randn(batch, kv_heads, length, dim, generator=generator) * 2
-    value = torch.randn(batch, kv_heads, length, dim, generator=generator)
-    return query, key, value
+from tiny_models import (
+    FAMILY_BACKENDS,
+    assert_patch_reproduces_unpatched,
+    assert_rows_match_single_row_runs,
+    greedy,
+    left_padded,
+    random_prompt,
+    random_qkv,
+    replace_for,
+    tiny_model,
+)
 
 
 def write_head_scores(path, per_head):
@@ -414,24 +416,13 @@ def test_compress_kv_rows_of_a_left_padded_batch_equal_their_single_row_runs(nam
 
 
 # ---------------------------------------------------------------- through the model
-def greedy(model, input_ids, attention_mask=None, new_tokens=5):
-    return model.generate(
-        input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-        do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-    )
-
-
 @pytest.mark.parametrize("family, backend", FAMILY_BACKENDS)
 @pytest.mark.parametrize("name", ["pyramidkv", "adakv", "headkv", "tova_adakv"])
 def test_budget_at_or_above_prompt_reproduces_unpatched_outputs(family, backend, name, tiny_head_scores):
     model = tiny_model(family, backend)
     input_ids, attention_mask = left_padded([70, 52, 31])
-    reference = greedy(model, input_ids, attention_mask)
-    replace_for(family)(max_capacity_prompts=70, window_size=8, **with_scores(BATCH_CONFIGS[name], tiny_head_scores))
-    patched = greedy(model, input_ids, attention_mask)
-    assert torch.equal(patched.sequences, reference.sequences)
-    for ours, theirs in zip(patched.logits, reference.logits):
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert_patch_reproduces_unpatched(model, family, input_ids, attention_mask, max_capacity_prompts=70,
+                                      window_size=8, **with_scores(BATCH_CONFIGS[name], tiny_head_scores))
 
 
 def test_a_layer_allocated_the_whole_prompt_stores_it_exactly():
@@ -451,15 +442,7 @@ def test_a_layer_allocated_the_whole_prompt_stores_it_exactly():
 def test_each_row_of_a_left_padded_batch_equals_its_single_row_run(family, backend, name, tiny_head_scores):
     model = tiny_model(family, backend)
     replace_for(family)(max_capacity_prompts=24, window_size=8, **with_scores(BATCH_CONFIGS[name], tiny_head_scores))
-    lengths = [90, 64, 41]
-    input_ids, attention_mask = left_padded(lengths)
-    batched = greedy(model, input_ids, attention_mask)
-    width = input_ids.shape[1]
-    for row, length in enumerate(lengths):
-        alone = greedy(model, input_ids[row : row + 1, width - length :])
-        assert torch.equal(batched.sequences[row, width:], alone.sequences[0, length:])
-        for step_batched, step_alone in zip(batched.logits, alone.logits):
-            torch.testing.assert_close(step_batched[row], step_alone[0], rtol=1e-4, atol=1e-4)
+    assert_rows_match_single_row_runs(model, [90, 64, 41])
 
 
 def test_stored_bytes_follow_the_per_head_budgets():

@@ -6,8 +6,8 @@ import torch
 from restkv.attention import Segment, attend_segments
 from restkv.cache import CompressedLayer, cache_nbytes, cache_report, format_report
 from restkv.compat import output_cache, with_cache
-from restkv.generation import position_ids_from_mask, prefill
-from tiny_models import FAMILY_BACKENDS, left_padded, random_prompt, replace_for, tiny_model
+from restkv.generation import prefill
+from tiny_models import FAMILY_BACKENDS, decode_in_chunks, left_padded, random_prompt, replace_for, tiny_model
 
 
 def full_cache_as_compressed(model, input_ids, attention_mask):
@@ -34,14 +34,10 @@ def test_attention_over_segments_equals_native_decode(family, backend):
     compressed_cache = full_cache_as_compressed(model, input_ids, attention_mask)
     replace_for(family)(method="snapkv", max_capacity_prompts=20, window_size=8)
     step = torch.tensor([[7, 9, 11], [5, 6, 8]])  # a 3-token chunk, then single tokens
-    mask = attention_mask
-    for chunk in (step, step[:, :1], step[:, 1:2]):
-        mask = torch.cat([mask, torch.ones_like(chunk)], dim=-1)
-        positions = position_ids_from_mask(mask)[:, -chunk.shape[1] :]
-        with torch.no_grad():
-            native = model(chunk, attention_mask=mask, position_ids=positions, **with_cache(native_cache)).logits
-            ours = model(chunk, attention_mask=mask, position_ids=positions, **with_cache(compressed_cache)).logits
-        torch.testing.assert_close(ours, native, rtol=1e-4, atol=1e-4)
+    native = decode_in_chunks(model, native_cache, attention_mask, step)
+    ours = decode_in_chunks(model, compressed_cache, attention_mask, step)
+    for our, reference in zip(ours, native, strict=True):
+        torch.testing.assert_close(our, reference, rtol=1e-4, atol=1e-4)
     assert all(isinstance(layer, CompressedLayer) for layer in compressed_cache.layers)
 
 

@@ -4,17 +4,14 @@ import pytest
 import torch
 
 from restkv import CompressionConfig, ConfigError, compress_kv
+from tiny_models import random_qkv
 
 METHODS = ["snapkv", "h2o", "streamingllm", "l2norm", "tova", "random"]
 
 
-def qkv(batch=1, heads=6, kv_heads=2, length=120, dim=8, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(batch, heads, length, dim, generator=generator) * 2,
-        torch.randn(batch, kv_heads, length, dim, generator=generator) * 2,
-        torch.randn(batch, kv_heads, length, dim, generator=generator),
-    )
+def qkv(heads=6, length=120, dim=8, **options):
+    """:func:`random_qkv` with this file's default shapes."""
+    return random_qkv(heads=heads, length=length, dim=dim, **options)
 
 
 def config_for(method, budget=40):

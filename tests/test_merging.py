@@ -8,15 +8,15 @@ import torch
 
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.merging import cam_merge, cam_reference_values, kept_mask, pivot_merge
-from tiny_models import FAMILY_BACKENDS, left_padded, replace_for, tiny_model
-
-
-def random_qkv(batch=1, heads=4, kv_heads=2, length=96, dim=16, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    query = torch.randn(batch, heads, length, dim, generator=generator) * 2
-    key = torch.randn(batch, kv_heads, length, dim, generator=generator) * 2
-    value = torch.randn(batch, kv_heads, length, dim, generator=generator)
-    return query, key, value
+from tiny_models import (
+    FAMILY_BACKENDS,
+    assert_patch_reproduces_unpatched,
+    assert_rows_match_single_row_runs,
+    left_padded,
+    random_qkv,
+    replace_for,
+    tiny_model,
+)
 
 
 def one_head(columns):
@@ -249,24 +249,13 @@ def test_compress_kv_rows_of_a_left_padded_batch_equal_their_single_row_runs(nam
         torch.testing.assert_close(batched.values[row, :, :width], alone.values[0])
 
 
-def greedy(model, input_ids, attention_mask=None):
-    return model.generate(
-        input_ids, attention_mask=attention_mask, max_new_tokens=5, min_new_tokens=5, do_sample=False,
-        output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-    )
-
-
 @pytest.mark.parametrize("family, backend", FAMILY_BACKENDS)
 @pytest.mark.parametrize("name", ["cam", "cam_reference", "snapkv_pivot"])
 def test_budget_at_or_above_prompt_reproduces_unpatched_outputs(family, backend, name):
     model = tiny_model(family, backend)
     input_ids, attention_mask = left_padded([70, 52, 31])
-    reference = greedy(model, input_ids, attention_mask)
-    replace_for(family)(max_capacity_prompts=70, window_size=8, **MERGE_CONFIGS[name])
-    patched = greedy(model, input_ids, attention_mask)
-    assert torch.equal(patched.sequences, reference.sequences)
-    for ours, theirs in zip(patched.logits, reference.logits):
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert_patch_reproduces_unpatched(model, family, input_ids, attention_mask, max_capacity_prompts=70,
+                                      window_size=8, **MERGE_CONFIGS[name])
 
 
 @pytest.mark.parametrize("family, backend", [("llama", "sdpa"), ("qwen2", "eager"), ("gemma3", "sdpa")])
@@ -274,12 +263,4 @@ def test_budget_at_or_above_prompt_reproduces_unpatched_outputs(family, backend,
 def test_each_row_of_a_left_padded_batch_equals_its_single_row_run(family, backend, name):
     model = tiny_model(family, backend)
     replace_for(family)(max_capacity_prompts=24, window_size=8, **MERGE_CONFIGS[name])
-    lengths = [90, 64, 41]
-    input_ids, attention_mask = left_padded(lengths)
-    batched = greedy(model, input_ids, attention_mask)
-    width = input_ids.shape[1]
-    for row, length in enumerate(lengths):
-        alone = greedy(model, input_ids[row : row + 1, width - length :])
-        assert torch.equal(batched.sequences[row, width:], alone.sequences[0, length:])
-        for step_batched, step_alone in zip(batched.logits, alone.logits):
-            torch.testing.assert_close(step_batched[row], step_alone[0], rtol=1e-4, atol=1e-4)
+    assert_rows_match_single_row_runs(model, [90, 64, 41])

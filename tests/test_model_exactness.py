@@ -2,26 +2,20 @@
 batch 1 and a left-padded batch of 3)."""
 
 import pytest
-import torch
 
 from restkv.cache import cache_report
 from restkv.compat import output_cache
-from tiny_models import FAMILY_BACKENDS, left_padded, random_prompt, replace_for, tiny_model
+from tiny_models import (
+    FAMILY_BACKENDS,
+    assert_patch_reproduces_unpatched,
+    greedy,
+    left_padded,
+    random_prompt,
+    replace_for,
+    tiny_model,
+)
 
 NEW_TOKENS = 6
-
-
-def greedy(model, input_ids, attention_mask=None):
-    return model.generate(
-        input_ids,
-        attention_mask=attention_mask,
-        max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,  # never stop early on EOS: rows stay comparable
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
 
 
 @pytest.mark.parametrize("family, backend", FAMILY_BACKENDS)
@@ -32,12 +26,8 @@ def test_budget_at_or_above_prompt_reproduces_unpatched_outputs(family, backend,
         input_ids, attention_mask = random_prompt(1, 70), None
     else:
         input_ids, attention_mask = left_padded([70, 52, 31])
-    reference = greedy(model, input_ids, attention_mask)
-    replace_for(family)(method="snapkv", max_capacity_prompts=70, window_size=8)
-    patched = greedy(model, input_ids, attention_mask)
-    assert torch.equal(patched.sequences, reference.sequences)
-    for ours, theirs in zip(patched.logits, reference.logits):
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert_patch_reproduces_unpatched(model, family, input_ids, attention_mask, new_tokens=NEW_TOKENS,
+                                      method="snapkv", max_capacity_prompts=70, window_size=8)
 
 
 @pytest.mark.parametrize("family, backend", FAMILY_BACKENDS)
@@ -45,7 +35,7 @@ def test_compression_changes_the_cache_for_every_family(family, backend):
     """The same prompt under a small budget really is compressed (no silent fallback)."""
     model = tiny_model(family, backend)
     replace_for(family)(method="snapkv", max_capacity_prompts=24, window_size=8)
-    out = greedy(model, random_prompt(1, 70))
+    out = greedy(model, random_prompt(1, 70), new_tokens=NEW_TOKENS)
     reports = cache_report(output_cache(out))
     assert all(report.compressed for report in reports)
     assert {report.stored_max for report in reports} == {24 + NEW_TOKENS - 1}

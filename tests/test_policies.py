@@ -7,14 +7,7 @@ import torch
 
 from restkv import compress_kv
 from restkv.policies.h2o import QUERY_CHUNK
-
-
-def random_qkv(batch=1, heads=4, kv_heads=2, length=96, dim=16, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    query = torch.randn(batch, heads, length, dim, generator=generator) * 2
-    key = torch.randn(batch, kv_heads, length, dim, generator=generator) * 2
-    value = torch.randn(batch, kv_heads, length, dim, generator=generator)
-    return query, key, value
+from tiny_models import random_qkv
 
 
 def dense_attention(query, key, kv_heads):

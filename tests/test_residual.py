@@ -8,8 +8,8 @@ import torch
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.attention import LayerParams, Segment, _attend_compressed, attend_segments
 from restkv.cache import CompressedLayer, cache_nbytes
-from restkv.compat import output_cache, with_cache
-from restkv.generation import generate_after_context, position_ids_from_mask, prefill
+from restkv.compat import output_cache
+from restkv.generation import generate_after_context, prefill
 from restkv.residual import (
     Branch,
     ResidualReadout,
@@ -19,19 +19,25 @@ from restkv.residual import (
     lloyd_kmeans,
     split_observations,
 )
-from tiny_models import FAMILY_BACKENDS, left_padded, random_prompt, replace_for, tiny_model
+from tiny_models import (
+    FAMILY_BACKENDS,
+    assert_rows_match_single_row_runs,
+    decode_in_chunks,
+    greedy,
+    random_prompt,
+    random_qkv,
+    replace_for,
+    tiny_model,
+)
 
 GATE_OFF = ResidualReadout(gate=False)
 PAPER = ResidualReadout()
+NEW_TOKENS = 4
 
 
-def qkv(batch=1, heads=6, kv_heads=2, length=120, dim=8, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(batch, heads, length, dim, generator=generator) * 2,
-        torch.randn(batch, kv_heads, length, dim, generator=generator) * 2,
-        torch.randn(batch, kv_heads, length, dim, generator=generator),
-    )
+def qkv(heads=6, length=120, dim=8, **options):
+    """:func:`random_qkv` with this file's default shapes."""
+    return random_qkv(heads=heads, length=length, dim=dim, **options)
 
 
 def residual_config(method="snapkv", budget=40, **options):
@@ -315,14 +321,11 @@ def test_every_evicted_token_as_its_own_entry_decodes_like_the_full_cache(family
     replace_for(family)(method="snapkv", max_capacity_prompts=20, window_size=8, residual=True)
     mask = torch.ones(1, 40, dtype=torch.long)
     step = torch.tensor([[7, 9, 11]])  # a question chunk, then single tokens
-    for chunk in (step, step[:, :1], step[:, 1:2]):
-        mask = torch.cat([mask, torch.ones_like(chunk)], dim=-1)
-        positions = position_ids_from_mask(mask)[:, -chunk.shape[1] :]
-        with torch.no_grad():
-            reference = model(chunk, attention_mask=mask, position_ids=positions, **with_cache(native)).logits
-            ours = model(chunk, attention_mask=mask, position_ids=positions, **with_cache(exact)).logits
-            paper = model(chunk, attention_mask=mask, position_ids=positions, **with_cache(gated)).logits
-        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
+    references = decode_in_chunks(model, native, mask, step)
+    ours = decode_in_chunks(model, exact, mask, step)
+    papers = decode_in_chunks(model, gated, mask, step)
+    for reference, our, paper in zip(references, ours, papers, strict=True):
+        torch.testing.assert_close(our, reference, rtol=1e-4, atol=1e-4)
         assert not torch.allclose(paper, reference, rtol=1e-4, atol=1e-4)  # g <= 0.9526: not exact
 
 
@@ -423,27 +426,13 @@ def test_left_padded_rows_equal_their_single_row_runs_and_runs_repeat_bit_for_bi
             assert torch.equal(batched.residual_positions[row, :, -width:], alone.residual_positions[0])
 
 
-def greedy(model, input_ids, attention_mask=None):
-    return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, min_new_tokens=4,
-                          do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-
-
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
 def test_model_batch_rows_equal_single_rows_with_residual_entries(backend):
     model = tiny_model("llama", backend)
     replace_for("llama")(method="snapkv", max_capacity_prompts=24, window_size=8, residual=True,
                          residual_no_validation=True, residual_fixed_ratio=0.2)
-    lengths = [90, 64, 41]
-    input_ids, attention_mask = left_padded(lengths)
-    batched = greedy(model, input_ids, attention_mask)
-    layer = output_cache(batched).layers[0]
-    assert layer.residual_counts.tolist() == [[4, 4]] * 3
-    width = input_ids.shape[1]
-    for row, length in enumerate(lengths):
-        alone = greedy(model, input_ids[row : row + 1, width - length :])
-        assert torch.equal(batched.sequences[row, width:], alone.sequences[0, length:])
-        for step_batched, step_alone in zip(batched.logits, alone.logits):
-            torch.testing.assert_close(step_batched[row], step_alone[0], rtol=1e-4, atol=1e-4)
+    batched = assert_rows_match_single_row_runs(model, [90, 64, 41], new_tokens=NEW_TOKENS)
+    assert output_cache(batched).layers[0].residual_counts.tolist() == [[4, 4]] * 3
 
 
 def test_beam_search_reorders_residual_entries_with_their_rows():
@@ -467,7 +456,7 @@ def test_query_aware_and_query_agnostic_generation_with_residual_entries(family,
     options = dict(method="snapkv", max_capacity_prompts=30, window_size=8)
     replace_for(family)(**options, residual=True, residual_no_validation=True, residual_fixed_ratio=0.2)
     prompt = random_prompt(1, 100)
-    aware = greedy(model, prompt)
+    aware = greedy(model, prompt, new_tokens=NEW_TOKENS)
     cache = output_cache(aware)
     assert all(layer.residual_counts.tolist() == [[6, 6]] for layer in cache.layers)
     new, agnostic_cache = generate_after_context(model, prompt[:, :80], prompt[:, 80:], max_new_tokens=3,
@@ -478,7 +467,7 @@ def test_query_aware_and_query_agnostic_generation_with_residual_entries(family,
     # The residual entries change the decode steps' logits relative to the base method (the first
     # step's logits come from the uncompressed prefill).
     replace_for(family)(**options)
-    base = greedy(model, prompt)
+    base = greedy(model, prompt, new_tokens=NEW_TOKENS)
     assert torch.equal(aware.logits[0], base.logits[0]) and not torch.allclose(aware.logits[1], base.logits[1])
 
 
@@ -490,7 +479,8 @@ def test_separate_softmax_and_no_gate_ablations_change_the_model_output():
                         ("separate", dict(residual_separate_softmax=True))):
         replace_for("llama")(method="snapkv", max_capacity_prompts=30, window_size=8, residual=True,
                              residual_no_validation=True, **extra)
-        logits[name] = greedy(model, prompt).logits[1]  # the first step read from the compressed cache
+        # logits[1]: the first step read from the compressed cache
+        logits[name] = greedy(model, prompt, new_tokens=NEW_TOKENS).logits[1]
     assert not torch.allclose(logits["paper"], logits["no_gate"])
     assert not torch.allclose(logits["paper"], logits["separate"])
 
@@ -529,7 +519,7 @@ def test_sliding_window_layers_compress_with_residual_entries_in_a_model():
     model = tiny_model("gemma3", "sdpa", sliding_window=32)
     replace_for("gemma3")(method="snapkv", max_capacity_prompts=16, window_size=4, residual=True,
                           residual_no_validation=True, residual_fixed_ratio=0.25)
-    out = greedy(model, random_prompt(1, 80))
+    out = greedy(model, random_prompt(1, 80), new_tokens=NEW_TOKENS)
     cache = output_cache(out)
     sliding = [layer for layer in cache.layers if layer.sliding_window is not None]
     assert sliding and all(layer.residual_columns is not None for layer in sliding)

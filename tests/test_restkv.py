@@ -15,7 +15,15 @@ from restkv.policies.base import ScoringContext
 from restkv.policies.restkv import _projected_norms
 from restkv.scoring import window_attention
 from restkv.temporal import aggregate_queries
-from tiny_models import FAMILY_BACKENDS, left_padded, random_prompt, replace_for, tiny_model
+from tiny_models import (
+    FAMILY_BACKENDS,
+    assert_patch_reproduces_unpatched,
+    assert_rows_match_single_row_runs,
+    left_padded,
+    random_prompt,
+    replace_for,
+    tiny_model,
+)
 
 
 def random_qkv(batch=1, heads=4, kv_heads=2, length=96, dim=8, hidden=24, seed=0):
@@ -542,37 +550,18 @@ def test_left_padded_rows_equal_their_single_row_runs(mode):
 
 
 # ----------------------------------------------------------------------------- models
-def greedy(model, input_ids, attention_mask=None):
-    return model.generate(
-        input_ids, attention_mask=attention_mask, max_new_tokens=5, min_new_tokens=5, do_sample=False,
-        output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-    )
-
-
 @pytest.mark.parametrize("family, backend", FAMILY_BACKENDS)
 @pytest.mark.parametrize("batch", ["single", "left_padded_3"])
 def test_budget_at_or_above_prompt_reproduces_unpatched_outputs(family, backend, batch):
     model = tiny_model(family, backend)
     input_ids, attention_mask = (random_prompt(1, 70), None) if batch == "single" else left_padded([70, 52, 31])
-    reference = greedy(model, input_ids, attention_mask)
-    replace_for(family)(method="restkv", max_capacity_prompts=70, window_size=8)
-    patched = greedy(model, input_ids, attention_mask)
-    assert torch.equal(patched.sequences, reference.sequences)
-    for ours, theirs in zip(patched.logits, reference.logits):
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert_patch_reproduces_unpatched(model, family, input_ids, attention_mask, method="restkv",
+                                      max_capacity_prompts=70, window_size=8)
 
 
 @pytest.mark.parametrize("family, backend", FAMILY_BACKENDS)
 def test_model_rows_of_a_left_padded_batch_equal_their_single_row_runs(family, backend):
-    lengths = [90, 64, 41]
     model = tiny_model(family, backend)
     replace_for(family)(method="restkv", max_capacity_prompts=24, window_size=8, scale=1.0)
-    input_ids, attention_mask = left_padded(lengths)
-    batched = greedy(model, input_ids, attention_mask)
-    width = input_ids.shape[1]
-    for row, length in enumerate(lengths):
-        alone = greedy(model, input_ids[row : row + 1, width - length :])
-        assert torch.equal(batched.sequences[row, width:], alone.sequences[0, length:])
-        for step_batched, step_alone in zip(batched.logits, alone.logits):
-            torch.testing.assert_close(step_batched[row], step_alone[0], rtol=1e-4, atol=1e-4)
+    batched = assert_rows_match_single_row_runs(model, [90, 64, 41])
     assert batched.past_key_values.layers[0].kept_counts.tolist() == [[24] * model.config.num_key_value_heads] * 3

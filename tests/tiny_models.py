@@ -1,4 +1,5 @@
-"""Tiny randomly initialised models of every supported family, for fast CPU tests."""
+"""Tiny randomly initialised models of every supported family, for fast CPU tests, and the
+random inputs, generation and comparison helpers the tests share."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from restkv.compat import with_cache
+from restkv.generation import position_ids_from_mask
 from restkv.monkeypatch import replace_gemma, replace_llama, replace_mistral, replace_qwen2
 
 COMMON = dict(
@@ -89,6 +92,7 @@ def replace_for(family: str):
 
 
 def random_prompt(batch: int, length: int, seed: int = 1, vocab: int = 256) -> torch.Tensor:
+    """Random token ids ``[batch, length]``, avoiding the pad, BOS and EOS ids (0-2)."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, length), generator=generator)
 
@@ -102,3 +106,61 @@ def left_padded(lengths: list[int], seed: int = 1) -> tuple[torch.Tensor, torch.
         ids[row, width - length :] = random_prompt(1, length, seed=seed + row)[0]
         mask[row, width - length :] = 1
     return ids, mask
+
+
+def random_qkv(batch=1, heads=4, kv_heads=2, length=96, dim=16, seed=0):
+    """Random post-RoPE ``(query, key, value)``: ``[batch, heads | kv_heads, length, dim]``, with
+    queries and keys scaled by 2 so attention is peaked. One generator, drawn in that order."""
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, heads, length, dim, generator=generator) * 2
+    key = torch.randn(batch, kv_heads, length, dim, generator=generator) * 2
+    value = torch.randn(batch, kv_heads, length, dim, generator=generator)
+    return query, key, value
+
+
+def greedy(model, input_ids, attention_mask=None, new_tokens=5):
+    """Greedy generation of exactly ``new_tokens`` tokens (never stopping early on EOS, so rows
+    stay comparable), returning the sequences, the per-step logits and the cache."""
+    return model.generate(
+        input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+    )
+
+
+def assert_patch_reproduces_unpatched(model, family, input_ids, attention_mask=None, new_tokens=5, **options):
+    """Patch ``family`` with ``options`` and check that greedy generation is unchanged: the same
+    tokens and the same logits (to 1e-5) as the unpatched model."""
+    reference = greedy(model, input_ids, attention_mask, new_tokens)
+    replace_for(family)(**options)
+    patched = greedy(model, input_ids, attention_mask, new_tokens)
+    assert torch.equal(patched.sequences, reference.sequences)
+    for ours, theirs in zip(patched.logits, reference.logits):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def assert_rows_match_single_row_runs(model, lengths: list[int], new_tokens=5):
+    """Greedy-generate a left-padded batch of prompts of ``lengths`` and check each row against
+    its prompt run alone: the same new tokens and the same logits (to 1e-4). Returns the batched
+    generation output."""
+    input_ids, attention_mask = left_padded(lengths)
+    batched = greedy(model, input_ids, attention_mask, new_tokens)
+    width = input_ids.shape[1]
+    for row, length in enumerate(lengths):
+        alone = greedy(model, input_ids[row : row + 1, width - length :], new_tokens=new_tokens)
+        assert torch.equal(batched.sequences[row, width:], alone.sequences[0, length:])
+        for step_batched, step_alone in zip(batched.logits, alone.logits):
+            torch.testing.assert_close(step_batched[row], step_alone[0], rtol=1e-4, atol=1e-4)
+    return batched
+
+
+def decode_in_chunks(model, cache, attention_mask, step):
+    """Decode ``step`` ``[batch, 3]`` after a prefilled ``cache``: first as one 3-token chunk, then
+    as two single tokens. Returns each chunk's logits; ``cache`` is extended in place."""
+    mask = attention_mask
+    logits = []
+    for chunk in (step, step[:, :1], step[:, 1:2]):
+        mask = torch.cat([mask, torch.ones_like(chunk)], dim=-1)
+        positions = position_ids_from_mask(mask)[:, -chunk.shape[1] :]
+        with torch.no_grad():
+            logits.append(model(chunk, attention_mask=mask, position_ids=positions, **with_cache(cache)).logits)
+    return logits
