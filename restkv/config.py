@@ -294,11 +294,31 @@ def option_names() -> list[str]:
     return [f.name for f in dataclasses.fields(CompressionConfig)]
 
 
+def method_spec_options(spec: str) -> dict[str, Any]:
+    """``snapkv+residual`` -> ``{"method": "snapkv", "residual": True}``: a method with boolean
+    switches, the short form the sweep and benchmark scripts take for a variant."""
+    method, *switches = spec.split("+")
+    booleans = {f.name for f in dataclasses.fields(CompressionConfig) if f.type in (bool, "bool")}
+    for switch in switches:
+        if switch not in booleans:
+            raise ConfigError(f"{spec!r}: {switch!r} is not a boolean option; use METHOD or METHOD+SWITCH with "
+                              f"SWITCH one of {', '.join(sorted(booleans))}")
+    return {"method": method, **{switch: True for switch in switches}}
+
+
 def _require_int(value: Any, name: str, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"--{name} must be an integer >= {minimum}; got {value!r}")
     if value < minimum:
         raise ConfigError(f"--{name} must be >= {minimum}; got {value}")
+
+
+def _require_finite(config: CompressionConfig, *names: str) -> None:
+    """Numeric options must be real finite numbers (not bools, strings, inf or NaN)."""
+    for name in names:
+        value = getattr(config, name)
+        if not (_is_number(value) and math.isfinite(value)):
+            raise ConfigError(f"--{name} must be a finite number; got {value!r}")
 
 
 def _require_choice(value: Any, name: str, choices: tuple[str, ...]) -> None:
@@ -322,10 +342,7 @@ def _check_allocation_and_merging(config: CompressionConfig) -> None:
         raise ConfigError(f"--use_pyramid selects the pyramid allocation; it cannot be combined with "
                           f"{own or config.allocation}")
     _require_int(config.pyramid_beta, "pyramid_beta", minimum=1)
-    for name in ("floor", "head_beta", "head_temp"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"--{name} must be a number; got {value!r}")
+    _require_finite(config, "floor", "head_beta", "head_temp")
     if not 0.0 <= config.floor <= 1.0:
         raise ConfigError(f"--floor must lie in [0, 1] (a fraction of each head's budget); got {config.floor}")
     if config.head_beta < 1.0:
@@ -357,10 +374,7 @@ def _check_restkv(config: CompressionConfig) -> None:
     for name in ("use_wo", "use_ema", "use_norm"):
         if not isinstance(getattr(config, name), bool):
             raise ConfigError(f"--{name} must be a boolean (--{name} / --no-{name}); got {getattr(config, name)!r}")
-    for name in ("alpha", "scale", "tau"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"--{name} must be a finite number; got {value!r}")
+    _require_finite(config, "alpha", "scale", "tau")
     if not 0.0 <= config.alpha <= 1.0:
         raise ConfigError(f"--alpha must lie in [0, 1] (the EMA weight of the newest window query); got {config.alpha}")
     if config.scale <= 0:

@@ -1,13 +1,23 @@
 """Prefill time, decode time per token and cache bytes: methods side by side in one run.
 
-    python scripts/efficiency.py --model_path smollm2-135m --lengths 2048 4096 8192 \
-        --methods fullkv snapkv --budget_fraction 0.1 --repeats 3
+    python scripts/efficiency.py --lengths 2048 4096 8192 --methods fullkv snapkv
+    python scripts/efficiency.py --lengths 4096 --methods snapkv restkv adakv snapkv+residual \
+        --budget_fractions 0.1 0.2 --repeats 5 --threads 1 --scoring
 
-Every repetition runs each method on the same prompt, interleaved, so slow phases of a
-shared machine hit all methods alike; the table reports medians and ratios to the first
-method. Rows go to ``--out`` (``results/efficiency.json``) for
-``visualization/`` plots: {method, prompt_tokens, budget, prefill_s, decode_s_per_token,
-cache_bytes}.
+A method may carry boolean switches after ``+`` (``snapkv+residual``, ``restkv+use_pyramid``).
+Every repetition runs all methods on the same prompt in a rotating order, so slow phases of a
+shared machine hit them alike; the table gives medians, ratios to ``--baseline`` (snapkv when
+it runs) and the median of the per-repetition prefill ratios (each repetition times the
+methods back to back, so its own ratio cancels slow drifts). ``--scoring`` also times
+``compress_kv`` alone on layer-shaped random tensors: the scorer's own cost, without the
+model's forward around it. ``--threads 1`` gives far steadier numbers on a busy machine
+(torch's thread pool waits on descheduled threads at every operation).
+
+The prompt is the project's deterministic synthetic prose (``--prompt random``: random token
+ids), so attention, and what data-dependent methods decide, look like a real run's. Every
+compressing run is checked to have compressed. Rows go to ``--out`` for ``visualization/``:
+{method, prompt_tokens, budget, prefill_s, decode_s_per_token, cache_bytes, kept_share,
+residual_share}. A measurement, not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -19,79 +29,158 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
-from restkv.cache import cache_nbytes
+from restkv.benchmarks.haystack import synthetic_prose
+from restkv.cache import cache_report
 from restkv.compat import with_cache
+from restkv.compress import compress_kv
+from restkv.config import method_spec_options
 from restkv.generation import prefill
-from restkv.models import load_model
-from restkv.monkeypatch import configure, replace_for_model
+from restkv.models import load_model, load_tokenizer
+from restkv.monkeypatch import replace_for_model
 
 
-def measure(model, prompt: torch.Tensor, decode_steps: int) -> tuple[float, float, int]:
-    """(prefill seconds, decode seconds per token, cache bytes after the prefill)."""
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_path", default="smollm2-135m")
+    parser.add_argument("--attn_implementation", default="sdpa")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192], help="prompt tokens")
+    parser.add_argument("--methods", nargs="+", default=["fullkv", "snapkv"], help="METHOD or METHOD+SWITCH...")
+    parser.add_argument("--baseline", default=None, help="method the ratios refer to (default: snapkv if run)")
+    parser.add_argument("--budget_fractions", type=float, nargs="+", default=[0.1],
+                        help="budget = fraction x prompt tokens, per layer and KV head")
+    parser.add_argument("--decode_steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt", choices=["prose", "random"], default="prose")
+    parser.add_argument("--scoring", action="store_true", help="also time compress_kv alone per method")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--out", default="results/efficiency.json")
+    args = parser.parse_args()
+    for spec in args.methods:
+        method_spec_options(spec)  # a bad spec fails before the model loads
+    args.baseline = args.baseline or ("snapkv" if "snapkv" in args.methods else args.methods[0])
+    if args.baseline not in args.methods:
+        parser.error(f"--baseline {args.baseline} is not among --methods")
+    return args
+
+
+def make_prompt(tokenizer, vocab_size: int, length: int, kind: str) -> torch.Tensor:
+    if kind == "random":
+        generator = torch.Generator().manual_seed(length)
+        return torch.randint(100, vocab_size, (1, length), generator=generator)
+    ids = tokenizer(synthetic_prose(length), return_tensors="pt").input_ids[:, :length]
+    if ids.shape[1] < length:
+        raise SystemExit(f"the synthetic prose gave only {ids.shape[1]} of {length} tokens")
+    return ids
+
+
+def measure(model, prompt: torch.Tensor, decode_steps: int, compressing: bool) -> dict:
+    """Prefill seconds, decode seconds per token, and what the cache holds after the prefill."""
     start = time.perf_counter()
-    cache: DynamicCache = prefill(model, prompt)
+    cache = prefill(model, prompt)
     prefill_s = time.perf_counter() - start
-    nbytes = cache_nbytes(cache)
+    reports = cache_report(cache)
+    if compressing and not any(report.compressed for report in reports):
+        raise SystemExit("a compressing method kept every token: raise --lengths or lower --budget_fractions")
+    seen = sum(report.tokens_seen for report in reports)
+    exact = sum(report.stored_mean for report in reports)
+    residual = sum(report.residual for report in reports)
     token = prompt[:, -1:]
     with torch.no_grad():
         start = time.perf_counter()
         for _ in range(decode_steps):
             token = model(token, logits_to_keep=1, **with_cache(cache)).logits[:, -1:].argmax(dim=-1)
     decode_s = (time.perf_counter() - start) / decode_steps
-    return prefill_s, decode_s, nbytes
+    return dict(prefill_s=prefill_s, decode_s_per_token=decode_s, cache_bytes=sum(r.nbytes for r in reports),
+                kept_share=(exact + residual) / seen, residual_share=residual / max(exact + residual, 1e-9))
+
+
+def time_scoring(model, specs: list[str], length: int, budget: int, repeats: int) -> dict[str, float]:
+    """Median seconds of ``compress_kv`` over every layer, per method, on random layer-shaped tensors."""
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, heads, length, head_dim, generator=generator)
+    key, value = (torch.randn(1, kv_heads, length, head_dim, generator=generator) for _ in range(2))
+    weights = [layer.self_attn.o_proj.weight.detach() for layer in model.model.layers]
+    times: dict[str, list[float]] = {spec: [] for spec in specs}
+    for repeat in range(repeats + 1):  # round 0 warms up
+        for spec in rotated(specs, repeat):
+            options = dict(method_spec_options(spec), max_capacity_prompts=budget)
+            start = time.perf_counter()
+            for layer_idx, weight in enumerate(weights):
+                compress_kv(query, key, value, options, layer_idx, len(weights), weight)
+            if repeat:
+                times[spec].append(time.perf_counter() - start)
+    return {spec: statistics.median(values) for spec, values in times.items()}
+
+
+def rotated(names: list[str], shift: int) -> list[str]:
+    shift %= len(names)
+    return names[shift:] + names[:shift]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model_path", default="smollm2-135m")
-    parser.add_argument("--attn_implementation", default="sdpa")
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
-    parser.add_argument("--methods", nargs="+", default=["fullkv", "snapkv"])
-    parser.add_argument("--budget_fraction", type=float, default=0.1, help="budget = fraction x prompt tokens")
-    parser.add_argument("--decode_steps", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="results/efficiency.json")
-    args = parser.parse_args()
-
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = load_model(args.model_path, attn_implementation=args.attn_implementation, dtype=args.dtype)
-    replace_for_model(model, method="fullkv")
-    generator = torch.Generator().manual_seed(0)
+    tokenizer = load_tokenizer(args.model_path)
+    replace_for_model(model, method="snapkv", max_capacity_prompts=64)
     rows = []
-    for length in args.lengths:
-        prompt = torch.randint(100, model.config.vocab_size, (1, length), generator=generator).to(model.device)
-        budget = max(int(length * args.budget_fraction), 64)
-        samples = {method: [] for method in args.methods}
-        measure(model, prompt[:, :256], 2)  # warm-up
-        for _ in range(args.repeats):
-            for method in args.methods:
-                options = {} if method == "fullkv" else {"max_capacity_prompts": budget}
-                configure(model, method=method, **options)
-                samples[method].append(measure(model, prompt, args.decode_steps))
-        for method, runs in samples.items():
-            prefill_s, decode_s, nbytes = (statistics.median(column) for column in zip(*runs))
-            rows.append(
-                dict(method=method, prompt_tokens=length, budget=None if method == "fullkv" else budget,
-                     prefill_s=prefill_s, decode_s_per_token=decode_s, cache_bytes=int(nbytes))
-            )
-        print_table([r for r in rows if r["prompt_tokens"] == length])
+    with torch.no_grad():
+        for length in args.lengths:
+            prompt = make_prompt(tokenizer, model.config.vocab_size, length, args.prompt).to(model.device)
+            measure(model, prompt[:, :512], 2, compressing=True)  # warm-up
+            for fraction in args.budget_fractions:
+                budget = int(length * fraction)
+                runs: dict[str, list[dict]] = {spec: [] for spec in args.methods}
+                for repeat in range(args.repeats):
+                    for spec in rotated(args.methods, repeat):
+                        options = method_spec_options(spec)
+                        # A fresh config each time: switches of the previous variant must not linger.
+                        replace_for_model(model, **options, **({} if options["method"] == "fullkv" else
+                                                               {"max_capacity_prompts": budget}))
+                        runs[spec].append(measure(model, prompt, args.decode_steps, options["method"] != "fullkv"))
+                        print(f"  {length} tokens, budget {budget}, repeat {repeat}: {spec:18s} "
+                              f"prefill {runs[spec][-1]['prefill_s']:.3f} s", flush=True)
+                scoring = time_scoring(model, [s for s in args.methods if s != "fullkv"], length, budget,
+                                       args.repeats) if args.scoring else {}
+                block = [summarise(spec, length, budget, spec_runs, runs[args.baseline], scoring.get(spec))
+                         for spec, spec_runs in runs.items()]
+                print_table(block, args.baseline)
+                rows.extend(block)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.out}")
 
 
-def print_table(rows: list[dict]) -> None:
-    base = rows[0]
-    print(f"\nprompt {base['prompt_tokens']} tokens (ratios vs {base['method']})")
-    print(f"{'method':>14} {'budget':>7} {'prefill s':>10} {'ratio':>6} {'decode ms/tok':>14} {'ratio':>6} {'cache MiB':>10} {'ratio':>6}")
+def summarise(spec: str, length: int, budget: int, runs: list[dict], baseline: list[dict],
+              scoring_s: float | None) -> dict:
+    """Medians over the repetitions, plus the median of the per-repetition prefill ratios."""
+    row = dict(method=spec, prompt_tokens=length, budget=None if spec == "fullkv" else budget)
+    row.update({key: statistics.median(run[key] for run in runs) for key in runs[0]})
+    row["paired_prefill_ratio"] = statistics.median(a["prefill_s"] / b["prefill_s"] for a, b in zip(runs, baseline))
+    row["compress_kv_s"] = scoring_s
+    row["runs"] = runs
+    return row
+
+
+def print_table(rows: list[dict], baseline: str) -> None:
+    base = next(row for row in rows if row["method"] == baseline)
+    print(f"\n{base['prompt_tokens']}-token prompt, budget {base['budget']} (ratios vs {baseline})")
+    print(f"{'method':>18} {'prefill s':>9} {'ratio':>6} {'paired':>6} {'decode ms/tok':>13} {'ratio':>6} "
+          f"{'cache MiB':>9} {'ratio':>6} {'kept':>6} {'residual':>8} {'compress_kv s':>13}")
     for row in rows:
+        scoring = "-" if row["compress_kv_s"] is None else f"{row['compress_kv_s']:.3f}"
         print(
-            f"{row['method']:>14} {str(row['budget'] or '-'):>7} {row['prefill_s']:>10.3f} "
-            f"{row['prefill_s'] / base['prefill_s']:>6.3f} {1000 * row['decode_s_per_token']:>14.2f} "
-            f"{row['decode_s_per_token'] / base['decode_s_per_token']:>6.3f} {row['cache_bytes'] / 2**20:>10.2f} "
-            f"{row['cache_bytes'] / base['cache_bytes']:>6.4f}"
+            f"{row['method']:>18} {row['prefill_s']:>9.3f} {row['prefill_s'] / base['prefill_s']:>6.3f} "
+            f"{row['paired_prefill_ratio']:>6.3f} {1000 * row['decode_s_per_token']:>13.2f} "
+            f"{row['decode_s_per_token'] / base['decode_s_per_token']:>6.3f} {row['cache_bytes'] / 2**20:>9.2f} "
+            f"{row['cache_bytes'] / base['cache_bytes']:>6.4f} {row['kept_share']:>6.1%} "
+            f"{row['residual_share']:>8.1%} {scoring:>13}"
         )
 
 

@@ -8,18 +8,13 @@ Any other scorer gets the same allocation with ``--allocation headkv``.
 
 from __future__ import annotations
 
-import torch
-
 from restkv.policies import register_policy
-from restkv.policies.adakv import window_mean_scores
-from restkv.policies.base import Policy, ScoringContext
+from restkv.policies.adakv import AdaKV
 
 
 @register_policy
-class HeadKV(Policy):
-    name = "headkv"
-    uses_pooling = True
-    allocation = "headkv"
+class HeadKV(AdaKV):
+    """AdaKV's scores; only the allocation differs."""
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
-        return window_mean_scores(ctx)
+    name = "headkv"
+    allocation = "headkv"
