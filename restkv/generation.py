@@ -65,3 +65,32 @@ def generate_after_context(
     sequences = output.sequences if hasattr(output, "sequences") else output
     new_tokens = sequences[:, input_ids.shape[-1] :]
     return (new_tokens, cache) if return_cache else new_tokens
+
+
+@torch.no_grad()
+def answer_nll(model, prompt_ids: torch.Tensor, answer_ids: torch.Tensor,
+               question_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Teacher-forced negative log-likelihood of ``answer_ids`` under the compressed cache.
+
+    A continuous quality measure for comparing methods where exact-match scores are too coarse
+    (small models, few samples). ``prompt_ids`` ``[1, L]`` is prefilled (and compressed) in one
+    pass, so with ``question_ids`` ``[1, Q]`` this is the query-agnostic setting: the question and
+    the answer are then fed as new tokens attending to the compressed context. Returns the NLL of
+    each answer token, ``[A]`` float32 (natural log).
+    """
+    if prompt_ids.shape[0] != 1 or answer_ids.shape[0] != 1:
+        raise ValueError("answer_nll scores one row at a time")
+    if answer_ids.shape[-1] == 0:
+        raise ValueError("answer_nll needs at least one answer token")
+    cache = DynamicCache(config=model.config)
+    first = model(input_ids=prompt_ids, use_cache=True, logits_to_keep=1, **with_cache(cache)).logits[:, -1:]
+    question = question_ids if question_ids is not None else prompt_ids[:, :0]
+    rest = torch.cat([question, answer_ids[:, :-1]], dim=-1)
+    logits = first
+    if rest.shape[-1]:
+        start = prompt_ids.shape[-1]
+        positions = torch.arange(start, start + rest.shape[-1], device=rest.device)[None]
+        later = model(input_ids=rest, position_ids=positions, **with_cache(cache)).logits
+        logits = torch.cat([first, later], dim=1)
+    predicting = logits[0, question.shape[-1]:].float()  # the logits that predict each answer token
+    return torch.nn.functional.cross_entropy(predicting, answer_ids[0], reduction="none")

@@ -4,7 +4,7 @@ import torch
 
 from restkv.attention import _tail_visibility, key_validity
 from restkv.cache import CompressedLayer
-from restkv.generation import generate_after_context
+from restkv.generation import answer_nll, generate_after_context
 from tiny_models import left_padded, random_prompt, replace_for, tiny_model
 
 GENERATE = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
@@ -66,3 +66,27 @@ def test_tail_visibility_is_causal_within_the_chunk_and_respects_padding():
     four_d[:, :, 0, -1] = False
     assert torch.equal(_tail_visibility(four_d, 2, 2, 4, "cpu"), visible)
     assert _tail_visibility(None, 1, 2, 4, "cpu")[0].tolist() == [[True, True, True, False], [True] * 4]
+
+
+def test_answer_nll_with_a_large_budget_equals_the_unpatched_model():
+    model = tiny_model("llama")
+    context, question, answer = random_prompt(1, 60, seed=1), random_prompt(1, 5, seed=2), random_prompt(1, 4, seed=3)
+    full = torch.cat([context, question, answer], dim=-1)
+    logits = model(full).logits[0, 64:-1].float()
+    reference = torch.nn.functional.cross_entropy(logits, answer[0], reduction="none")
+    replace_for("llama")(method="snapkv", max_capacity_prompts=100, window_size=8)
+    aware = answer_nll(model, torch.cat([context, question], dim=-1), answer)
+    agnostic = answer_nll(model, context, answer, question_ids=question)
+    torch.testing.assert_close(aware, reference, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(agnostic, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_answer_nll_sees_the_compression():
+    model = tiny_model("qwen2")
+    context, answer = random_prompt(1, 90, seed=4), random_prompt(1, 3, seed=5)
+    replace_for("qwen2")(method="snapkv", max_capacity_prompts=100, window_size=8)
+    full = answer_nll(model, context, answer)
+    replace_for("qwen2")(method="streamingllm", max_capacity_prompts=20, window_size=8)
+    compressed = answer_nll(model, context, answer)
+    assert compressed.shape == full.shape == (3,)
+    assert not torch.allclose(compressed, full)
