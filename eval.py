@@ -8,32 +8,7 @@ run gets a row. Writes ``metrics.json`` in every run folder and ``results.json``
 ``answers``, ``all_classes``, ``length`` per line) are scored the same way.
 """
 
-import argparse
-import sys
-
-from restkv.benchmarks import longbench
-from restkv.benchmarks.runner import DataError
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--results_dir", required=True, help="a run folder, or a folder of run folders")
-    parser.add_argument("--datasets", nargs="+", default=None, help="score only these datasets")
-    parser.add_argument("--buckets", action="store_true",
-                        help="print length buckets for every dataset (always for LongBench-E ones)")
-    return parser.parse_args(argv)
-
-
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    try:
-        evaluations = longbench.evaluate_results_dir(args.results_dir, args.datasets)
-    except DataError as error:
-        sys.exit(f"error: {error}")
-    print(longbench.format_evaluations(evaluations, buckets=args.buckets))
-    print(f"\nwritten: {args.results_dir}/results.json, {args.results_dir}/results.csv")
-    return evaluations
-
+from restkv.benchmarks.longbench import evaluate
 
 if __name__ == "__main__":
-    main()
+    evaluate()

@@ -8,8 +8,7 @@ Flags and output layout: ``python run_longbench.py --help`` and restkv/benchmark
 Score the predictions with ``python eval.py --results_dir <save_dir>/<model>``.
 """
 
-from restkv.benchmarks import longbench
-from restkv.benchmarks.runner import main
+from restkv.benchmarks.longbench import run
 
 if __name__ == "__main__":
-    main(longbench.BENCHMARK)
+    run()

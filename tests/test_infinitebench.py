@@ -9,7 +9,7 @@ import pytest
 
 from restkv.benchmarks import infinitebench as ib
 from restkv.benchmarks.runner import Sample, encode_prompt, read_predictions
-from top_level import dry_run_script, load_script, usage_exit
+from top_level import dry_run_script, usage_exit
 
 FIXTURES = Path(__file__).resolve().parent.parent / "data" / "fixtures" / "infinitebench"
 
@@ -123,20 +123,19 @@ def test_truncation_keeps_both_ends_of_the_prompt():
 
 @pytest.mark.embedded
 def test_runner_shards_and_eval_end_to_end(smollm2, tmp_path):
-    run_infinite, eval_infinite = load_script("run_infinite_bench"), load_script("eval_infinite")
     model, tokenizer = smollm2
     argv = ["--model_path", "smollm2-135m", "--method", "snapkv", "--max_capacity_prompts", "64",
             "--data_dir", str(FIXTURES), "--datasets", "passkey"]
-    whole = run_infinite.main(argv + ["--save_dir", str(tmp_path / "whole")], model=model, tokenizer=tokenizer)
+    whole = ib.run(argv + ["--save_dir", str(tmp_path / "whole")], model=model, tokenizer=tokenizer)
     for shard in ("0", "1"):
-        sharded = run_infinite.main(argv + ["--save_dir", str(tmp_path / "sharded"), "--num_shards", "2",
-                                            "--shard_id", shard], model=model, tokenizer=tokenizer)
+        sharded = ib.run(argv + ["--save_dir", str(tmp_path / "sharded"), "--num_shards", "2", "--shard_id", shard],
+                         model=model, tokenizer=tokenizer)
     records = read_predictions(whole, "passkey")
     assert [r["ground_truth"] for r in records] == ["71432", "20958"]
     assert all(r["new_tokens"] <= 6 and r["kv_tokens_stored"] < r["kv_tokens_seen"] for r in records)
     merged = read_predictions(sharded, "passkey")
     assert [(r["id"], r["pred"]) for r in merged] == [(r["id"], r["pred"]) for r in records]
-    results = eval_infinite.main(["--results_dir", str(tmp_path)])
+    results = ib.evaluate(["--results_dir", str(tmp_path)])
     expected = ib.score_task("passkey", [r["pred"] for r in records], [r["ground_truth"] for r in records])
     assert results[whole] == results[sharded] == {"passkey": expected, "Avg": expected}
     assert json.loads((whole / "infinite_scores.json").read_text()) == results[whole]
@@ -145,12 +144,11 @@ def test_runner_shards_and_eval_end_to_end(smollm2, tmp_path):
 def test_scripts_run_with_valid_flags_and_sweep(tmp_path):
     from restkv.benchmarks.runner import parse_args, selected_datasets
 
-    run_infinite = load_script("run_infinite_bench")
     (run,) = dry_run_script("infinite_bench/run.sh", "0", "snapkv", "1024", "some/Llama-3.1-8B-Instruct",
                             "--generation_lengths", "release")
     assert run[0] == "run_infinite_bench.py"
-    args = parse_args(run_infinite.BENCHMARK, run[1:], run_infinite.add_flags)
-    assert selected_datasets(args, run_infinite.BENCHMARK) == list(ib.TASKS)
+    args = parse_args(ib.BENCHMARK, run[1:], ib.add_flags)
+    assert selected_datasets(args, ib.BENCHMARK) == list(ib.TASKS)
     assert args.generation_lengths == "release" and args.data_dir == "data/InfiniteBench"
     (tmp_path / "Llama-3.1-8B-Instruct").mkdir()
     lines = dry_run_script("infinite_bench/sweep.sh", "0", "some/Llama-3.1-8B-Instruct", SAVE_DIR=str(tmp_path),
@@ -165,13 +163,11 @@ def test_scripts_run_with_valid_flags_and_sweep(tmp_path):
 
 
 def test_generation_lengths_official_and_release():
-    run_infinite = load_script("run_infinite_bench")
     from restkv.benchmarks.runner import parse_args
 
     for table, expected in (("official", 6), ("release", 15)):
-        args = parse_args(run_infinite.BENCHMARK, ["--data_dir", str(FIXTURES), "--generation_lengths", table,
-                                                  "--method", "fullkv"],
-                          run_infinite.add_flags)
-        samples = run_infinite.infinite_samples(args, "passkey")
+        args = parse_args(ib.BENCHMARK, ["--data_dir", str(FIXTURES), "--generation_lengths", table,
+                                         "--method", "fullkv"], ib.add_flags)
+        samples = ib.infinite_samples(args, "passkey")
         assert [s.max_new_tokens for s in samples] == [expected, expected] and not samples[0].chat
         assert samples[0].fields == {"ground_truth": "71432", "dataset": "passkey"} and samples[0].id == "0"

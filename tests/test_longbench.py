@@ -14,10 +14,6 @@ import pytest
 from restkv.benchmarks import longbench
 from restkv.benchmarks.runner import DataError, encode_prompt, read_predictions
 from restkv.models import load_tokenizer
-from top_level import load_script
-
-longbench_eval = load_script("eval")
-run_longbench = load_script("run_longbench")
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "LongBench"
 
@@ -143,7 +139,7 @@ def test_eval_scores_every_run_and_merges_shards(tmp_path, capsys):
     write_predictions(root / "snapkv_64" / "trec.jsonl", trec)
     write_predictions(root / "fullkv" / "hotpotqa.shard-0-of-2.jsonl", [hotpot[0], hotpot[2]])
     write_predictions(root / "fullkv" / "hotpotqa.shard-1-of-2.jsonl", [hotpot[1]])
-    evaluations = longbench_eval.main(["--results_dir", str(root), "--buckets"])
+    evaluations = longbench.evaluate(["--results_dir", str(root), "--buckets"])
 
     snap = evaluations["snapkv_64"]
     expected_hotpot = longbench.scorer("hotpotqa", [r["pred"] for r in hotpot], [r["answers"] for r in hotpot], None)
@@ -183,7 +179,7 @@ def test_eval_stops_on_unknown_datasets_and_missing_fields(tmp_path):
         longbench.evaluate_results_dir(tmp_path / "other")
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no prediction files"):
-        longbench_eval.main(["--results_dir", str(tmp_path / "empty")])
+        longbench.evaluate(["--results_dir", str(tmp_path / "empty")])
 
 
 # ------------------------------------------------------------------------------- end to end (embedded model)
@@ -196,12 +192,9 @@ def test_run_longbench_end_to_end_then_eval(tmp_path, smollm2):
     model, tokenizer = smollm2
     common = ["--data_dir", str(FIXTURES), "--save_dir", str(tmp_path), "--method", "snapkv",
               "--max_capacity_prompts", "64", "--window_size", "16", "--max_num_examples", "2"]
-    aware = run_longbench.main(longbench.BENCHMARK, [*common, "--dataset", "samsum", "--max_new_tokens", "6"],
-                               model=model, tokenizer=tokenizer)
-    agnostic = run_longbench.main(longbench.BENCHMARK,
-                                  [*common, "--dataset", "hotpotqa", "--max_new_tokens", "4", "--query_agnostic",
-                                   "--model_max_len", "120"],
-                                  model=model, tokenizer=tokenizer)
+    aware = longbench.run([*common, "--dataset", "samsum", "--max_new_tokens", "6"], model=model, tokenizer=tokenizer)
+    agnostic = longbench.run([*common, "--dataset", "hotpotqa", "--max_new_tokens", "4", "--query_agnostic",
+                              "--model_max_len", "120"], model=model, tokenizer=tokenizer)
     samsum = read_predictions(aware, "samsum")
     hotpot = read_predictions(agnostic, "hotpotqa")
     assert len(samsum) == len(hotpot) == 2
@@ -213,7 +206,7 @@ def test_run_longbench_end_to_end_then_eval(tmp_path, smollm2):
     assert not any(record["truncated"] for record in samsum)
     assert [r["answers"] for r in samsum] == [r["answers"] for r in fixture_records("samsum")]
 
-    evaluations = longbench_eval.main(["--results_dir", str(tmp_path / "smollm2-135m")])
+    evaluations = longbench.evaluate(["--results_dir", str(tmp_path / "smollm2-135m")])
     expected = longbench.scorer("samsum", [r["pred"] for r in samsum], [r["answers"] for r in samsum], None)
     assert evaluations["snapkv_64"]["datasets"]["samsum"]["score"] == expected
     assert not math.isnan(evaluations["snapkv_64_agnostic"]["average"])

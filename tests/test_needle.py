@@ -9,7 +9,7 @@ import pytest
 from restkv.benchmarks import needle
 from restkv.benchmarks.haystack import HaystackText, load_essays
 from restkv.benchmarks.runner import read_predictions
-from top_level import dry_run_script, load_script, usage_exit
+from top_level import dry_run_script, usage_exit
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +109,14 @@ def test_results_file_and_grid(tmp_path):
 
 @pytest.mark.embedded
 def test_runner_end_to_end_with_resume(smollm2, tmp_path):
-    run_needle = load_script("run_needle_in_haystack")
     model, tokenizer = smollm2
     argv = ["--model_path", "smollm2-135m", "--method", "fullkv", "--context_lengths", "700",
             "--depth_intervals", "2", "--save_dir", str(tmp_path), "--data_dir", str(tmp_path / "no_essays")]
-    folder = run_needle.main(argv + ["--max_num_examples", "1"], model=model, tokenizer=tokenizer)
+    folder = needle.run(argv + ["--max_num_examples", "1"], model=model, tokenizer=tokenizer)
     assert [r["id"] for r in read_predictions(folder, "needle")] == ["len_700_depth_0"]
     with open(folder / "needle.jsonl", "a") as handle:  # killed while writing the second cell
         handle.write('{"id": "len_700_depth_100", "pred": "eat')
-    run_needle.main(argv, model=model, tokenizer=tokenizer)
+    needle.run(argv, model=model, tokenizer=tokenizer)
     records = read_predictions(folder, "needle")
     assert [r["id"] for r in records] == ["len_700_depth_0", "len_700_depth_100"]
     assert all(r["haystack"] == "synthetic-prose" and r["new_tokens"] <= needle.MAX_NEW_TOKENS for r in records)
@@ -130,10 +129,9 @@ def test_runner_end_to_end_with_resume(smollm2, tmp_path):
 def test_scripts_run_with_valid_flags_and_sweep(tmp_path):
     from restkv.benchmarks.runner import parse_args
 
-    run_needle = load_script("run_needle_in_haystack")
     (run,) = dry_run_script("needle/run.sh", "0", "restkv", "128", "smollm2-135m", "--use_wo", E_LEN="4000")
     assert run[0] == "run_needle_in_haystack.py"
-    args = parse_args(run_needle.BENCHMARK, run[1:], run_needle.add_flags)
+    args = parse_args(needle.BENCHMARK, run[1:], needle.add_flags)
     assert (args.s_len, args.e_len, args.step, args.depth_intervals) == (1000, 4000, 1000, 10)
     assert args.method == "restkv" and args.max_capacity_prompts == 128 and args.use_wo
     (tmp_path / "smollm2-135m").mkdir()
@@ -151,7 +149,6 @@ def test_scripts_run_with_valid_flags_and_sweep(tmp_path):
 def test_release_flag_spellings_are_accepted():
     from restkv.benchmarks.runner import parse_args
 
-    run_needle = load_script("run_needle_in_haystack")
-    args = parse_args(run_needle.BENCHMARK, ["--model_name", "m", "--max_capacity_prompt", "96", "--method", "SnapKV",
-                                             "--haystack_dir", "essays"], run_needle.add_flags)
+    args = parse_args(needle.BENCHMARK, ["--model_name", "m", "--max_capacity_prompt", "96", "--method", "SnapKV",
+                                         "--haystack_dir", "essays"], needle.add_flags)
     assert (args.model_path, args.max_capacity_prompts, args.method, args.data_dir) == ("m", 96, "snapkv", "essays")

@@ -30,6 +30,7 @@ from restkv.benchmarks.runner import (
 from restkv.config import CompressionConfig
 from restkv.models import load_tokenizer
 from tiny_models import tiny_model
+from top_level import script_help
 
 STORY = " ".join(f"On day {i} the keeper of the lighthouse wrote that the sea was calm." for i in range(12))
 
@@ -392,3 +393,29 @@ def test_format_table():
     table = runner.format_table([{"run": "a", "x": 1.234, "y": None}, {"run": "bb", "x": float("nan"), "y": 2.0}],
                                 ["x", "y"])
     assert table.splitlines() == ["run     x     y", "a    1.23     -", "bb      -  2.00"]
+
+
+def test_read_jsonl_numbers_lines_and_names_bad_ones(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"a": 1}\n\n{"a": 2}\n', encoding="utf-8")
+    assert list(runner.read_jsonl(path)) == [(1, {"a": 1}), (3, {"a": 2})]
+    path.write_text('{"a": 1}\n[1]\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"data.jsonl:2: expected a JSON object"):
+        list(runner.read_jsonl(path))
+
+
+@pytest.mark.parametrize(
+    "script, own_flag",
+    [
+        ("run_longbench.py", "--query_agnostic"),
+        ("run_ruler.py", "--context_lengths"),
+        ("run_needle_in_haystack.py", "--depth_intervals"),
+        ("run_infinite_bench.py", "--generation_lengths"),
+        ("eval.py", "--buckets"),
+        ("eval_ruler.py", "--results_dir"),
+        ("eval_infinite.py", "--results_dir"),
+    ],
+)
+def test_top_level_scripts_are_command_lines_over_the_library(script, own_flag):
+    code, text = script_help(script)
+    assert code == 0 and text.startswith(f"usage: {script}") and own_flag in text

@@ -1,4 +1,5 @@
-"""Import the repository's top-level scripts (run_*.py, eval*.py) and visualization/ in tests.
+"""Run the repository's top-level scripts (run_*.py, eval*.py, scripts/*/*.sh) and import
+visualization/ in tests.
 
 pytest puts ``tests/`` on sys.path, not the repository root where those live.
 """
@@ -37,3 +38,22 @@ def usage_exit(script: str) -> tuple[int, str]:
 
     result = subprocess.run(["bash", str(ROOT / "scripts" / script)], capture_output=True, text=True, timeout=30)
     return result.returncode, result.stderr
+
+
+def script_help(script: str) -> tuple[int, str]:
+    """(exit code, stdout) of ``python <script> --help`` for a top-level ``run_*.py``/``eval*.py``,
+    run in this process (its imports are already loaded, so it takes no time)."""
+    import contextlib
+    import io
+    import runpy
+
+    saved_argv, output = sys.argv, io.StringIO()
+    sys.argv = [script, "--help"]
+    try:
+        with contextlib.redirect_stdout(output):
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+    except SystemExit as stop:
+        return stop.code or 0, output.getvalue()
+    finally:
+        sys.argv = saved_argv
+    return 0, output.getvalue()

@@ -14,10 +14,14 @@ Follows OpenBMB/InfiniteBench (``src/eval_utils.py``, ``src/prompt.py``,
   ``longbook_sum_eng`` uses ROUGE-Lsum F1 as HF ``evaluate``'s rouge computes it (Google's
   ``rouge_score`` rules: lower-case alphanumeric tokens, no stemming, sentences split at
   newlines, summary-level union LCS), implemented here to avoid those dependencies.
+
+``run`` and ``evaluate`` are the command lines of ``run_infinite_bench.py`` and ``eval_infinite.py``.
 """
 
 from __future__ import annotations
 
+import argparse
+import csv
 import json
 import re
 import string
@@ -25,6 +29,17 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
+
+from restkv.benchmarks.runner import (
+    Benchmark,
+    DataError,
+    Sample,
+    datasets_in,
+    format_table,
+    read_jsonl,
+    read_predictions,
+)
+from restkv.benchmarks.runner import main as run_main
 
 OPTION_LETTERS = "ABCD"
 
@@ -69,6 +84,25 @@ def score_code_run(prediction: str, label: Any) -> float:
         return 0.0
 
 
+def _score_after_answer_phrase(prediction: str, phrases: Sequence[str], answers: Sequence[str]) -> float | None:
+    """The official answer-phrase rule of code_debug and the choice tasks, None if no phrase occurs.
+
+    Double spaces are collapsed; at the first of ``phrases`` found (in that order), 1.0 if the
+    text from one character after it starts with one of ``answers``, else 0.0.
+    """
+    while "  " in prediction:
+        prediction = prediction.replace("  ", " ")
+    for phrase in phrases:
+        index = prediction.find(phrase)
+        if index == -1:
+            continue
+        if len(prediction) < index + len(phrase) + 1:
+            return 0.0
+        rest = prediction[index + len(phrase) + 1 :]
+        return float(any(rest.startswith(s) for s in answers))
+    return None
+
+
 def score_code_debug(prediction: str, label: Sequence[str]) -> float:
     """``X.``/``X:`` first, else the text after an answer phrase starts with the letter or function."""
     prediction = prediction.strip()
@@ -77,17 +111,10 @@ def score_code_debug(prediction: str, label: Sequence[str]) -> float:
         return 1.0
     for c in ["\n", "`", "'", '"', "-", "*", "Option", "option"]:
         prediction = prediction.replace(c, " ")
-    while "  " in prediction:
-        prediction = prediction.replace("  ", " ")
-    for prefix in ("answer is:", "is:", "answer:", "correct option is:"):
-        index = prediction.find(prefix)
-        if index == -1:
-            continue
-        if len(prediction) < index + len(prefix) + 1:
-            return 0.0
-        rest = prediction[index + len(prefix) + 1 :]
-        return float(any(rest.startswith(s) for s in (letter, function_name)))
-    return 0.0
+    score = _score_after_answer_phrase(
+        prediction, ("answer is:", "is:", "answer:", "correct option is:"), (letter, function_name)
+    )
+    return 0.0 if score is None else score
 
 
 def score_math_find(prediction: str, label: Any) -> float:
@@ -122,16 +149,9 @@ def score_choice(prediction: str, label: Sequence[str]) -> float:
         return 1.0
     for c in ["\n", '"', "'", ".", ",", "?", "!", "{", "}"]:
         prediction = prediction.replace(c, " ")
-    while "  " in prediction:
-        prediction = prediction.replace("  ", " ")
-    for prefix in ("answer is:", "answer:", "answer is", "option is"):
-        index = prediction.find(prefix)
-        if index == -1:
-            continue
-        if len(prediction) < index + len(prefix) + 1:
-            return 0.0
-        rest = prediction[index + len(prefix) + 1 :]
-        return float(any(rest.startswith(s) for s in label))
+    score = _score_after_answer_phrase(prediction, ("answer is:", "answer:", "answer is", "option is"), label)
+    if score is not None:
+        return score
     for word in prediction.split():
         if word in OPTION_LETTERS:
             return float(word in label)
@@ -341,19 +361,15 @@ def load_task(data_dir: str | Path, task: str) -> list[dict]:
             "xinrongzhang2022/InfiniteBench into --data_dir"
         )
     examples = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            example = json.loads(line)
-            if "context" not in example and "content" in example:
-                example["context"] = example.pop("content")
-            missing = [f for f in ("context", "input", "answer") if f not in example]
-            if task in CHOICE_TASKS and "options" not in example:
-                missing.append("options")
-            if missing:
-                raise ValueError(f"{path}:{number}: missing field(s) {', '.join(missing)}")
-            examples.append(example)
+    for number, example in read_jsonl(path):
+        if "context" not in example and "content" in example:
+            example["context"] = example.pop("content")
+        missing = [f for f in ("context", "input", "answer") if f not in example]
+        if task in CHOICE_TASKS and "options" not in example:
+            missing.append("options")
+        if missing:
+            raise ValueError(f"{path}:{number}: missing field(s) {', '.join(missing)}")
+        examples.append(example)
     return examples
 
 
@@ -405,3 +421,103 @@ def score_task(task: str, predictions: Sequence[str], labels: Sequence[Any]) -> 
         raise ValueError(f"{task}: no predictions to score")
     values = [scorer(p, label) for p, label in zip(predictions, labels, strict=True)]
     return round(100 * sum(values) / len(values), 2)
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def infinite_samples(args: argparse.Namespace, task: str) -> list[Sample]:
+    """The samples of ``task``: official prompt split at the question, official (or release) length."""
+    try:
+        examples = load_task(args.data_dir, task)
+    except (ValueError, FileNotFoundError) as error:
+        raise DataError(str(error)) from None
+    spec = get_task(task)
+    max_new_tokens = spec.release_max_new_tokens if args.generation_lengths == "release" else spec.max_new_tokens
+    samples = []
+    for position, example in enumerate(examples):
+        context, question = build_prompt(example, task)
+        samples.append(
+            Sample(
+                id=str(example.get("id", position)),
+                context=context,
+                question=question,
+                max_new_tokens=max_new_tokens,
+                fields={"ground_truth": get_answer(example, task), "dataset": task},
+                chat=args.chat_template,
+            )
+        )
+    return samples
+
+
+BENCHMARK = Benchmark(
+    "infinite_bench",
+    datasets=tuple(TASKS),
+    default_datasets=tuple(TASKS),
+    load_samples=infinite_samples,
+    default_data_dir="data/InfiniteBench",
+)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("infinite_bench")
+    group.add_argument("--generation_lengths", choices=["official", "release"], default="official",
+                       help="new tokens per task: InfiniteBench's, or the ReST-KV release's (passkey 15, "
+                       "number_string 20, kv_retrieval 80)")
+    group.add_argument("--chat_template", action=argparse.BooleanOptionalAction, default=False,
+                       help="wrap prompts in the tokenizer's chat template (official and release: no)")
+
+
+def run(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> Path:
+    """``run_infinite_bench.py``: parse flags, load and patch the model (unless given), run every task."""
+    return run_main(BENCHMARK, argv, add_flags, model=model, tokenizer=tokenizer)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def find_runs(results_dir: Path) -> list[Path]:
+    """Folders (``results_dir`` or below it) holding prediction files of InfiniteBench tasks."""
+    if not results_dir.is_dir():
+        raise FileNotFoundError(f"--results_dir {results_dir} is not a folder")
+    runs = sorted({p.parent for p in results_dir.glob("**/*.jsonl") if p.name.split(".")[0] in TASKS})
+    if not runs:
+        raise FileNotFoundError(f"no InfiniteBench predictions (<task>.jsonl) under {results_dir}")
+    return runs
+
+
+def score_run(run_dir: Path) -> dict[str, float]:
+    """{task: score} for every task file in ``run_dir``, in the official task order, plus ``Avg``."""
+    present = set(datasets_in(run_dir))
+    scores = {}
+    for task in (t for t in TASKS if t in present):
+        records = read_predictions(run_dir, task)
+        for number, record in enumerate(records, 1):
+            if "pred" not in record or "ground_truth" not in record:
+                raise ValueError(f"{run_dir / task}.jsonl record {number}: needs 'pred' and 'ground_truth'")
+        scores[task] = score_task(task, [r["pred"] for r in records], [r["ground_truth"] for r in records])
+    if scores:
+        scores["Avg"] = round(sum(scores.values()) / len(scores), 2)
+    return scores
+
+
+def evaluate(argv: Sequence[str] | None = None) -> dict[Path, dict[str, float]]:
+    """``eval_infinite.py``: score every run folder under ``--results_dir``, write
+    ``infinite_scores.json`` / ``.csv`` in each, print one table row per run."""
+    parser = argparse.ArgumentParser(description="Score InfiniteBench predictions (official metrics).")
+    parser.add_argument("--results_dir", required=True, help="a run_infinite_bench.py run folder, or a folder above")
+    args = parser.parse_args(argv)
+    root = Path(args.results_dir)
+    results = {}
+    for run_dir in find_runs(root):
+        scores = score_run(run_dir)
+        (run_dir / "infinite_scores.json").write_text(json.dumps(scores, indent=2) + "\n", encoding="utf-8")
+        with open(run_dir / "infinite_scores.csv", "w", newline="", encoding="utf-8") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(scores))
+            writer.writeheader()
+            writer.writerow(scores)
+        results[run_dir] = scores
+    columns = [t for t in [*TASKS, "Avg"] if any(t in s for s in results.values())]
+    rows = [{"run": str(run.relative_to(root)) if run != root else run.name, **s} for run, s in results.items()]
+    print(format_table(rows, columns))
+    return results

@@ -15,6 +15,8 @@ they define the benchmark and are reproduced byte for byte, typos included ("asc
   generates at least one token (official pred.py).
 * Scores: official metric per dataset, first-line cut for ``FIRST_LINE_DATASETS``, best gold
   answer per sample, ``round(100 * mean, 2)``.
+
+``run`` and ``evaluate`` are the command lines of ``run_longbench.py`` and ``eval.py``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import csv
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -36,8 +39,10 @@ from restkv.benchmarks.runner import (
     datasets_in,
     format_table,
     prediction_files,
+    read_jsonl,
     read_predictions,
 )
+from restkv.benchmarks.runner import main as run_main
 
 #: The 16 English and code datasets, in the order of the papers' tables (the default set).
 ENGLISH_DATASETS = (
@@ -72,6 +77,21 @@ REQUIRED_FIELDS = {
     "all_classes": (list, type(None)),
     "_id": str,
 }
+
+#: The official template of hotpotqa, 2wikimqa and musique (the same text for all three).
+_PASSAGES_QA_PROMPT = (
+    "Answer the question based on the given passages. "
+    "Only give me the answer and do not output any other words.\n"
+    "\n"
+    "The following are given passages.\n"
+    "{context}\n"
+    "\n"
+    "Answer the question based on the given passages. "
+    "Only give me the answer and do not output any other words.\n"
+    "\n"
+    "Question: {input}\n"
+    "Answer:"
+)
 
 #: Official prompt templates (LongBench/config/dataset2prompt.json), byte for byte.
 PROMPTS = {
@@ -130,45 +150,9 @@ PROMPTS = {
         "问题：{input}\n"
         "回答："
     ),
-    "hotpotqa": (
-        "Answer the question based on the given passages. "
-        "Only give me the answer and do not output any other words.\n"
-        "\n"
-        "The following are given passages.\n"
-        "{context}\n"
-        "\n"
-        "Answer the question based on the given passages. "
-        "Only give me the answer and do not output any other words.\n"
-        "\n"
-        "Question: {input}\n"
-        "Answer:"
-    ),
-    "2wikimqa": (
-        "Answer the question based on the given passages. "
-        "Only give me the answer and do not output any other words.\n"
-        "\n"
-        "The following are given passages.\n"
-        "{context}\n"
-        "\n"
-        "Answer the question based on the given passages. "
-        "Only give me the answer and do not output any other words.\n"
-        "\n"
-        "Question: {input}\n"
-        "Answer:"
-    ),
-    "musique": (
-        "Answer the question based on the given passages. "
-        "Only give me the answer and do not output any other words.\n"
-        "\n"
-        "The following are given passages.\n"
-        "{context}\n"
-        "\n"
-        "Answer the question based on the given passages. "
-        "Only give me the answer and do not output any other words.\n"
-        "\n"
-        "Question: {input}\n"
-        "Answer:"
-    ),
+    "hotpotqa": _PASSAGES_QA_PROMPT,
+    "2wikimqa": _PASSAGES_QA_PROMPT,
+    "musique": _PASSAGES_QA_PROMPT,
     "dureader": (
         "请基于给定的文章回答下述问题。\n"
         "\n"
@@ -350,25 +334,16 @@ def read_records(path: Path) -> list[dict]:
     if not path.is_file():
         raise DataError(f"{path}: no such data file (LongBench files are <data_dir>/<dataset>.jsonl)")
     records = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as error:
-                raise DataError(f"{path}:{number}: not valid JSON ({error})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-            for name, kind in REQUIRED_FIELDS.items():
-                if name not in record:
-                    raise DataError(f"{path}:{number}: missing field {name!r}")
-                if not isinstance(record[name], kind) or isinstance(record[name], bool):
-                    raise DataError(
-                        f"{path}:{number}: field {name!r} has type {type(record[name]).__name__}, "
-                        f"expected {_type_names(kind)}"
-                    )
-            records.append(record)
+    for number, record in read_jsonl(path):
+        for name, kind in REQUIRED_FIELDS.items():
+            if name not in record:
+                raise DataError(f"{path}:{number}: missing field {name!r}")
+            if not isinstance(record[name], kind) or isinstance(record[name], bool):
+                raise DataError(
+                    f"{path}:{number}: field {name!r} has type {type(record[name]).__name__}, "
+                    f"expected {_type_names(kind)}"
+                )
+        records.append(record)
     return records
 
 
@@ -425,6 +400,11 @@ BENCHMARK = Benchmark(
     load_samples=load_samples,
     default_data_dir="data/LongBench",
 )
+
+
+def run(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> Path:
+    """``run_longbench.py``: parse flags, load and patch the model (unless given), run every dataset."""
+    return run_main(BENCHMARK, argv, model=model, tokenizer=tokenizer)
 
 
 # --------------------------------------------------------------------------- scoring
@@ -571,3 +551,23 @@ def format_evaluations(evaluations: Mapping[str, Mapping], buckets: bool = False
     if incomplete:
         text += f"\n\nno average for runs missing a dataset: {', '.join(incomplete)}"
     return text
+
+
+def evaluate(argv: Sequence[str] | None = None) -> dict[str, dict]:
+    """``eval.py``: score every run under ``--results_dir``, print the tables, write the result files."""
+    parser = argparse.ArgumentParser(
+        description="Score LongBench predictions with the official metrics: per-dataset scores, average, "
+        "length buckets."
+    )
+    parser.add_argument("--results_dir", required=True, help="a run folder, or a folder of run folders")
+    parser.add_argument("--datasets", nargs="+", default=None, help="score only these datasets")
+    parser.add_argument("--buckets", action="store_true",
+                        help="print length buckets for every dataset (always for LongBench-E ones)")
+    args = parser.parse_args(argv)
+    try:
+        evaluations = evaluate_results_dir(args.results_dir, args.datasets)
+    except DataError as error:
+        sys.exit(f"error: {error}")
+    print(format_evaluations(evaluations, buckets=args.buckets))
+    print(f"\nwritten: {args.results_dir}/results.json, {args.results_dir}/results.csv")
+    return evaluations

@@ -20,10 +20,13 @@ The protocol is the ReST-KV release's (itself from gkamradt's test via KVCache-F
 
 Haystack: the essays in ``data/PaulGrahamEssays`` if present, else the project's synthetic
 prose (:mod:`restkv.benchmarks.haystack`); the choice is recorded with the results.
+
+``run`` is the command line of ``run_needle_in_haystack.py``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -31,7 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from restkv.benchmarks.haystack import HaystackText
+from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, load_essays
+from restkv.benchmarks.runner import Benchmark, BenchmarkRun, Sample, parse_args, read_predictions
+from restkv.models import load_tokenizer
 
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 RETRIEVAL_QUESTION = "The best thing to do in San Francisco is: "
@@ -198,3 +203,70 @@ def score_grid(rows: Iterable[Mapping]) -> tuple[list[int], list[int], list[list
     lengths = sorted({n for _, n in cells})
     grid = [[statistics.fmean(cells[(d, n)]) if (d, n) in cells else None for n in lengths] for d in depths]
     return depths, lengths, grid
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def needle_samples(args: argparse.Namespace, tokenizer) -> list[Sample]:
+    """One sample per (context length, depth) cell of the flags' grid, lengths outer."""
+    lengths = args.context_lengths or context_lengths(args.s_len, args.e_len, args.step)
+    depths = depth_percents(args.depth_intervals)
+    haystack = load_essays(args.data_dir, min_words=max(lengths))
+    prompts = build_prompts(tokenizer, haystack, lengths, depths, buffer=args.final_context_length_buffer,
+                            chat=args.chat_template)
+    return [
+        Sample(
+            id=f"len_{p.context_length}_depth_{p.depth_percent}",
+            context=p.context,
+            question=p.question,
+            max_new_tokens=MAX_NEW_TOKENS,
+            fields={"context_length": p.context_length, "depth_percent": p.depth_percent, "haystack": haystack.source},
+            chat=args.chat_template,
+            stop_tokens=("\n",),
+        )
+        for p in prompts
+    ]
+
+
+BENCHMARK = Benchmark(
+    "needle",
+    datasets=("needle",),
+    default_datasets=("needle",),
+    load_samples=lambda args, dataset: needle_samples(args, load_tokenizer(args.model_path)),
+    default_data_dir=str(ESSAY_DIR),
+)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("needle")
+    group.add_argument("--s_len", type=int, default=1000, help="smallest context length (tokens)")
+    group.add_argument("--e_len", type=int, default=8000, help="largest context length (tokens, inclusive)")
+    group.add_argument("--step", type=int, default=1000, help="context length step")
+    group.add_argument("--context_lengths", type=int, nargs="+", default=None,
+                       help="explicit lengths (instead of s/e/step)")
+    group.add_argument("--depth_intervals", type=int, default=10, help="number of depths from 0 to 100 percent")
+    group.add_argument("--final_context_length_buffer", type=int, default=CONTEXT_BUFFER,
+                       help="tokens of each length left for the prompt wrapper and the answer")
+    group.add_argument("--chat_template", action=argparse.BooleanOptionalAction, default=True,
+                       help="wrap the prompt in the tokenizer's chat template; --no-chat_template sends the "
+                       "release's raw prompt")
+    # The original release's needle runner spelled these differently from the other runners.
+    group.add_argument("--haystack_dir", dest="data_dir", default=argparse.SUPPRESS,
+                       help="alias of --data_dir: folder of *.txt essays; the project's synthetic prose if absent")
+    group.add_argument("--model_name", dest="model_path", default=argparse.SUPPRESS, help="alias of --model_path")
+    group.add_argument("--max_capacity_prompt", dest="max_capacity_prompts", type=int, default=argparse.SUPPRESS,
+                       help="alias of --max_capacity_prompts")
+
+
+def run(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> Path:
+    """``run_needle_in_haystack.py``: run every cell not written yet, then score all written
+    cells into ``needle_results.json`` beside the predictions."""
+    args = parse_args(BENCHMARK, argv, add_flags)
+    session = BenchmarkRun.start(BENCHMARK, args, model=model, tokenizer=tokenizer)
+    session.run_dataset("needle", needle_samples(args, session.tokenizer))
+    rows = score_records(read_predictions(session.folder, "needle"))
+    results = write_results(rows, session.folder / "needle_results.json", model=args.model_path,
+                            method=session.config.method, budget=session.config.max_capacity_prompts)
+    print(f"predictions in {session.folder}; mean score {results['mean_score']:.3f} over {len(rows)} cells")
+    return session.folder

@@ -35,6 +35,7 @@ from restkv.benchmarks.runner import (
     datasets_in,
     format_table,
     parse_args,
+    read_jsonl,
     read_predictions,
     selected_datasets,
 )
@@ -217,16 +218,12 @@ def find_task_file(data_dir: str | Path, length: int, task: str) -> Path:
 def read_samples(path: str | Path) -> list[dict]:
     """The samples of a RULER data file; each needs ``input`` and ``outputs`` (a list of strings)."""
     samples = []
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            sample = json.loads(line)
-            if "input" not in sample or "outputs" not in sample:
-                raise ValueError(f"{path}:{line_number}: a RULER sample needs 'input' and 'outputs'")
-            if isinstance(sample["outputs"], str):
-                sample["outputs"] = [sample["outputs"]]
-            samples.append(sample)
+    for line_number, sample in read_jsonl(path):
+        if "input" not in sample or "outputs" not in sample:
+            raise ValueError(f"{path}:{line_number}: a RULER sample needs 'input' and 'outputs'")
+        if isinstance(sample["outputs"], str):
+            sample["outputs"] = [sample["outputs"]]
+        samples.append(sample)
     return samples
 
 

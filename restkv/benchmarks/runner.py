@@ -76,7 +76,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -395,6 +395,19 @@ def _parse_record(path: Path, number: int, line: str, need_id: bool) -> dict:
     if need_id and "id" not in record:
         raise DataError(f"{path}:{number}: missing field 'id'")
     return record
+
+
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """(line number, record) of every non-blank line of a benchmark data file.
+
+    The one reader of the adapters' data files, so that a line that is not a JSON object
+    raises the same ``DataError`` (file and line) in every benchmark.
+    """
+    path = Path(path)
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                yield number, _parse_record(path, number, line, need_id=False)
 
 
 def read_prediction_file(path: Path) -> list[dict]:

@@ -7,15 +7,8 @@
 # Environment: TASKS (all 12; comma-separated), DATA_DIR (data/InfiniteBench: the HF dataset
 #   xinrongzhang2022/InfiniteBench's <task>.jsonl files), SAVE_DIR (results/infinite_bench).
 set -euo pipefail
-if [ $# -lt 4 ]; then
-    sed -n '2,8p' "$0" >&2
-    exit 2
-fi
-cd "$(dirname "$0")/../.."
-GPU=$1 METHOD=$2 BUDGET=$3 MODEL=$4
-shift 4
-if [ "$GPU" != cpu ]; then export CUDA_VISIBLE_DEVICES=$GPU; fi
+. "$(dirname "$0")/../common.sh"
+require_args $# 4
 TASKS=${TASKS:-passkey,number_string,kv_retrieval,longbook_sum_eng,longbook_choice_eng,longbook_qa_eng,longbook_qa_chn,longdialogue_qa_eng,math_find,math_calc,code_run,code_debug}
-
-"${PYTHON:-python}" run_infinite_bench.py --model_path "$MODEL" --method "$METHOD" --max_capacity_prompts "$BUDGET" \
-    --data_dir "${DATA_DIR:-data/InfiniteBench}" --datasets "$TASKS" --save_dir "${SAVE_DIR:-results/infinite_bench}" "$@"
+run_method run_infinite_bench.py --data_dir "${DATA_DIR:-data/InfiniteBench}" --datasets "$TASKS" \
+    --save_dir "${SAVE_DIR:-results/infinite_bench}" -- "$@"

@@ -3,13 +3,11 @@
 #
 #   bash scripts/needle/eval.sh RESULTS_DIR [visualize.py needle flags, e.g. --pretrained_length 8192]
 set -euo pipefail
-if [ $# -lt 1 ]; then
-    sed -n '2,4p' "$0" >&2
-    exit 2
-fi
+. "$(dirname "$0")/../common.sh"
+require_args $# 1
 RESULTS_DIR=$(cd "$1" && pwd)  # relative to the caller, before moving to the repository root
 shift
-cd "$(dirname "$0")/../.."
+cd "$REPO_ROOT"
 found=0
 while IFS= read -r -d '' results; do
     "${PYTHON:-python}" visualization/visualize.py needle --results "$results" "$@"

@@ -6,32 +6,7 @@
 # Environment: BUDGETS ("64 128 256 512 1024"), the EXPERIMENTS table below, and run.sh's
 #   S_LEN, E_LEN, STEP, DEPTHS, SAVE_DIR.
 set -euo pipefail
-if [ $# -lt 2 ]; then
-    sed -n '2,7p' "$0" >&2
-    exit 2
-fi
-cd "$(dirname "$0")/../.."
-HERE=scripts/needle
-GPU=$1 MODEL=$2
-shift 2
-BUDGETS=${BUDGETS:-64 128 256 512 1024}
-EXPERIMENTS=(
-    "snapkv"
-    "pyramidkv --window_size 8"
-    "streamingllm"
-    "restkv --use_wo --use_ema --alpha 0.3 --metric_mode after --pooling adaptive --scale 2000"
-)
-SAVE_DIR=${SAVE_DIR:-results/needle}
-export SAVE_DIR
-
-bash "$HERE/run.sh" "$GPU" fullkv 0 "$MODEL" "$@"
-for budget in $BUDGETS; do
-    for experiment in "${EXPERIMENTS[@]}"; do
-        read -r method flags <<< "$experiment"
-        # shellcheck disable=SC2086
-        bash "$HERE/run.sh" "$GPU" "$method" "$budget" "$MODEL" $flags "$@"
-    done
-done
-RESULTS=$SAVE_DIR/$(basename "$MODEL")
-bash "$HERE/eval.sh" "$RESULTS"
-"${PYTHON:-python}" visualization/visualize.py budget --results_root "$RESULTS" --title "Needle, $MODEL"
+. "$(dirname "$0")/../common.sh"
+require_args $# 2
+EXPERIMENTS=(snapkv "pyramidkv --window_size 8" streamingllm "$RESTKV_EXPERIMENT")
+sweep_in_turn needle Needle "$@"
