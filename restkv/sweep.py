@@ -1,0 +1,131 @@
+"""A budget sweep on needle-style RULER tasks, printed as one comparison table.
+
+    python -m restkv.sweep                      # smollm2-135m, 2K-token niah tasks, 2 budgets
+    python -m restkv.sweep --length 4096 --compression_ratios 0.9 0.8 --num_samples 20 \
+        --methods streamingllm snapkv h2o restkv snapkv+residual --query_agnostic
+
+A method may carry boolean flags after ``+`` (``snapkv+residual`` runs ``--method snapkv
+--residual``). ``--num_shards/--shard_id`` split every run's samples over processes; rerun
+without them (everything already written is skipped) to print the whole table.
+
+The data come from the project's offline RULER generator (``restkv.benchmarks.ruler_data``),
+the runs from the RULER runner (``restkv.benchmarks.ruler``: resumable, one folder per method
+and budget under ``--save_dir``), the scores from RULER's metrics. The model is loaded once;
+the full cache runs first, then every method at every budget. The table gives each task's
+score, the average, and the fraction of prompt tokens the cache kept (from the runs' own
+cache reports, so a run in which nothing was compressed would show 1.00).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Sequence
+
+from restkv.benchmarks import ruler, ruler_data
+from restkv.benchmarks.runner import format_table, read_predictions
+from restkv.config import method_spec_options
+
+DEFAULT_TASKS = "niah_single_1,niah_single_2,niah_multikey_1"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m restkv.sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_path", default="smollm2-135m")
+    parser.add_argument("--length", type=int, default=2048, help="RULER sequence length (prompt + answer tokens)")
+    parser.add_argument("--tasks", default=DEFAULT_TASKS, help="comma-separated RULER tasks")
+    parser.add_argument("--num_samples", type=int, default=4, help="samples per task")
+    parser.add_argument("--methods", nargs="+", default=["streamingllm", "snapkv", "h2o"])
+    budgets = parser.add_mutually_exclusive_group()
+    budgets.add_argument("--budgets", type=int, nargs="+", default=[256, 512],
+                         help="max_capacity_prompts values (tokens per layer and KV head, window included)")
+    budgets.add_argument("--compression_ratios", type=float, nargs="+",
+                         help="fractions of each prompt removed, instead of --budgets")
+    parser.add_argument("--query_agnostic", action="store_true", help="compress the context before the question")
+    parser.add_argument("--attn_implementation", default="sdpa")
+    parser.add_argument("--save_dir", default="results/sweep")
+    parser.add_argument("--num_shards", type=int, default=1)
+    parser.add_argument("--shard_id", type=int, default=0)
+    return parser
+
+
+def method_flags(spec: str) -> list[str]:
+    """``snapkv+residual`` -> ``--method snapkv --residual``."""
+    options = method_spec_options(spec)
+    return ["--method", options.pop("method"), *(f"--{switch}" for switch in options)]
+
+
+def budget_flags(args: argparse.Namespace) -> list[list[str]]:
+    """One flag list per budget of the sweep."""
+    if args.compression_ratios:
+        return [["--compression_ratio", str(ratio)] for ratio in args.compression_ratios]
+    return [["--max_capacity_prompts", str(budget)] for budget in args.budgets]
+
+
+def budget_label(flags: list[str]) -> str:
+    """``full``, a token budget, or the kept share of a ratio budget (``--compression_ratio 0.9`` -> 10%)."""
+    if not flags:
+        return "full"
+    if flags[0] == "--compression_ratio":
+        return f"{round(100 * (1 - float(flags[1])))}%"
+    return flags[1]
+
+
+def run_sweep(args: argparse.Namespace, model=None, tokenizer=None) -> list[dict]:
+    """Generate the data, run every configuration, return one table row per configuration."""
+    from restkv.models import load_model, load_tokenizer
+
+    tasks = ruler.parse_task_list(args.tasks)
+    data_dir = Path(args.save_dir) / "data"
+    tokenizer = tokenizer or load_tokenizer(args.model_path)
+    for task in tasks:
+        ruler_data.write_task(data_dir, task, args.length, args.num_samples, tokenizer, args.model_path)
+    model = model or load_model(args.model_path, attn_implementation=args.attn_implementation)
+
+    runs = [("fullkv", [])] + [(spec, budget) for budget in budget_flags(args) for spec in args.methods]
+    rows = []
+    for spec, budget in runs:
+        argv = [*method_flags(spec), *budget, "--model_path", args.model_path, "--data_dir", str(data_dir),
+                "--context_lengths", str(args.length), "--datasets", ",".join(tasks),
+                "--save_dir", str(args.save_dir), "--attn_implementation", args.attn_implementation,
+                "--num_shards", str(args.num_shards), "--shard_id", str(args.shard_id)]
+        if args.query_agnostic:
+            argv.append("--query_agnostic")
+        folder = ruler.run(argv, model=model, tokenizer=tokenizer)
+        rows.append(summarise(folder, spec, budget_label(budget), tasks, args.length))
+    return rows
+
+
+def summarise(folder: Path, method: str, budget: str, tasks: list[str], length: int) -> dict:
+    """One table row: scores per task, their average, and the kept fraction of the cache."""
+    row: dict = {"method": method, "budget": budget}
+    seen = stored = 0
+    scores = []
+    for task in tasks:
+        records = read_predictions(folder / str(length), task)
+        row[task] = ruler.score_task(task, [r["pred"] for r in records], [r["outputs"] for r in records])
+        scores.append(row[task])
+        seen += sum(r["kv_tokens_seen"] for r in records)
+        stored += sum(r["kv_tokens_stored"] for r in records)
+    row["avg"] = round(sum(scores) / len(scores), 2)
+    row["kv kept"] = f"{stored / seen:.2f}"
+    return row
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    rows = run_sweep(args)
+    tasks = ruler.parse_task_list(args.tasks)
+    mode = "query-agnostic" if args.query_agnostic else "query-aware"
+    print(f"\nRULER {args.length} tokens, {args.num_samples} samples per task, {args.model_path}, {mode}")
+    print(format_table(rows, ["budget", *tasks, "avg", "kv kept"], first="method"))
+    out = Path(args.save_dir) / f"sweep_{args.length}{'_agnostic' if args.query_agnostic else ''}.json"
+    out.write_text(json.dumps(rows, indent=1))
+    print(f"(rows written to {out})")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
