@@ -376,6 +376,19 @@ def test_a_folder_refuses_a_run_with_other_settings(tmp_path, tiny, tokenizer):
     assert len(lines_of(tmp_path / "smollm2-135m" / "snapkv_48" / "logs.jsonl")) == 2
 
 
+def test_a_benchmark_flag_that_changes_predictions_is_part_of_the_run_settings(tmp_path, tiny, tokenizer):
+    toy = dataclasses.replace(TOY, prediction_flags=("answer_style",))
+
+    def add_flags(parser):
+        parser.add_argument("--answer_style", default="short")
+
+    base = ["--save_dir", str(tmp_path), "--method", "snapkv", "--max_capacity_prompts", "48", "--window_size", "8",
+            "--max_num_examples", "1"]
+    runner.main(toy, base, add_flags, model=tiny, tokenizer=tokenizer)
+    with pytest.raises(SystemExit, match=r"benchmark_flags.answer_style: 'short' -> 'long'"):
+        runner.main(toy, [*base, "--answer_style", "long"], add_flags, model=tiny, tokenizer=tokenizer)
+
+
 def test_an_unpatched_model_stops_the_run(tiny, tokenizer):
     """Silent no-compression (the patch not active) must not produce plausible numbers."""
     config = CompressionConfig(method="snapkv", max_capacity_prompts=48, window_size=8)

@@ -456,6 +456,7 @@ BENCHMARK = Benchmark(
     default_datasets=tuple(TASKS),
     load_samples=infinite_samples,
     default_data_dir="data/InfiniteBench",
+    prediction_flags=("chat_template", "generation_lengths"),
 )
 
 

@@ -235,6 +235,7 @@ BENCHMARK = Benchmark(
     default_datasets=("needle",),
     load_samples=lambda args, dataset: needle_samples(args, load_tokenizer(args.model_path)),
     default_data_dir=str(ESSAY_DIR),
+    prediction_flags=("chat_template", "final_context_length_buffer"),
 )
 
 

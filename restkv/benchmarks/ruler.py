@@ -395,6 +395,7 @@ BENCHMARK = Benchmark(
     default_datasets=SYNTHETIC_TASKS,
     load_samples=ruler_samples,
     default_data_dir="data/RULER",
+    prediction_flags=("chat_template",),
 )
 
 

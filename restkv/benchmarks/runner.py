@@ -119,7 +119,9 @@ class Benchmark:
     """What a runner needs from a benchmark adapter.
 
     load_samples(args, dataset) returns the dataset's samples in file order; it raises
-    ``DataError`` (file, line, field) on malformed input.
+    ``DataError`` (file, line, field) on malformed input. ``prediction_flags`` name the
+    benchmark's own flags that change a prediction (a chat template, generation lengths):
+    they join the run settings, so a folder never mixes predictions made with other values.
     """
 
     name: str
@@ -127,6 +129,7 @@ class Benchmark:
     default_datasets: tuple[str, ...]
     load_samples: Callable[[argparse.Namespace, str], list[Sample]]
     default_data_dir: str
+    prediction_flags: tuple[str, ...] = ()
 
 
 class DataError(ValueError):
@@ -711,6 +714,8 @@ def run_settings(args: argparse.Namespace, benchmark: Benchmark, config: Compres
         "max_new_tokens": args.max_new_tokens,
         "dtype": str(model.dtype).removeprefix("torch."),
         "attn_implementation": args.attn_implementation,
+        **({"benchmark_flags": {name: getattr(args, name) for name in benchmark.prediction_flags}}
+           if benchmark.prediction_flags else {}),
     }
 
 
