@@ -52,9 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def method_flags(spec: str) -> list[str]:
-    """``snapkv+residual`` -> ``--method snapkv --residual``."""
+    """``snapkv+residual`` -> ``--method snapkv --residual --tag residual`` (the tag keeps the
+    run's folder apart from the plain method's)."""
     options = method_spec_options(spec)
-    return ["--method", options.pop("method"), *(f"--{switch}" for switch in options)]
+    method = options.pop("method")
+    tag = ["--tag", "+".join(options)] if options else []
+    return ["--method", method, *(f"--{switch}" for switch in options), *tag]
 
 
 def budget_flags(args: argparse.Namespace) -> list[list[str]]:

@@ -9,7 +9,7 @@ from restkv.config import ConfigError
 def test_method_specs_become_runner_flags():
     assert sweep.method_flags("snapkv") == ["--method", "snapkv"]
     assert sweep.method_flags("adakv+residual+residual_no_gate") == [
-        "--method", "adakv", "--residual", "--residual_no_gate"]
+        "--method", "adakv", "--residual", "--residual_no_gate", "--tag", "residual+residual_no_gate"]
     with pytest.raises(ConfigError, match="'bogus' is not a boolean option"):
         sweep.method_flags("snapkv+bogus")
 
@@ -26,17 +26,17 @@ def test_budget_labels():
 def test_a_small_sweep_runs_every_configuration_and_reports_what_the_cache_kept(smollm2, tmp_path, capsys):
     model, tokenizer = smollm2
     argv = ["--length", "512", "--tasks", "niah_single_1", "--num_samples", "1", "--methods", "streamingllm",
-            "snapkv+residual", "--budgets", "64", "--save_dir", str(tmp_path)]
+            "snapkv", "snapkv+residual", "--budgets", "64", "--save_dir", str(tmp_path)]
     rows = sweep.run_sweep(sweep.build_parser().parse_args(argv), model=model, tokenizer=tokenizer)
     assert [(row["method"], row["budget"]) for row in rows] == [
-        ("fullkv", "full"), ("streamingllm", "64"), ("snapkv+residual", "64")]
+        ("fullkv", "full"), ("streamingllm", "64"), ("snapkv", "64"), ("snapkv+residual", "64")]
     assert rows[0]["kv kept"] == "1.00"
     for row in rows[1:]:
         assert float(row["kv kept"]) < 0.25  # 64 of ~500 tokens per layer, tail included
         assert 0 <= row["niah_single_1"] <= 100
     # A rerun finds every sample written and recomputes nothing (each line records its own timing).
     written = {path: path.read_text() for path in tmp_path.rglob("*.jsonl") if "data" not in path.parts}
-    assert len(written) == 3
+    assert len(written) == 4  # the residual run has its own folder
     again = sweep.run_sweep(sweep.build_parser().parse_args(argv), model=model, tokenizer=tokenizer)
     assert again == rows
     assert {path: path.read_text() for path in written} == written
