@@ -24,14 +24,14 @@ import argparse
 import json
 import math
 import random
-import re
-import string
 import sys
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from restkv.benchmarks.longbench_metrics import qa_f1_score
+from restkv.compat import with_cache
 
 
 # ---------------------------------------------------------------- the file format
@@ -204,21 +204,6 @@ def build_probe(tokenizer, needle: Needle, context_length: int, depth: int, seed
     )
 
 
-def token_f1(prediction: str, answer: str) -> float:
-    """SQuAD-style token F1 after lower-casing and removing punctuation and articles."""
-
-    def words(text: str) -> list[str]:
-        text = "".join(ch for ch in text.lower() if ch not in string.punctuation)
-        return re.sub(r"\b(a|an|the)\b", " ", text).split()
-
-    predicted, expected = words(prediction), words(answer)
-    common = sum((Counter(predicted) & Counter(expected)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(predicted), common / len(expected)
-    return 2 * precision * recall / (precision + recall)
-
-
 # ---------------------------------------------------------------- scoring one probe
 @torch.no_grad()
 def probe_head_scores(model, tokenizer, probe: Probe, max_new_tokens: int = 50) -> tuple[torch.Tensor, list[int]]:
@@ -238,13 +223,13 @@ def probe_head_scores(model, tokenizer, probe: Probe, max_new_tokens: int = 50) 
     span = probe.needle_end - probe.needle_start
     eos_ids = _eos_ids(model, tokenizer)
     cache = DynamicCache(config=model.config)
-    model(input_ids=ids[:, :-1], cache=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1, **with_cache(cache))
     token = ids[:, -1:]
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
     scores = torch.zeros(layers, heads, dtype=torch.float64)
     generated: list[int] = []
     for _ in range(max_new_tokens):
-        out = model(input_ids=token, cache=cache, use_cache=True, output_attentions=True)
+        out = model(input_ids=token, use_cache=True, output_attentions=True, **with_cache(cache))
         weights = torch.stack([a[0, :, -1, :] for a in out.attentions]).float()  # [layers, heads, keys]
         top_weights, top_positions = weights.topk(min(span, weights.shape[-1]), dim=-1)
         in_needle = (top_positions >= probe.needle_start) & (top_positions < probe.needle_end)
@@ -296,7 +281,7 @@ def compute_head_scores(
                 probe = build_probe(tokenizer, needle, length, depth, seed=seed + needle_index)
                 scores, answer_ids = probe_head_scores(model, tokenizer, probe, max_new_tokens)
                 answer = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
-                f1 = token_f1(answer, needle.answer)
+                f1 = qa_f1_score(answer, needle.answer)
                 use = include_failed or f1 > 0.5
                 log(
                     f"needle {needle_index} length {probe.input_ids.shape[-1]} depth {depth}%: "

@@ -9,7 +9,8 @@ import torch
 
 from restkv import compress_kv
 from restkv.allocation import headkv_table
-from restkv.head_scores import NEEDLES, build_probe, load_head_scores, main, probe_head_scores, token_f1
+from restkv.benchmarks.longbench_metrics import qa_f1_score
+from restkv.head_scores import NEEDLES, build_probe, load_head_scores, main, probe_head_scores
 from restkv.models import load_tokenizer
 from tiny_models import tiny_model
 
@@ -42,10 +43,10 @@ def test_probe_places_the_needle_at_the_requested_depth(tokenizer):
     assert torch.equal(again.input_ids, build_probe(tokenizer, needle, 300, 50).input_ids)  # seeded haystack
 
 
-def test_token_f1_matches_hand_values():
-    assert token_f1("a blue flowerpot", "under a blue flowerpot") == pytest.approx(2 * 1.0 * (2 / 3) / (1 + 2 / 3))
-    assert token_f1("The answer is 4172.", "4172") == pytest.approx(2 * (1 / 3) * 1 / (1 / 3 + 1))
-    assert token_f1("Sunday", "Monday") == 0.0
+def test_probe_answers_are_judged_by_squad_qa_f1_score():
+    assert qa_f1_score("a blue flowerpot", "under a blue flowerpot") == pytest.approx(2 * 1.0 * (2 / 3) / (1 + 2 / 3))
+    assert qa_f1_score("The answer is 4172.", "4172") == pytest.approx(2 * (1 / 3) * 1 / (1 / 3 + 1))
+    assert qa_f1_score("Sunday", "Monday") == 0.0
 
 
 @torch.no_grad()
