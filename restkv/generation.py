@@ -24,18 +24,23 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DynamicCache:
     """Run a (left-padded) prompt through the model once; returns its (compressed) cache."""
+    return _prefill(model, input_ids, attention_mask)[0]
+
+
+def _prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[DynamicCache, torch.Tensor]:
+    """``prefill``, also returning the logits of the last position ``[B, 1, vocab]``."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     cache = DynamicCache(config=model.config)
-    model(
+    logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=True,
         logits_to_keep=1,
         **with_cache(cache),
-    )
-    return cache
+    ).logits
+    return cache, logits
 
 
 @torch.no_grad()
@@ -82,8 +87,7 @@ def answer_nll(model, prompt_ids: torch.Tensor, answer_ids: torch.Tensor,
         raise ValueError("answer_nll scores one row at a time")
     if answer_ids.shape[-1] == 0:
         raise ValueError("answer_nll needs at least one answer token")
-    cache = DynamicCache(config=model.config)
-    first = model(input_ids=prompt_ids, use_cache=True, logits_to_keep=1, **with_cache(cache)).logits[:, -1:]
+    cache, first = _prefill(model, prompt_ids, None)
     question = question_ids if question_ids is not None else prompt_ids[:, :0]
     rest = torch.cat([question, answer_ids[:, :-1]], dim=-1)
     logits = first
