@@ -84,11 +84,14 @@ def adaptive_pool(ctx: "ScoringContext", scores: torch.Tensor) -> torch.Tensor:
     config = ctx.config
     attention = ctx.window_attention()
     num_kv_heads = ctx.num_kv_heads
+    candidates = ctx.candidates
     pooled = scores.clone()
-    for row in range(scores.shape[0]):
-        columns = ctx.candidates[row].nonzero().flatten()
-        top = int(ctx.budgets[row]) - int(ctx.protected[row].sum())
-        if columns.numel() == 0 or top < 1 or int(ctx.lengths[row]) <= int(ctx.budgets[row]):
+    # One host transfer for every row's sizes, not several device syncs per row.
+    rows = zip(ctx.budgets.tolist(), ctx.protected.sum(dim=-1).tolist(), ctx.lengths.tolist())
+    for row, (budget, protected, length) in enumerate(rows):
+        columns = candidates[row].nonzero().flatten()
+        top = budget - protected
+        if columns.numel() == 0 or top < 1 or length <= budget:
             continue
         start, stop = int(columns[0]), int(columns[-1]) + 1  # left padding: one contiguous run
         drift = attention_shift(attention[row], ctx.valid[row], top)

@@ -321,6 +321,14 @@ def _require_finite(config: CompressionConfig, *names: str) -> None:
             raise ConfigError(f"--{name} must be a finite number; got {value!r}")
 
 
+def _require_bool(config: CompressionConfig, *names: str) -> None:
+    """Switches must be real booleans (a string "False" would silently count as true)."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, bool):
+            raise ConfigError(f"--{name} must be a boolean (--{name} / --no-{name}); got {value!r}")
+
+
 def _require_choice(value: Any, name: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"--{name} {value!r} is not allowed; choose one of {', '.join(choices)}")
@@ -371,9 +379,7 @@ def _check_allocation_and_merging(config: CompressionConfig) -> None:
 
 def _check_restkv(config: CompressionConfig) -> None:
     """ReST-KV's options (checked for every method, so a bad value never waits for a restkv run)."""
-    for name in ("use_wo", "use_ema", "use_norm"):
-        if not isinstance(getattr(config, name), bool):
-            raise ConfigError(f"--{name} must be a boolean (--{name} / --no-{name}); got {getattr(config, name)!r}")
+    _require_bool(config, "use_wo", "use_ema", "use_norm")
     _require_finite(config, "alpha", "scale", "tau")
     if not 0.0 <= config.alpha <= 1.0:
         raise ConfigError(f"--alpha must lie in [0, 1] (the EMA weight of the newest window query); got {config.alpha}")
@@ -399,10 +405,8 @@ def _check_restkv(config: CompressionConfig) -> None:
 
 def _check_residual(config: CompressionConfig) -> None:
     """ResKV's options (checked for every method, like ReST-KV's)."""
-    for name in ("residual", "residual_val_causal", "residual_val_gate", "residual_no_validation", "residual_no_gate",
-                 "residual_separate_softmax"):
-        if not isinstance(getattr(config, name), bool):
-            raise ConfigError(f"--{name} must be a boolean (--{name} / --no-{name}); got {getattr(config, name)!r}")
+    _require_bool(config, "residual", "residual_val_causal", "residual_val_gate", "residual_no_validation",
+                  "residual_no_gate", "residual_separate_softmax")
     ratios = config.residual_ratios
     if isinstance(ratios, (int, float)) or not all(_is_number(r) and 0.0 <= r < 1.0 for r in ratios) or not ratios:
         raise ConfigError(f"--residual_ratios must be one or more fractions in [0, 1); got {ratios!r}")

@@ -17,6 +17,7 @@ import torch
 from restkv.merging import cam_merge, cam_reference_values, evicted_mask
 from restkv.policies import register_policy
 from restkv.policies.base import Policy, ScoringContext
+from restkv.selection import gather_columns
 
 
 @register_policy
@@ -47,8 +48,7 @@ class CaM(Policy):
                 config.window_size,
                 None if draws is None else draws[row, :, part],
             )
-        index = indices.clamp(min=0)[..., None].expand(*indices.shape, merged.shape[-1])
-        return keys, merged.gather(2, index).masked_fill((indices < 0)[..., None], 0)
+        return keys, gather_columns(merged, indices)
 
 
 def _row_local_draws(ctx: ScoringContext) -> torch.Tensor:
