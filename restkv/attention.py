@@ -35,7 +35,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from restkv.cache import CompressedLayer, native_layer
 from restkv.compress import compress_kv, needs_compression, valid_from_mask
 from restkv.config import CompressionConfig
-from restkv.residual import MASKED, ResidualReadout
+from restkv.residual import ResidualReadout, capped
 
 
 @dataclass(frozen=True)
@@ -108,17 +108,10 @@ def attend_segments(
     logits = []
     for segment in segments:
         raw = torch.matmul(stacked, segment.keys.transpose(-1, -2)) * scaling
-        raw = raw.float().view(batch, num_kv_heads, groups, q_len, -1)
-        if softcap is not None:
-            raw = torch.tanh(raw / softcap) * softcap
-        logits.append(raw)
-    if all(segment.log_counts is None for segment in segments):
-        masked = [raw.masked_fill(~segment.visible.unsqueeze(2), MASKED) for raw, segment in zip(logits, segments)]
-        weights = torch.softmax(torch.cat(masked, dim=-1), dim=-1)
-    else:
-        weights = (readout or PLAIN_READOUT).weights(
-            logits, [segment.visible.unsqueeze(2) for segment in segments], [segment.log_counts for segment in segments]
-        )
+        logits.append(capped(raw.float().view(batch, num_kv_heads, groups, q_len, -1), softcap))
+    weights = (readout or PLAIN_READOUT).weights(
+        logits, [segment.visible.unsqueeze(2) for segment in segments], [segment.log_counts for segment in segments]
+    )
     weights = weights.to(query.dtype).view(batch, num_kv_heads, groups * q_len, -1)
     output = None
     start = 0

@@ -80,16 +80,6 @@ class CompressedLayer(CacheLayerMixin):
         return 0 if self.residual_log_counts is None else self.residual_log_counts.shape[-1]
 
     @property
-    def residual_keys(self) -> torch.Tensor | None:
-        """``[B, H_kv, R, d]`` the last ``R`` kept slots (entries where ``residual_log_counts`` is finite)."""
-        return None if self.residual_log_counts is None else self.kept_keys[:, :, -self.residual_width :]
-
-    @property
-    def residual_values(self) -> torch.Tensor | None:
-        """``[B, H_kv, R, d]`` values of the last ``R`` kept slots."""
-        return None if self.residual_log_counts is None else self.kept_values[:, :, -self.residual_width :]
-
-    @property
     def residual_counts(self) -> torch.Tensor:
         """``[B, H_kv]`` residual entries per row and KV head (0 without residuals)."""
         if self.residual_log_counts is None:

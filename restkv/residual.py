@@ -125,10 +125,12 @@ class ResidualReadout:
         slots = [None if counts is None else torch.isfinite(counts) for counts in log_counts]
         exact = torch.cat([raw.masked_fill(~seen if slot is None else ~seen | slot, MASKED)
                            for raw, seen, slot in zip(logits, visible, slots)], dim=-1)
-        log_g = self.log_gate(exact)
         # Residual logits are written with `where`: beta log c is -inf (or NaN for beta = 0) on exact slots.
         residual = [(start, raw, seen & slot, counts) for start, raw, seen, slot, counts
                     in zip(_offsets(logits), logits, visible, slots, log_counts) if slot is not None]
+        if not residual:  # exact tokens only: the plain masked softmax
+            return torch.softmax(exact, dim=-1)
+        log_g = self.log_gate(exact)
         if self.separate_softmax:
             side = torch.full_like(exact, MASKED)
             members, exact_count = 0.0, (exact > MASKED).sum(dim=-1, keepdim=True)
