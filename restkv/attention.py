@@ -123,6 +123,20 @@ def attend_segments(
     return output.view(batch, num_heads, q_len, head_dim).transpose(1, 2)
 
 
+def project_qkv(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings):
+    """Post-RoPE ``query [B, H, N, d]`` and ``key``, ``value [B, H_kv, N, d]`` of an attention module,
+    with the family's extras (Gemma 3 q/k norms) and its own ``apply_rotary_pos_emb``."""
+    family = sys.modules[type(module).__module__]
+    hidden_shape = (*hidden_states.shape[:-1], -1, module.head_dim)
+    query = module.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    if hasattr(module, "q_norm"):
+        query, key = module.q_norm(query), module.k_norm(key)
+    query, key = family.apply_rotary_pos_emb(query, key, *position_embeddings)
+    return query, key, value
+
+
 def restkv_attention_forward(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -136,14 +150,7 @@ def restkv_attention_forward(
         cache = kwargs.pop("past_key_values", None)
     family = sys.modules[type(self).__module__]
     input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-    query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    if hasattr(self, "q_norm"):
-        query, key = self.q_norm(query), self.k_norm(key)
-    cos, sin = position_embeddings
-    query, key = family.apply_rotary_pos_emb(query, key, cos, sin)
+    query, key, value = project_qkv(self, hidden_states, position_embeddings)
 
     params = LayerParams.of(self)
     config: CompressionConfig = self._restkv_config

@@ -8,13 +8,13 @@ attention over the whole prompt; "after" is the same queries attending to the ke
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from restkv import CompressionConfig, compress_kv
+from restkv.attention import project_qkv
 
 
 @dataclass(frozen=True)
@@ -50,15 +50,7 @@ def layer_qkv(model, input_ids: torch.Tensor, layer_idx: int):
         model(input_ids=input_ids, use_cache=False)
     finally:
         handle.remove()
-    hidden = captured["hidden"]
-    shape = (*hidden.shape[:-1], -1, module.head_dim)
-    query = module.q_proj(hidden).view(shape).transpose(1, 2)
-    key = module.k_proj(hidden).view(shape).transpose(1, 2)
-    value = module.v_proj(hidden).view(shape).transpose(1, 2)
-    if hasattr(module, "q_norm"):
-        query, key = module.q_norm(query), module.k_norm(key)
-    family = sys.modules[type(module).__module__]
-    query, key = family.apply_rotary_pos_emb(query, key, *captured["rope"])
+    query, key, value = project_qkv(module, captured["hidden"], captured["rope"])
     return query, key, value, module
 
 
