@@ -24,12 +24,12 @@ import argparse
 import csv
 import json
 import re
-import string
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from restkv.benchmarks.longbench_metrics import f1_score, normalize_answer, normalize_zh_answer
 from restkv.benchmarks.runner import (
     Benchmark,
     DataError,
@@ -158,42 +158,16 @@ def score_choice(prediction: str, label: Sequence[str]) -> float:
     return 0.0
 
 
-def normalize_answer(text: str) -> str:
-    """Lower-case, drop punctuation and English articles, collapse whitespace (SQuAD rules)."""
-    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
-    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
-
-
-_ZH_PUNCTUATION = set(
-    string.punctuation
-    + "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～"
-    + "｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
-)
-
-
-def normalize_zh_answer(text: str) -> str:
-    """Lower-case, drop Chinese and English punctuation and all whitespace."""
-    return "".join(ch for ch in text.lower() if ch not in _ZH_PUNCTUATION and not ch.isspace())
-
-
-def f1(prediction: Sequence[str], reference: Sequence[str]) -> float:
-    common = sum((Counter(prediction) & Counter(reference)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(prediction), common / len(reference)
-    return 2 * precision * recall / (precision + recall)
-
-
 def score_qa_english(prediction: str, label: Any) -> float:
-    """Token F1 after SQuAD normalisation, best over the gold answers."""
+    """Token F1 after SQuAD normalisation (LongBench's rules, shared), best over the gold answers."""
     answers = [label] if isinstance(label, str) else label
-    return max(f1(normalize_answer(prediction).split(), normalize_answer(a).split()) for a in answers)
+    return max(f1_score(normalize_answer(prediction).split(), normalize_answer(a).split()) for a in answers)
 
 
 def score_qa_chinese(prediction: str, label: Any) -> float:
     """Character F1 after Chinese normalisation, best over the gold answers."""
     answers = [label] if isinstance(label, str) else label
-    return max(f1(list(normalize_zh_answer(prediction)), list(normalize_zh_answer(a))) for a in answers)
+    return max(f1_score(list(normalize_zh_answer(prediction)), list(normalize_zh_answer(a))) for a in answers)
 
 
 def score_math_calc(prediction: str, label: Sequence) -> float:

@@ -360,11 +360,6 @@ def prompt_parts(dataset: str, record: Mapping[str, Any]) -> tuple[str, str]:
     return before.format(**record) + record["context"], after.format(**record)
 
 
-def build_prompt(dataset: str, record: Mapping[str, Any]) -> str:
-    """The official prompt of one record."""
-    return PROMPTS[base_dataset(dataset)].format(**record)
-
-
 def to_sample(dataset: str, record: Mapping[str, Any]) -> Sample:
     """A runner sample with the official prompt, length, chat and stop rules."""
     base = base_dataset(dataset)

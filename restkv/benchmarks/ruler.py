@@ -32,6 +32,7 @@ from restkv.benchmarks.runner import (
     BenchmarkRun,
     DataError,
     Sample,
+    chat_wrap,
     datasets_in,
     format_table,
     parse_args,
@@ -235,19 +236,6 @@ def load_task(data_dir: str | Path, length: int, task: str) -> list[dict]:
 # ----------------------------------------------------------------------------- prompts
 
 
-def chat_wrap(tokenizer, text: str, use_chat_template: bool) -> str:
-    """``text`` as the user turn of the tokenizer's chat template, ready for the answer.
-
-    Tokenizers without a chat template (base models) get ``text`` unchanged, which is
-    RULER's ``base`` model template.
-    """
-    if not use_chat_template or not getattr(tokenizer, "chat_template", None):
-        return text
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-    )
-
-
 #: Where each family's question starts in ``input`` (its last occurrence): the part before is
 #: the context a query-agnostic run compresses alone.
 QUESTION_MARKERS = {
@@ -270,7 +258,8 @@ def split_question(task: str, text: str) -> tuple[str, str]:
 def build_prompt(sample: Mapping, tokenizer, use_chat_template: bool) -> str:
     """RULER's prompt: the (chat-wrapped) ``input`` followed by ``answer_prefix``.
 
-    The prefix starts the assistant's turn, as RULER appends it after its model template.
+    The prefix starts the assistant's turn, as RULER appends it after its model template;
+    a tokenizer without a chat template gets ``input`` unchanged (RULER's ``base`` template).
     """
     return chat_wrap(tokenizer, sample["input"], use_chat_template) + sample.get("answer_prefix", "")
 
@@ -297,9 +286,6 @@ def sample_match_part(prediction: str, references: Sequence[str]) -> float:
     return float(any(ref.lower() in lowered for ref in references))
 
 
-SAMPLE_METRICS = {"all": sample_match_all, "part": sample_match_part}
-
-
 def _mean_percent(values: Sequence[float]) -> float:
     if not values:
         raise ValueError("cannot score an empty list of predictions")
@@ -316,9 +302,8 @@ def string_match_part(predictions: Sequence[str], references: Sequence[Sequence[
 
 def score_task(task: str, predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
     """A task's RULER score (0-100) after RULER's post-processing of each prediction."""
-    metric = SAMPLE_METRICS[get_task(task).metric]
-    cleaned = [postprocess_prediction(p) for p in predictions]
-    return _mean_percent([metric(p, r) for p, r in zip(cleaned, references, strict=True)])
+    metric = string_match_all if get_task(task).metric == "all" else string_match_part
+    return metric([postprocess_prediction(p) for p in predictions], references)
 
 
 def ordered_tasks(names: Iterable[str]) -> list[str]:

@@ -539,9 +539,15 @@ def truncate_middle(tokenizer, text: str, max_tokens: int) -> tuple[str, str, bo
     return head, tail, True
 
 
-def _chat(tokenizer, content: str) -> str:
+def chat_wrap(tokenizer, text: str, use_chat_template: bool = True) -> str:
+    """``text`` as the user turn of the tokenizer's chat template, ready for the answer.
+
+    Tokenizers without a chat template (base models) get ``text`` unchanged.
+    """
+    if not use_chat_template or not getattr(tokenizer, "chat_template", None):
+        return text
     return tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
     )
 
 
@@ -561,10 +567,10 @@ def encode_prompt(tokenizer, sample: Sample, max_tokens: int, split: bool = Fals
         return tokenizer(piece, add_special_tokens=special).input_ids if piece else []
 
     if not split:
-        wrapped = _chat(tokenizer, text) if use_chat else text
+        wrapped = chat_wrap(tokenizer, text, use_chat)
         return EncodedPrompt(tokens(wrapped + sample.answer_prefix, not use_chat), [], truncated)
     if use_chat:
-        before, after = _chat(tokenizer, context + _SPLIT_MARK + question).split(_SPLIT_MARK)
+        before, after = chat_wrap(tokenizer, context + _SPLIT_MARK + question).split(_SPLIT_MARK)
         return EncodedPrompt(tokens(before, False), tokens(after + sample.answer_prefix, False), truncated)
     return EncodedPrompt(tokens(context, True), tokens(question + sample.answer_prefix, False), truncated)
 
