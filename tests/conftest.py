@@ -1,6 +1,12 @@
-"""Shared fixtures. Tests never reach a model hub."""
+"""Shared fixtures. Tests never reach a model hub, and never read a model cache from outside
+the test session: the embedded models are dequantised from their GGUF files into a fresh
+folder on every run, so the first-load path is what the suite exercises (a warm
+``~/.cache/restkv`` once hid a missing dependency of that path). ``RESTKV_TEST_CACHE_DIR``
+names a folder to reuse instead, for repeated local runs; CI never sets it."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -11,6 +17,23 @@ import torch  # noqa: E402
 from restkv.monkeypatch import unpatch  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+_FRESH_CACHE: str | None = None
+
+
+def pytest_configure(config):
+    global _FRESH_CACHE
+    reused = os.environ.get("RESTKV_TEST_CACHE_DIR")
+    if reused:
+        os.environ["RESTKV_CACHE_DIR"] = reused
+    else:
+        _FRESH_CACHE = tempfile.mkdtemp(prefix="restkv-test-cache-")
+        os.environ["RESTKV_CACHE_DIR"] = _FRESH_CACHE
+
+
+def pytest_unconfigure(config):
+    if _FRESH_CACHE is not None:
+        shutil.rmtree(_FRESH_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -50,3 +50,24 @@ def test_embedded_model_loads_with_its_chat_template(smollm2):
     model, tokenizer = smollm2
     assert model.config.model_type == "llama" and model.config.num_key_value_heads == 3
     assert tokenizer.padding_side == "left" and tokenizer.chat_template
+
+
+@pytest.mark.embedded
+def test_first_load_dequantises_into_an_empty_cache_and_the_second_load_reads_it(monkeypatch, tmp_path):
+    """The path a fresh machine takes: GGUF -> safetensors in an empty cache, then reuse."""
+    monkeypatch.setenv("RESTKV_CACHE_DIR", str(tmp_path))
+    assert not any(tmp_path.iterdir())
+    folder = models.resolve_model_path("smollm2-135m")
+    written = {path.name for path in (tmp_path / "smollm2-135m").iterdir()}
+    assert folder == str(tmp_path / "smollm2-135m")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= written
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "staging folder left behind"
+
+    def no_gguf(*args, **kwargs):
+        raise AssertionError("the second load went back to the GGUF file")
+
+    monkeypatch.setattr(models, "_materialise", no_gguf)
+    monkeypatch.setattr(importlib.metadata, "files", no_gguf)
+    assert models.resolve_model_path("smollm2-135m") == folder
+    model = models.load_model("smollm2-135m")
+    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
