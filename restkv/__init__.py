@@ -1,9 +1,23 @@
-"""restkv: KV cache compression for Hugging Face transformers models."""
+"""restkv: KV cache compression for Hugging Face transformers models.
 
+Importing the package registers every part of a compression run (the methods in
+``restkv.policies``, the allocations, the merge, the residual cache), so configs can name
+them.
+"""
+
+from restkv import allocation, merging, policies, residual  # noqa: F401  (they register their parts)
 from restkv.compress import CompressedKV, compress_kv
 from restkv.config import CompressionConfig, ConfigError
 from restkv.policies import available_methods
 
 __version__ = "0.1.0"
 
-__all__ = ["CompressedKV", "CompressionConfig", "ConfigError", "available_methods", "compress_kv"]
+
+def compression(model, config=None, /, **options):
+    """``with restkv.compression(model, method=..., ...):`` (``restkv.monkeypatch.compression``)."""
+    from restkv.monkeypatch import compression as context
+
+    return context(model, config, **options)
+
+
+__all__ = ["CompressedKV", "CompressionConfig", "ConfigError", "available_methods", "compress_kv", "compression"]

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from restkv.policies.base import ScoringContext
+    from restkv.context import ScoringContext
 
 
 def attention_shift(weights: torch.Tensor, valid: torch.Tensor, top: int) -> torch.Tensor:
@@ -74,20 +74,19 @@ def shifted_replicate_mean(scores: torch.Tensor, kernel: int, shift: int) -> tor
     return F.avg_pool1d(padded, kernel_size=kernel, stride=1).view(scores.shape)
 
 
-def adaptive_pool(ctx: "ScoringContext", scores: torch.Tensor) -> torch.Tensor:
+def adaptive_pool(ctx: "ScoringContext", scores: torch.Tensor, scale: float, min_kernel: int) -> torch.Tensor:
     """Adaptive pooling of per-KV-head ``[B, H_kv, N]`` scores over each row's candidates.
 
     The drift statistic uses the row's whole budget minus its protected tokens (with a
     layer-dependent allocation, still the global budget, as the release does). Rows that
     keep every token are returned unchanged.
     """
-    config = ctx.config
     attention = ctx.window_attention()
     num_kv_heads = ctx.num_kv_heads
     candidates = ctx.candidates
     pooled = scores.clone()
     # One host transfer for every row's sizes, not several device syncs per row.
-    rows = zip(ctx.budgets.tolist(), ctx.protected.sum(dim=-1).tolist(), ctx.lengths.tolist())
+    rows = zip(ctx.budgets.tolist(), ctx.protected.sum(dim=-1).tolist(), ctx.plan.visible_counts.tolist())
     for row, (budget, protected, length) in enumerate(rows):
         columns = candidates[row].nonzero().flatten()
         top = budget - protected
@@ -97,7 +96,7 @@ def adaptive_pool(ctx: "ScoringContext", scores: torch.Tensor) -> torch.Tensor:
         drift = attention_shift(attention[row], ctx.valid[row], top)
         heads_by_kernel: dict[tuple[int, int], list[int]] = {}
         for head, statistic in enumerate(drift.view(num_kv_heads, -1).mean(dim=-1).tolist()):
-            heads_by_kernel.setdefault(kernel_and_shift(statistic, config.scale, config.kernel_size), []).append(head)
+            heads_by_kernel.setdefault(kernel_and_shift(statistic, scale, min_kernel), []).append(head)
         for (kernel, shift), heads in heads_by_kernel.items():  # one pooling call per distinct kernel
             pooled[row, heads, start:stop] = shifted_replicate_mean(scores[row, heads, start:stop], kernel, shift)
     return pooled

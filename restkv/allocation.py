@@ -1,5 +1,6 @@
 """How many tokens each row, layer and KV head keeps.
 
+Each allocation is a registered part (``--allocation <name>``) that owns its options;
 ``allocate(ctx, scores)`` is called once per compressed layer with the scorer's
 ``[B, H_kv, N]`` scores and returns the kept count per row and KV head, protected tokens
 (the recent window) included. Any scorer composes with any allocation:
@@ -22,34 +23,21 @@ largest head.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
 import torch
 
-from restkv.config import CompressionConfig
-from restkv.policies import get_policy
-from restkv.policies.base import ScoringContext
+from restkv.context import ScoringContext
+from restkv.head_scores import load_head_scores, read_head_score_file
+from restkv.options import ConfigError, Options, option, register
 
 
-def allocation_of(config: CompressionConfig) -> str:
+def allocation_of(config) -> str:
     """The allocation a config runs: the method's own, else ``--allocation``, else
     ``--use_pyramid``'s pyramid, else uniform."""
-    return get_policy(config.method).allocation or config.allocation or ("pyramid" if config.use_pyramid else "uniform")
-
-
-def allocate(ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
-    """``[B, H_kv]`` tokens kept per row and KV head, protected tokens included."""
-    allocator = _CANDIDATE_ALLOCATORS[allocation_of(ctx.config)]
-    protected = ctx.protected.sum(dim=-1)
-    rows = []
-    for row, (budget, window, length) in enumerate(zip(ctx.budgets.tolist(), protected.tolist(), ctx.lengths.tolist())):
-        shape = RowShape(row, budget, window, length)
-        if shape.candidate_budget >= shape.candidates:  # the row fits: keep every visible token
-            rows.append(torch.full((ctx.num_kv_heads,), shape.candidates, dtype=torch.long))
-        else:
-            rows.append(allocator(ctx, scores, shape).cpu())
-    return torch.stack(rows).to(ctx.budgets.device) + protected[:, None]
+    return config.run.allocation
 
 
 class RowShape(NamedTuple):
@@ -72,60 +60,151 @@ class RowShape(NamedTuple):
         return self.length - self.window
 
 
-# ---------------------------------------------------------------- per-row allocators
-# Each returns ``[H_kv]`` candidate (non-protected) counts for a row that must be compressed
-# (``B < L - W``).
+@dataclass(frozen=True)
+class Allocation(Options):
+    """Base of the allocations: spreads each row's budget over the KV heads of a layer."""
+
+    def allocate(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
+        """``[B, H_kv]`` tokens kept per row and KV head, protected tokens included."""
+        protected = ctx.protected.sum(dim=-1)
+        rows = []
+        sizes = zip(ctx.budgets.tolist(), protected.tolist(), ctx.plan.visible_counts.tolist())
+        for row, (budget, window, length) in enumerate(sizes):
+            shape = RowShape(row, budget, window, length)
+            if shape.candidate_budget >= shape.candidates:  # the row fits: keep every visible token
+                rows.append(torch.full((ctx.num_kv_heads,), shape.candidates, dtype=torch.long))
+            else:
+                rows.append(self.candidate_counts(ctx, scores, shape).cpu())
+        return torch.stack(rows).to(ctx.budgets.device) + protected[:, None]
+
+    def candidate_counts(self, ctx: ScoringContext, scores: torch.Tensor, shape: RowShape) -> torch.Tensor:
+        """``[H_kv]`` candidate (non-protected) counts for a row that must be compressed (``B < L - W``)."""
+        raise NotImplementedError
 
 
-def _uniform(ctx: ScoringContext, scores: torch.Tensor, shape: RowShape) -> torch.Tensor:
-    return torch.full((ctx.num_kv_heads,), shape.candidate_budget, dtype=torch.long)
+@register("allocation")
+@dataclass(frozen=True)
+class Uniform(Allocation):
+    """Every KV head keeps the row budget ``C``."""
+
+    name = "uniform"
+
+    def candidate_counts(self, ctx, scores, shape):
+        return torch.full((ctx.num_kv_heads,), shape.candidate_budget, dtype=torch.long)
 
 
-def _pyramid(ctx: ScoringContext, scores: torch.Tensor, shape: RowShape) -> torch.Tensor:
-    config = ctx.config
-    schedule = pyramid_schedule(
-        shape.budget,
-        shape.window,
-        shape.length,
-        ctx.num_layers,
-        beta=config.pyramid_beta,
-        reference_rounding=config.pyramid_reference_rounding,
-        middle_regime=not config.use_pyramid,
+@register("allocation")
+@dataclass(frozen=True)
+class Pyramid(Allocation):
+    """PyramidKV's layer schedule (``pyramid_schedule``)."""
+
+    name = "pyramid"
+
+    pyramid_beta: int = option(20, "PyramidKV: the last layer keeps about budget / beta candidate tokens",
+                               minimum=1)
+    pyramid_reference_rounding: bool = option(
+        False, "PyramidKV: floor the per-layer step as the original release does (overshoots the total budget)"
     )
-    return torch.full((ctx.num_kv_heads,), schedule[ctx.layer_idx], dtype=torch.long)
-
-
-def _adakv(ctx: ScoringContext, scores: torch.Tensor, shape: RowShape) -> torch.Tensor:
-    config = ctx.config
-    return adakv_caps(
-        scores[shape.row][:, ctx.candidates[shape.row]],
-        shape.candidate_budget,
-        config.floor,
-        normalize=config.adakv_normalize,
-        reference=config.adakv_reference_allocation,
+    use_pyramid: bool = option(
+        False, "the original release's flag: PyramidKV's layer schedule without its middle (uniform) regime"
     )
 
+    def candidate_counts(self, ctx, scores, shape):
+        schedule = pyramid_schedule(
+            shape.budget,
+            shape.window,
+            shape.length,
+            ctx.num_layers,
+            beta=self.pyramid_beta,
+            reference_rounding=self.pyramid_reference_rounding,
+            middle_regime=not self.use_pyramid,
+        )
+        return torch.full((ctx.num_kv_heads,), schedule[ctx.layer_idx], dtype=torch.long)
 
-def _headkv(ctx: ScoringContext, scores: torch.Tensor, shape: RowShape) -> torch.Tensor:
-    config = ctx.config
-    path = os.path.abspath(config.head_scores)
-    # The reference runner computes capacities from C and keeps the window on top.
-    budget = shape.budget if config.headkv_window_outside else shape.candidate_budget
-    table = headkv_table(
-        path,
-        os.path.getmtime(path),
-        budget,
-        shape.candidates,
-        ctx.num_layers,
-        ctx.query.shape[1],
-        ctx.num_kv_heads,
-        config.head_beta,
-        config.head_temp,
+
+@register("allocation")
+@dataclass(frozen=True)
+class AdaKVAllocation(Allocation):
+    """AdaKV's head-adaptive budgets within a layer (``adakv_caps``)."""
+
+    name = "adakv"
+
+    floor: float = option(0.2, "AdaKV safeguard: every head keeps at least floor * (budget - window) candidates",
+                          minimum=0, maximum=1)
+    adakv_reference_allocation: bool = option(
+        False, "AdaKV: the original rounding (head totals off by a few tokens, floor approximate)"
     )
-    return torch.tensor(table[ctx.layer_idx], dtype=torch.long)
+    adakv_normalize: bool = option(
+        True, "AdaKV: weight each head's scores by the share of its mass in its own top budget before ranking"
+    )
+
+    def candidate_counts(self, ctx, scores, shape):
+        return adakv_caps(
+            scores[shape.row][:, ctx.candidates[shape.row]],
+            shape.candidate_budget,
+            self.floor,
+            normalize=self.adakv_normalize,
+            reference=self.adakv_reference_allocation,
+        )
 
 
-_CANDIDATE_ALLOCATORS = {"uniform": _uniform, "pyramid": _pyramid, "adakv": _adakv, "headkv": _headkv}
+@register("allocation")
+@dataclass(frozen=True)
+class HeadKVAllocation(Allocation):
+    """HeadKV's per-head budgets from a head-score file, model-wide (``headkv_table``)."""
+
+    name = "headkv"
+
+    head_scores: str | None = option(
+        None, "HeadKV: JSON file of per-head importance scores (python -m restkv.benchmarks.head_scores computes one)"
+    )
+    head_beta: float = option(1.01, "HeadKV: budget / head_beta candidates per head are pooled and redistributed",
+                              minimum=1)
+    head_temp: float = option(1.0, "HeadKV: temperature applied to the normalised head scores",
+                              minimum=0, exclusive_minimum=True)
+    headkv_window_outside: bool = option(
+        False, "HeadKV: the reference runner's semantics, window kept on top of the head capacity"
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.head_scores, os.PathLike):
+            object.__setattr__(self, "head_scores", os.fspath(self.head_scores))
+        super().__post_init__()
+
+    def validate(self) -> None:
+        if self.head_scores is None:
+            return
+        if not os.path.isfile(self.head_scores):
+            raise ConfigError(f"--head_scores {self.head_scores!r} is not a file")
+        try:
+            read_head_score_file(self.head_scores)
+        except ValueError as error:
+            raise ConfigError(f"--head_scores: {error}") from None
+
+    def check(self, config) -> None:
+        if self.head_scores is None:
+            raise ConfigError(
+                "HeadKV allocation needs --head_scores FILE (per-head scores; compute one with python -m "
+                "restkv.benchmarks.head_scores --model_path MODEL --out "
+                "data/heads_score/MODEL_retrieval_reasoning_heads.json)"
+            )
+
+    def candidate_counts(self, ctx, scores, shape):
+        path = os.path.abspath(self.head_scores)
+        # The reference runner computes capacities from C and keeps the window on top.
+        budget = shape.budget if self.headkv_window_outside else shape.candidate_budget
+        table = headkv_table(
+            path,
+            os.path.getmtime(path),
+            budget,
+            shape.candidates,
+            ctx.num_layers,
+            ctx.query.shape[1],
+            ctx.num_kv_heads,
+            self.head_beta,
+            self.head_temp,
+        )
+        return torch.tensor(table[ctx.layer_idx], dtype=torch.long)
 
 
 # ---------------------------------------------------------------- PyramidKV
@@ -244,8 +323,6 @@ def headkv_table(
     rewritten in place is read again. Computed once per (file, budget, row length, model
     shape), not per layer.
     """
-    from restkv.head_scores import load_head_scores  # lazy: keeps `python -m restkv.head_scores` clean
-
     importance = load_head_scores(path, num_layers, num_heads).double()
     importance = importance / importance.sum()
     importance = importance**temperature

@@ -4,14 +4,14 @@
 with the module's own layers (Qwen2's biases come with them), applies Gemma3's q/k norms
 when the module has them, RoPE with the family's own ``apply_rotary_pos_emb``, and then:
 
-* **Compressing prefill** (first forward into an empty cache layer, when a row holds more
-  tokens than its budget): the layer output comes from the model's own attention
-  implementation (eager, sdpa, flash_attention_2) over the full prompt, exactly as
-  unpatched; then ``restkv.compress_kv`` selects what to keep and a ``CompressedLayer``
-  replaces the cache layer.
+* **Compressing prefill** (first forward into an empty cache layer whose plan,
+  ``restkv.context.plan_layer``, evicts something): the layer output comes from the model's
+  own attention implementation (eager, sdpa, flash_attention_2) over the full prompt,
+  exactly as unpatched; then ``restkv.compress.compress_layer`` selects what to keep and a
+  ``CompressedLayer`` built from that selection replaces the cache layer.
 * **Attention over the compressed segments** (decode steps, or a question chunk fed after a
-  context-only compression): kept tokens, residual entries and the tail of newer tokens
-  share one softmax (``attend_segments``). Nothing is compressed again.
+  context-only compression): the compressed layer attends over its own segments
+  (``CompressedLayer.attend``). Nothing is compressed again.
 * **Native path** otherwise (no cache, a budget at or above the prompt length, ``fullkv``,
   layers a method skips): the cache is updated and attention runs exactly as unpatched.
 
@@ -33,9 +33,9 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from restkv.cache import CompressedLayer, native_layer
-from restkv.compress import compress_kv, needs_compression, valid_from_mask
+from restkv.compress import compress_layer
 from restkv.config import CompressionConfig
-from restkv.residual import ResidualReadout, capped
+from restkv.context import LayerPlan, ScoringContext, plan_layer, valid_from_mask
 
 
 @dataclass(frozen=True)
@@ -64,65 +64,6 @@ class LayerParams:
         return kwargs
 
 
-@dataclass
-class Segment:
-    """One block of keys/values inside the shared softmax.
-
-    keys, values: ``[B, H_kv, S, d]``. visible: bool, broadcastable to ``[B, H_kv, 1, q, S]``
-    (given as ``[B, H_kv | 1, q | 1, S]``). log_counts: optional float32 broadcastable to
-    ``[B, H_kv, G, q, S]`` (given as ``[B, H_kv, 1, 1, S]``): a finite value marks the slot as a
-    ResKV residual entry with that log member count, ``-inf`` an exact token.
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    visible: torch.Tensor
-    log_counts: torch.Tensor | None = None
-
-
-#: how residual entries are read when the caller gives no readout: ``beta log c`` with beta = 1,
-#: no gate, one softmax
-PLAIN_READOUT = ResidualReadout(gate=False)
-
-
-def attend_segments(
-    query: torch.Tensor,
-    segments: list[Segment],
-    scaling: float,
-    softcap: float | None = None,
-    readout: ResidualReadout | None = None,
-) -> torch.Tensor:
-    """Attention of ``query`` ``[B, H, q, d]`` over several segments with ONE softmax.
-
-    K/V stay at ``H_kv`` heads: the ``G`` query heads of a group are stacked instead of
-    repeating keys. Logits are computed in the model dtype and normalised in float32, as
-    transformers' eager attention does. Residual entries (segments with ``log_counts``) get
-    ``beta log c + log g(q)`` per query head, the gate computed from the same logits of the
-    exact entries (``readout``, default ``PLAIN_READOUT``). Returns ``[B, q, H, d]`` (the
-    interface layout).
-    """
-    batch, num_heads, q_len, head_dim = query.shape
-    num_kv_heads = segments[0].keys.shape[1]
-    groups = num_heads // num_kv_heads
-    stacked = query.reshape(batch, num_kv_heads, groups * q_len, head_dim)
-    logits = []
-    for segment in segments:
-        raw = torch.matmul(stacked, segment.keys.transpose(-1, -2)) * scaling
-        logits.append(capped(raw.float().view(batch, num_kv_heads, groups, q_len, -1), softcap))
-    weights = (readout or PLAIN_READOUT).weights(
-        logits, [segment.visible.unsqueeze(2) for segment in segments], [segment.log_counts for segment in segments]
-    )
-    weights = weights.to(query.dtype).view(batch, num_kv_heads, groups * q_len, -1)
-    output = None
-    start = 0
-    for segment in segments:
-        width = segment.keys.shape[-2]
-        part = torch.matmul(weights[..., start : start + width], segment.values)
-        output = part if output is None else output + part
-        start += width
-    return output.view(batch, num_heads, q_len, head_dim).transpose(1, 2)
-
-
 def project_qkv(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings):
     """Post-RoPE ``query [B, H, N, d]`` and ``key``, ``value [B, H_kv, N, d]`` of an attention module,
     with the family's extras (Gemma 3 q/k norms) and its own ``apply_rotary_pos_emb``."""
@@ -148,41 +89,55 @@ def restkv_attention_forward(
     """Drop-in ``forward`` for the attention modules of every supported family."""
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
-    family = sys.modules[type(self).__module__]
     input_shape = hidden_states.shape[:-1]
     query, key, value = project_qkv(self, hidden_states, position_embeddings)
 
     params = LayerParams.of(self)
-    config: CompressionConfig = self._restkv_config
+    config = module_config(self)
     layer = _cache_layer(cache, self.layer_idx)
     weights = None
     if isinstance(layer, CompressedLayer) and layer.tokens_seen > 0:
-        output = _attend_compressed(layer, query, key, value, attention_mask, params)
-    elif (valid := _prompt_to_compress(self, config, cache, layer, query, attention_mask, params)) is not None:
-        output, weights = _native_attention(self, family, query, key, value, attention_mask, params, kwargs)
-        cache.layers[self.layer_idx] = _compressed_layer(self, config, query, key, value, valid, params)
+        output = layer.attend(query, key, value, attention_mask, params.scaling, params.softcap)
+    elif (plan := _plan_to_compress(self, config, cache, layer, query, attention_mask, params)) is not None:
+        output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
+        ctx = ScoringContext.of(query, key, value, plan, params.scaling, params.softcap, self.o_proj.weight)
+        residual = config.switch("residual")
+        cache.layers[self.layer_idx] = CompressedLayer.from_selection(
+            compress_layer(config, ctx), query.shape[2], params.sliding_window, config,
+            readout=residual.readout() if residual is not None else None,
+        )
     else:
         if isinstance(layer, CompressedLayer):  # a reset compressed layer serving a prompt it need not compress
             cache.layers[self.layer_idx] = native_layer(params.sliding_window)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-        output, weights = _native_attention(self, family, query, key, value, attention_mask, params, kwargs)
+        output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
     output = output.reshape(*input_shape, -1).contiguous()
     return self.o_proj(output), weights
+
+
+def module_config(module: torch.nn.Module) -> CompressionConfig:
+    """The config a patched attention module runs: its model's own (``configure``), if set
+    since its class was last patched, else the class's (``replace_*``)."""
+    cls = type(module)
+    if module.__dict__.get("_restkv_model_patch") is cls._restkv_patch:
+        return module.__dict__["_restkv_model_config"]
+    return cls._restkv_config
 
 
 # ---------------------------------------------------------------- prefill
 COMPRESSIBLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, CompressedLayer)
 
 
-def _prompt_to_compress(module, config, cache, layer, query, attention_mask, params) -> torch.Tensor | None:
-    """The prompt's ``[B, N]`` real-token mask if this forward is a prefill to compress, else None."""
+def _plan_to_compress(module, config, cache, layer, query, attention_mask, params) -> LayerPlan | None:
+    """The layer's plan if this forward is a prefill that evicts something, else None."""
     if layer is None or layer.get_seq_length() > 0:
         return None
     if not module.is_causal:
         raise ValueError("restkv compresses causal attention only; this model uses bidirectional attention")
     valid = key_validity(attention_mask, query.shape[0], query.shape[2], query.device)
-    if not needs_compression(config, valid, module.layer_idx, params.sliding_window):
+    plan = plan_layer(config, valid, module.layer_idx, module.config.num_hidden_layers, params.sliding_window)
+    if not plan.compress:
         return None
     if not isinstance(layer, COMPRESSIBLE_LAYERS) or getattr(cache, "offloading", False):
         raise ValueError(
@@ -190,39 +145,11 @@ def _prompt_to_compress(module, config, cache, layer, query, attention_mask, par
             f"{' (offloaded)' if getattr(cache, 'offloading', False) else ''}. Use the default cache "
             "(no cache_implementation, no offloading)"
         )
-    return valid
+    return plan
 
 
-def _compressed_layer(module, config, query, key, value, valid, params) -> CompressedLayer:
-    length = query.shape[2]
-    kept = compress_kv(
-        query,
-        key,
-        value,
-        config,
-        layer_idx=module.layer_idx,
-        num_layers=module.config.num_hidden_layers,
-        o_proj_weight=module.o_proj.weight,
-        attention_mask=valid,
-        scaling=params.scaling,
-        softcap=params.softcap,
-        sliding_window=params.sliding_window,
-    )
-    padding = (length - valid.sum(dim=-1))[:, None, None]
-    columns = torch.where(kept.indices >= 0, kept.indices + padding, kept.indices)
-    residual = {}
-    if kept.residual_log_counts is not None:
-        residual["residual_log_counts"] = kept.residual_log_counts
-        residual["residual_readout"] = ResidualReadout.from_config(config)
-        if params.sliding_window is not None:
-            first = kept.residual_positions
-            residual["residual_columns"] = torch.where(first >= 0, first + padding, first)
-    return CompressedLayer(
-        kept.keys, kept.values, columns, tokens_seen=length, sliding_window=params.sliding_window, **residual
-    )
-
-
-def _native_attention(module, family, query, key, value, attention_mask, params, kwargs):
+def _native_attention(module, query, key, value, attention_mask, params, kwargs):
+    family = sys.modules[type(module).__module__]
     interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
         module.config._attn_implementation, family.eager_attention_forward
     )
@@ -269,55 +196,3 @@ def key_validity(attention_mask, batch: int, length: int, device) -> torch.Tenso
     if diagonal.dtype != torch.bool:
         diagonal = diagonal > torch.finfo(diagonal.dtype).min / 2
     return valid_from_mask(diagonal, batch, length, device)
-
-
-# ---------------------------------------------------------------- after compression
-def _attend_compressed(layer: CompressedLayer, query, key, value, attention_mask, params) -> torch.Tensor:
-    q_len = query.shape[2]
-    query_columns = torch.arange(layer.tokens_seen, layer.tokens_seen + q_len, device=query.device)
-    layer.append(key, value)
-    tail_keys, tail_values = layer.tail
-    kept_visible = (layer.kept_columns >= 0)[:, :, None, :]
-    if params.sliding_window is not None:
-        in_window = layer.kept_columns[:, :, None, :] > (query_columns[:, None] - params.sliding_window)
-        kept_visible = kept_visible & in_window
-    tail_visible = _tail_visibility(attention_mask, query.shape[0], q_len, layer.tail_length, query.device)
-    segments = [
-        _kept_segment(layer, kept_visible, query_columns, params.sliding_window),
-        Segment(tail_keys, tail_values, tail_visible[:, None]),
-    ]
-    output = attend_segments(query, segments, params.scaling, params.softcap, layer.residual_readout)
-    layer.trim_tail_to_window()
-    return output
-
-
-def _kept_segment(layer: CompressedLayer, kept_visible, query_columns, sliding_window) -> Segment:
-    """The kept slots; with residual entries (in the last ``R`` slots) the segment carries their
-    log-counts (``-inf`` on the exact slots)."""
-    if layer.residual_width == 0:
-        return Segment(layer.kept_keys, layer.kept_values, kept_visible)
-    exact_slots = layer.kept_keys.shape[2] - layer.residual_width
-    entries = torch.isfinite(layer.residual_log_counts)[:, :, None, :]
-    if sliding_window is not None:  # an entry is visible while its oldest member is
-        entries = entries & (layer.residual_columns[:, :, None, :] > (query_columns[:, None] - sliding_window))
-    visible = kept_visible | torch.nn.functional.pad(entries, (exact_slots, 0), value=False)
-    log_counts = torch.nn.functional.pad(layer.residual_log_counts, (exact_slots, 0), value=float("-inf"))
-    return Segment(layer.kept_keys, layer.kept_values, visible, log_counts[:, :, None, None, :])
-
-
-def _tail_visibility(attention_mask, batch: int, q_len: int, tail_length: int, device) -> torch.Tensor:
-    """``[B, q, T]`` bool: which tail tokens (the current chunk included, last) each query sees.
-
-    Read from the last ``T`` key columns of the mask the model built for this step (the
-    compressed layer reports the uncompressed mask size); causal within the chunk.
-    """
-    old = tail_length - q_len
-    causal = torch.arange(tail_length, device=device)[None, :] <= old + torch.arange(q_len, device=device)[:, None]
-    if attention_mask is None:
-        return causal[None].expand(batch, -1, -1)
-    if attention_mask.dim() == 2:
-        return causal[None] & attention_mask[:, None, -tail_length:].bool()
-    block = attention_mask[:, 0, -q_len:, -tail_length:]
-    if block.dtype != torch.bool:
-        block = block > torch.finfo(block.dtype).min / 2
-    return block & causal[None]

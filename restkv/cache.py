@@ -1,8 +1,9 @@
 """The compressed cache layer and cache-wide reports.
 
 A compressed layer replaces a ``DynamicLayer`` (or ``DynamicSlidingWindowLayer``) in the
-model's ``Cache`` after the prefill has been compressed. It holds three segments that
-take part in one softmax (``restkv.attention.attend_segments``):
+model's ``Cache`` after the prefill has been compressed (``CompressedLayer.from_selection``).
+It owns its read path: ``attend`` appends the new tokens and attends over three segments
+that take part in one softmax (``attend_segments``):
 
 * **kept**: the selected prompt tokens, ``[B, H_kv, K, d]`` per KV head (never repeated per
   query head). Rows and heads may keep different counts; slots are padded only up to the
@@ -24,11 +25,90 @@ does), separately from what is stored: transformers derives the next RoPE positi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-from restkv.residual import ResidualReadout
+from restkv.residual import ResidualReadout, capped
+from restkv.selection import Selection
+
+
+@dataclass
+class Segment:
+    """One block of keys/values inside the shared softmax.
+
+    keys, values: ``[B, H_kv, S, d]``. visible: bool, broadcastable to ``[B, H_kv, 1, q, S]``
+    (given as ``[B, H_kv | 1, q | 1, S]``). log_counts: optional float32 broadcastable to
+    ``[B, H_kv, G, q, S]`` (given as ``[B, H_kv, 1, 1, S]``): a finite value marks the slot as a
+    ResKV residual entry with that log member count, ``-inf`` an exact token.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    visible: torch.Tensor
+    log_counts: torch.Tensor | None = None
+
+
+#: how residual entries are read when the caller gives no readout: ``beta log c`` with beta = 1,
+#: no gate, one softmax
+PLAIN_READOUT = ResidualReadout(gate=False)
+
+
+def attend_segments(
+    query: torch.Tensor,
+    segments: list[Segment],
+    scaling: float,
+    softcap: float | None = None,
+    readout: ResidualReadout | None = None,
+) -> torch.Tensor:
+    """Attention of ``query`` ``[B, H, q, d]`` over several segments with ONE softmax.
+
+    K/V stay at ``H_kv`` heads: the ``G`` query heads of a group are stacked instead of
+    repeating keys. Logits are computed in the model dtype and normalised in float32, as
+    transformers' eager attention does. Residual entries (segments with ``log_counts``) get
+    ``beta log c + log g(q)`` per query head, the gate computed from the same logits of the
+    exact entries (``readout``, default ``PLAIN_READOUT``). Returns ``[B, q, H, d]`` (the
+    interface layout).
+    """
+    batch, num_heads, q_len, head_dim = query.shape
+    num_kv_heads = segments[0].keys.shape[1]
+    groups = num_heads // num_kv_heads
+    stacked = query.reshape(batch, num_kv_heads, groups * q_len, head_dim)
+    logits = []
+    for segment in segments:
+        raw = torch.matmul(stacked, segment.keys.transpose(-1, -2)) * scaling
+        logits.append(capped(raw.float().view(batch, num_kv_heads, groups, q_len, -1), softcap))
+    weights = (readout or PLAIN_READOUT).weights(
+        logits, [segment.visible.unsqueeze(2) for segment in segments], [segment.log_counts for segment in segments]
+    )
+    weights = weights.to(query.dtype).view(batch, num_kv_heads, groups * q_len, -1)
+    output = None
+    start = 0
+    for segment in segments:
+        width = segment.keys.shape[-2]
+        part = torch.matmul(weights[..., start : start + width], segment.values)
+        output = part if output is None else output + part
+        start += width
+    return output.view(batch, num_heads, q_len, head_dim).transpose(1, 2)
+
+
+def tail_visibility(attention_mask, batch: int, q_len: int, tail_length: int, device) -> torch.Tensor:
+    """``[B, q, T]`` bool: which tail tokens (the current chunk included, last) each query sees.
+
+    Read from the last ``T`` key columns of the mask the model built for this step (the
+    compressed layer reports the uncompressed mask size); causal within the chunk.
+    """
+    old = tail_length - q_len
+    causal = torch.arange(tail_length, device=device)[None, :] <= old + torch.arange(q_len, device=device)[:, None]
+    if attention_mask is None:
+        return causal[None].expand(batch, -1, -1)
+    if attention_mask.dim() == 2:
+        return causal[None] & attention_mask[:, None, -tail_length:].bool()
+    block = attention_mask[:, 0, -q_len:, -tail_length:]
+    if block.dtype != torch.bool:
+        block = block > torch.finfo(block.dtype).min / 2
+    return block & causal[None]
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -47,6 +127,7 @@ class CompressedLayer(CacheLayerMixin):
         residual_log_counts: torch.Tensor | None = None,
         residual_columns: torch.Tensor | None = None,
         residual_readout: ResidualReadout | None = None,
+        config: Any = None,
     ) -> None:
         super().__init__()
         self.kept_keys = kept_keys
@@ -58,6 +139,8 @@ class CompressedLayer(CacheLayerMixin):
         # entry is visible while all its members are (int32, -1 = no entry).
         self.residual_columns = None if residual_columns is None else residual_columns.to(torch.int32)
         self.residual_readout = residual_readout
+        #: the ``CompressionConfig`` that built the layer (what a benchmark run checks against its settings)
+        self.config = config
         self.tail_keys: torch.Tensor | None = None
         self.tail_values: torch.Tensor | None = None
         self.tail_length = 0
@@ -67,6 +150,57 @@ class CompressedLayer(CacheLayerMixin):
         self.is_sliding = sliding_window is not None
         self.device = kept_keys.device
         self.is_initialized = True
+
+    @classmethod
+    def from_selection(cls, selection: Selection, tokens_seen: int, sliding_window: int | None, config: Any,
+                       readout: ResidualReadout | None = None) -> "CompressedLayer":
+        """The layer that holds a compressing prefill's ``Selection`` (padded-batch columns)."""
+        residual = {}
+        if selection.residual_log_counts is not None:
+            residual = {"residual_log_counts": selection.residual_log_counts, "residual_readout": readout}
+            if sliding_window is not None:  # entries leave the window with their oldest member
+                residual["residual_columns"] = selection.residual_columns
+        return cls(selection.keys, selection.values, selection.columns, tokens_seen=tokens_seen,
+                   sliding_window=sliding_window, config=config, **residual)
+
+    # ----------------------------------------------------------- reading
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+               scaling: float, softcap: float | None = None) -> torch.Tensor:
+        """Append the new tokens ``key``/``value`` ``[B, H_kv, q, d]`` and attend ``query``
+        ``[B, H, q, d]`` over kept tokens, residual entries and tail in one softmax.
+
+        Used for decode steps and for a question chunk fed after a context-only compression;
+        ``attention_mask`` is the mask the model built for this step. Returns ``[B, q, H, d]``.
+        """
+        q_len = query.shape[2]
+        query_columns = torch.arange(self.tokens_seen, self.tokens_seen + q_len, device=query.device)
+        self.append(key, value)
+        tail_keys, tail_values = self.tail
+        kept_visible = (self.kept_columns >= 0)[:, :, None, :]
+        if self.sliding_window is not None:
+            in_window = self.kept_columns[:, :, None, :] > (query_columns[:, None] - self.sliding_window)
+            kept_visible = kept_visible & in_window
+        tail_visible = tail_visibility(attention_mask, query.shape[0], q_len, self.tail_length, query.device)
+        segments = [
+            self._kept_segment(kept_visible, query_columns),
+            Segment(tail_keys, tail_values, tail_visible[:, None]),
+        ]
+        output = attend_segments(query, segments, scaling, softcap, self.residual_readout)
+        self.trim_tail_to_window()
+        return output
+
+    def _kept_segment(self, kept_visible: torch.Tensor, query_columns: torch.Tensor) -> Segment:
+        """The kept slots; with residual entries (in the last ``R`` slots) the segment carries their
+        log-counts (``-inf`` on the exact slots)."""
+        if self.residual_width == 0:
+            return Segment(self.kept_keys, self.kept_values, kept_visible)
+        exact_slots = self.kept_keys.shape[2] - self.residual_width
+        entries = torch.isfinite(self.residual_log_counts)[:, :, None, :]
+        if self.sliding_window is not None:  # an entry is visible while its oldest member is
+            entries = entries & (self.residual_columns[:, :, None, :] > (query_columns[:, None] - self.sliding_window))
+        visible = kept_visible | torch.nn.functional.pad(entries, (exact_slots, 0), value=False)
+        log_counts = torch.nn.functional.pad(self.residual_log_counts, (exact_slots, 0), value=float("-inf"))
+        return Segment(self.kept_keys, self.kept_values, visible, log_counts[:, :, None, None, :])
 
     # ----------------------------------------------------------- contents
     @property

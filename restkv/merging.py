@@ -2,8 +2,7 @@
 
 * ``pivot_merge`` (``--merge pivot``, LOOK-M style, ALGORITHMS.md 4.7): every evicted token
   is averaged into the kept token whose key is most similar (cosine); keys and values
-  move together. Applies to any scorer through ``apply_merge``, called once by
-  ``compress_kv``.
+  move together. The ``PivotMerge`` part applies it after any scorer's selection.
 * ``cam_merge`` (CaM paper semantics, 4.6): each evicted value is spread over the next
   ``m`` kept values with a probability given by its attention relative to theirs; keys are
   untouched.
@@ -19,10 +18,13 @@ from __future__ import annotations
 
 import math
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from restkv.policies.base import ScoringContext
+from restkv.context import ScoringContext
+from restkv.options import Options, register
 
 #: query positions per block when matching evicted keys to pivots (bounds the similarity matrix)
 PIVOT_BLOCK = 1024
@@ -36,18 +38,22 @@ def kept_mask(columns: torch.Tensor, length: int) -> torch.Tensor:
     return mask[..., :length]
 
 
-def evicted_mask(ctx: ScoringContext, columns: torch.Tensor) -> torch.Tensor:
-    """``[B, H_kv, N]`` bool: real (visible) tokens a head did not keep."""
-    return ctx.valid[:, None, :] & ~kept_mask(columns, ctx.valid.shape[-1])
+def evicted_mask(visible: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """``[B, H_kv, N]`` bool: visible tokens (``[B, N]``) a head did not keep."""
+    return visible[:, None, :] & ~kept_mask(columns, visible.shape[-1])
 
 
-def apply_merge(
-    ctx: ScoringContext, columns: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``--merge`` step every scorer shares (identity for ``none``)."""
-    if ctx.config.merge == "pivot":
-        return pivot_merge(ctx.key, ctx.value, evicted_mask(ctx, columns), columns, keys, values)
-    return keys, values
+@register("merge")
+@dataclass(frozen=True)
+class PivotMerge(Options):
+    """``--merge pivot``: LOOK-M's pivot merge after any scorer's selection."""
+
+    name = "pivot"
+
+    def merge(
+        self, ctx: ScoringContext, columns: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return pivot_merge(ctx.key, ctx.value, evicted_mask(ctx.visible, columns), columns, keys, values)
 
 
 def pivot_merge(

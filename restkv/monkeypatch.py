@@ -7,21 +7,34 @@
     model = AutoModelForCausalLM.from_pretrained(...)
     model.generate(input_ids, max_new_tokens=32)     # compresses after the prefill
 
-``replace_*`` sets the default config of every model of that family in the process;
-``configure(model, ...)`` changes one model's config without re-patching; ``unpatch()``
-restores the original forwards exactly.
+    with restkv.compression(model, method="restkv", max_capacity_prompts=64):
+        model.generate(...)                          # this model, this config, restored after
+
+``replace_*`` patches a family and sets the config of every model of that family in the
+process (it also replaces what ``configure`` set on single models before). ``configure``
+changes one model's config: ``configure(model, max_capacity_prompts=256)`` keeps the
+model's other options, ``configure(model, reset=True, method=...)`` or
+``configure(model, CompressionConfig(...))`` sets a complete fresh config.
+``compression(model, ...)`` is the same fresh config for a ``with`` block, patching the
+model's family if needed, and restores the previous state on exit. ``unpatch()`` restores
+the original forwards exactly.
+
+While any family is patched, a model of a family that is not (``replace_llama`` then a Qwen2
+model) would generate uncompressed without a word: its attention warns once instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from typing import Any
+import warnings
+from typing import Any, Iterator
 
 import torch
 
-from restkv.attention import restkv_attention_forward
+from restkv.attention import module_config, restkv_attention_forward
 from restkv.compat import check_transformers_version
-from restkv.config import CompressionConfig
+from restkv.config import CompressionConfig, ConfigError
 
 #: family -> attention classes it covers, as (module, class name)
 FAMILIES: dict[str, tuple[tuple[str, str], ...]] = {
@@ -46,44 +59,51 @@ MODEL_TYPES = {
     "gemma3_text": "gemma",
 }
 
-# The only global state: attention class -> its original forward, while patched.
+# The only global state: attention class -> its original forward, while patched (or watched:
+# the forward of an unpatched family that warns while another family is patched).
 _ORIGINAL_FORWARDS: dict[type, Any] = {}
+_WATCHED_FORWARDS: dict[type, Any] = {}
 
 
 def _attention_classes(family: str) -> list[type]:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; restkv patches {', '.join(FAMILIES)}")
     return [getattr(importlib.import_module(module), name) for module, name in FAMILIES[family]]
 
 
-def _replace(family: str, method: str, options: dict[str, Any]) -> CompressionConfig:
+def _replace(family: str, config: CompressionConfig) -> CompressionConfig:
     check_transformers_version()
-    config = CompressionConfig.from_options(method=method, **options)
     for cls in _attention_classes(family):
+        if cls in _WATCHED_FORWARDS:
+            cls.forward = _WATCHED_FORWARDS.pop(cls)
         if cls not in _ORIGINAL_FORWARDS:
             _ORIGINAL_FORWARDS[cls] = cls.forward
             cls.forward = restkv_attention_forward
         cls._restkv_config = config
+        cls._restkv_patch = object()  # a new patch: per-model configs set before no longer apply
+    _watch_unpatched_families()
     return config
 
 
 def replace_llama(method: str = "snapkv", **options: Any) -> CompressionConfig:
-    """Patch Llama attention. ``options`` are ``CompressionConfig`` fields (the original release's
+    """Patch Llama attention. ``options`` are ``CompressionConfig`` options (the original release's
     flag names: ``max_capacity_prompts``, ``window_size``, ``kernel_size``, ``pooling``, ...)."""
-    return _replace("llama", method, options)
+    return _replace("llama", CompressionConfig.from_options(method=method, **options))
 
 
 def replace_mistral(method: str = "snapkv", **options: Any) -> CompressionConfig:
     """Patch Mistral attention (see ``replace_llama``)."""
-    return _replace("mistral", method, options)
+    return _replace("mistral", CompressionConfig.from_options(method=method, **options))
 
 
 def replace_qwen2(method: str = "snapkv", **options: Any) -> CompressionConfig:
     """Patch Qwen2 attention (see ``replace_llama``)."""
-    return _replace("qwen2", method, options)
+    return _replace("qwen2", CompressionConfig.from_options(method=method, **options))
 
 
 def replace_gemma(method: str = "snapkv", **options: Any) -> CompressionConfig:
     """Patch Gemma, Gemma 2 and Gemma 3 (text) attention (see ``replace_llama``)."""
-    return _replace("gemma", method, options)
+    return _replace("gemma", CompressionConfig.from_options(method=method, **options))
 
 
 REPLACE_FUNCTIONS = {"llama": replace_llama, "mistral": replace_mistral, "qwen2": replace_qwen2, "gemma": replace_gemma}
@@ -105,21 +125,71 @@ def replace_for_model(model: torch.nn.Module, method: str = "snapkv", **options:
     return REPLACE_FUNCTIONS[family_of(model)](method, **options)
 
 
-def configure(model: torch.nn.Module, **options: Any) -> CompressionConfig:
-    """Change one model's compression config without re-patching.
+def configure(model: torch.nn.Module, config: CompressionConfig | None = None, /, *, reset: bool = False,
+              **options: Any) -> CompressionConfig:
+    """Change one model's compression config without re-patching; returns the new config.
 
-    Options not given keep the model's current values. The model's family must be patched.
+    * ``configure(model, max_capacity_prompts=256)``: options not given keep the model's
+      current values (those no part of the new composition uses are dropped).
+    * ``configure(model, reset=True, method="snapkv", ...)``: a complete fresh config from
+      the given options alone.
+    * ``configure(model, CompressionConfig(...))``: exactly that config.
+
+    The model's family must be patched (``replace_*``, or use ``compression``).
     """
     modules = _patched_attention_modules(model)
-    config = modules[0]._restkv_config.replace(**options)
-    for module in modules:
-        module._restkv_config = config
-    return config
+    if config is not None:
+        if options or reset:
+            raise ConfigError("configure(model, config) takes a complete CompressionConfig and no other options")
+        new = CompressionConfig.from_any(config)
+    elif reset:
+        new = CompressionConfig.from_options(**options)
+    else:
+        new = config_of(model).replace(**options)
+    _set_model_config(modules, new)
+    return new
+
+
+@contextlib.contextmanager
+def compression(model: torch.nn.Module, config: CompressionConfig | None = None, /,
+                **options: Any) -> Iterator[CompressionConfig]:
+    """``with compression(model, method="snapkv", max_capacity_prompts=128) as config:`` — the model
+    runs a complete fresh config inside the block (``config`` or the options; nothing is
+    inherited), its family patched if it was not, and everything is as before afterwards."""
+    if config is not None and options:
+        raise ConfigError("compression(model, config) takes a complete CompressionConfig and no other options")
+    new = CompressionConfig.from_any(config) if config is not None else CompressionConfig.from_options(**options)
+    family = family_of(model)
+    patched_here = not is_patched(family)
+    if patched_here:
+        _replace(family, new)
+    modules = _patched_attention_modules(model)
+    previous = [(module, module.__dict__.get("_restkv_model_config"), module.__dict__.get("_restkv_model_patch"))
+                for module in modules]
+    _set_model_config(modules, new)
+    try:
+        yield new
+    finally:
+        if patched_here:
+            unpatch(family)
+        for module, old_config, old_patch in previous:
+            if old_config is None:
+                module.__dict__.pop("_restkv_model_config", None)
+                module.__dict__.pop("_restkv_model_patch", None)
+            else:
+                module._restkv_model_config, module._restkv_model_patch = old_config, old_patch
 
 
 def config_of(model: torch.nn.Module) -> CompressionConfig:
     """The config the model's attention layers use now."""
-    return _patched_attention_modules(model)[0]._restkv_config
+    return module_config(_patched_attention_modules(model)[0])
+
+
+def _set_model_config(modules: list[torch.nn.Module], config: CompressionConfig) -> None:
+    """Give these modules their own config, valid while their class's current patch lasts."""
+    for module in modules:
+        module._restkv_model_config = config
+        module._restkv_model_patch = type(module)._restkv_patch
 
 
 def _patched_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -137,8 +207,43 @@ def unpatch(family: str | None = None) -> None:
         for cls in _attention_classes(name):
             if cls in _ORIGINAL_FORWARDS:
                 cls.forward = _ORIGINAL_FORWARDS.pop(cls)
-                del cls._restkv_config
+                del cls._restkv_config, cls._restkv_patch
+    _watch_unpatched_families()
 
 
 def is_patched(family: str) -> bool:
     return any(cls in _ORIGINAL_FORWARDS for cls in _attention_classes(family))
+
+
+# ---------------------------------------------------------------- families left unpatched
+def _watch_unpatched_families() -> None:
+    """While some family is patched, every other family's attention warns at its first forward;
+    when none is, every forward is the original again."""
+    for family in FAMILIES:
+        for cls in _attention_classes(family):
+            watch = bool(_ORIGINAL_FORWARDS) and cls not in _ORIGINAL_FORWARDS
+            if watch and cls not in _WATCHED_FORWARDS:
+                _WATCHED_FORWARDS[cls] = cls.forward
+                cls.forward = _warning_forward(cls.forward, family)
+            elif not watch and cls in _WATCHED_FORWARDS:
+                cls.forward = _WATCHED_FORWARDS.pop(cls)
+
+
+def _warning_forward(original, family: str):
+    """``original``, warning once that this family runs uncompressed while another is patched."""
+    warned = []
+
+    def forward(self, *args, **kwargs):
+        if not warned:
+            warned.append(True)
+            patched = sorted({name for name in FAMILIES if is_patched(name)})
+            warnings.warn(
+                f"restkv: this {type(self).__name__} model runs uncompressed: restkv is patched for "
+                f"{', '.join(patched)}, not {family}. Call restkv.monkeypatch.replace_{family}(...) or use "
+                "restkv.compression(model, ...)",
+                UserWarning,
+                stacklevel=2,
+            )
+        return original(self, *args, **kwargs)
+
+    return forward

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from restkv.config import TEMPORAL_MODES
+TEMPORAL_MODES = ("none", "mean", "ema", "inv_ema")
 
 
 def query_weights(window: int, mode: str, alpha: float) -> torch.Tensor:

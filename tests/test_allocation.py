@@ -344,13 +344,13 @@ def test_every_scorer_composes_with_every_allocation(method, allocation, tiny_he
     query, key, value = random_qkv(heads=4, kv_heads=2, length=120, seed=3)
     config = CompressionConfig(method=method, allocation=allocation, max_capacity_prompts=40, window_size=8,
                                head_scores=tiny_head_scores)
-    window = get_policy(method).protected_count(config, 40)
+    window = config.policy.protected_count(config.window_size, 40)
     o_proj = torch.randn(64, 4 * 16, generator=torch.Generator().manual_seed(0))  # output-space scorers read it
     totals = 0
     for layer in range(3):
         out = compress_kv(query, key, value, config, layer_idx=layer, num_layers=3, o_proj_weight=o_proj)
         counts = stored_counts(out)[0]
-        if not get_policy(method).compresses_layer(config, layer):
+        if not config.policy.compresses_layer(layer):
             assert counts.tolist() == [120, 120]
             continue
         totals += int(counts.sum())
@@ -361,7 +361,7 @@ def test_every_scorer_composes_with_every_allocation(method, allocation, tiny_he
             assert set(range(120 - window, 120)) <= set(positions)
         if allocation in ("uniform", "adakv"):
             assert int(counts.sum()) == 2 * 40
-    if allocation != "uniform" and all(get_policy(method).compresses_layer(config, l) for l in range(3)):
+    if allocation != "uniform" and all(config.policy.compresses_layer(l) for l in range(3)):
         assert totals == 3 * 2 * 40  # pyramid and HeadKV: exact over the model
 
 

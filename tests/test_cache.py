@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from restkv.attention import Segment, attend_segments
+from restkv.cache import Segment, attend_segments
 from restkv.cache import CompressedLayer, cache_nbytes, cache_report, format_report
 from restkv.compat import output_cache, with_cache
 from restkv.generation import prefill

@@ -2,7 +2,8 @@
 
 import torch
 
-from restkv.attention import _tail_visibility, key_validity
+from restkv.attention import key_validity
+from restkv.cache import tail_visibility as _tail_visibility
 from restkv.cache import CompressedLayer
 from restkv.generation import answer_nll, generate_after_context
 from tiny_models import left_padded, random_prompt, replace_for, tiny_model

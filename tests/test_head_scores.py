@@ -10,7 +10,8 @@ import torch
 from restkv import compress_kv
 from restkv.allocation import headkv_table
 from restkv.benchmarks.longbench_metrics import qa_f1_score
-from restkv.head_scores import NEEDLES, build_probe, load_head_scores, main, probe_head_scores
+from restkv.benchmarks.head_scores import NEEDLES, build_probe, main, probe_head_scores
+from restkv.head_scores import load_head_scores
 from restkv.models import load_tokenizer
 from tiny_models import tiny_model
 

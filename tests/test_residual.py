@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.attention import LayerParams, Segment, _attend_compressed, attend_segments
+from restkv.attention import LayerParams
+from restkv.cache import Segment, attend_segments
 from restkv.cache import CompressedLayer, cache_nbytes
 from restkv.compat import output_cache
 from restkv.generation import generate_after_context, prefill
@@ -502,7 +503,7 @@ def test_on_sliding_window_layers_an_entry_expires_with_its_oldest_member():
     def attend(seen):
         cache_layer = layer()
         cache_layer.tokens_seen = seen
-        return _attend_compressed(cache_layer, query, new_key, new_value, None, params)[0, 0, 0]
+        return cache_layer.attend(query, new_key, new_value, None, params.scaling, params.softcap)[0, 0, 0]
 
     q = query[0, 0, 0]
     exact_logits = torch.cat([keys[0, 0, :2] @ q, new_key[0, 0] @ q]) * 0.5

@@ -10,8 +10,7 @@ import torch
 from golden import GOLDEN_DIR, kept_sets, load_case, reference_kept_sets
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.adaptive_pooling import attention_shift, kernel_and_shift, shifted_replicate_mean
-from restkv.policies import get_policy
-from restkv.policies.base import ScoringContext
+from restkv.context import ScoringContext, plan_layer
 from restkv.policies.restkv import _projected_norms
 from restkv.scoring import window_attention
 from restkv.temporal import aggregate_queries
@@ -40,21 +39,10 @@ def restkv_scores(query, key, value, o_proj_weight=None, scaling=None, **options
     """The policy's ``[B, H_kv, N]`` scores for an unpadded batch (what ``compress_kv`` ranks)."""
     config = CompressionConfig(method="restkv", **options)
     batch, _, length, dim = query.shape
-    protected = (torch.arange(length) >= length - config.window_size).expand(batch, -1)
-    ctx = ScoringContext(
-        query=query,
-        key=key,
-        value=value,
-        valid=torch.ones(batch, length, dtype=torch.bool),
-        budgets=torch.full((batch,), config.budget_for(length)),
-        protected=protected,
-        config=config,
-        layer_idx=0,
-        num_layers=1,
-        scaling=scaling if scaling is not None else 1 / math.sqrt(dim),
-        o_proj_weight=o_proj_weight,
-    )
-    return get_policy("restkv").score(ctx)
+    plan = plan_layer(config, torch.ones(batch, length, dtype=torch.bool))
+    ctx = ScoringContext.of(query, key, value, plan, scaling if scaling is not None else 1 / math.sqrt(dim),
+                            o_proj_weight=o_proj_weight)
+    return config.policy.score(ctx)
 
 
 # ----------------------------------------------------------------------------- oracles

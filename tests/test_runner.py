@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import typing
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ from restkv.benchmarks.runner import (
     selected_datasets,
     shard_of,
 )
-from restkv.config import CompressionConfig
+from restkv.config import CompressionConfig, flat_option_specs
 from restkv.models import load_tokenizer
 from tiny_models import tiny_model
 from top_level import script_help
@@ -79,14 +78,14 @@ def lines_of(path):
 def test_every_config_field_is_a_flag_with_its_help_and_choices():
     parser = build_parser(TOY)
     actions = {action.dest: action for action in parser._actions}
-    hints = typing.get_type_hints(CompressionConfig)
-    for field in dataclasses.fields(CompressionConfig):
-        action = actions[field.name]
+    for name, declarations in flat_option_specs().items():
+        _, field = declarations[0]
+        action = actions[name]
         assert f"--{field.name}" in action.option_strings
-        assert field.metadata["help"] in action.help
-        if "choices" in field.metadata:
-            assert tuple(action.choices) == tuple(field.metadata["choices"])
-        if hints[field.name] is bool:
+        assert field.help in action.help
+        if field.choices is not None:
+            assert tuple(action.choices) == tuple(field.choices)
+        if field.kind is bool:
             assert f"--no-{field.name}" in action.option_strings
         assert action.default is None, "unset flags must leave the config's own default"
 

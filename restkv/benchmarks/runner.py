@@ -61,7 +61,6 @@ model, prompt length or mode stops with the list of differences (use ``--tag`` o
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import fcntl
 import importlib.metadata
 import json
@@ -72,8 +71,6 @@ import random
 import subprocess
 import sys
 import time
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -84,6 +81,7 @@ from tqdm import tqdm
 
 from restkv.compat import with_cache
 from restkv.config import CompressionConfig, ConfigError
+from restkv.flags import add_compression_flags, config_from_flags
 
 # --------------------------------------------------------------------------- data types
 
@@ -187,50 +185,6 @@ def _str_to_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
 
 
-def _method_name(text: str) -> str:
-    """The original release's scripts spell methods ``SnapKV``, ``FullKV``...; names are lower-case."""
-    return text.lower()
-
-
-def _flag_spec(name: str, annotation: Any) -> dict[str, Any]:
-    """argparse keywords for a config field of type ``annotation``."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        members = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(members) != 1:
-            raise TypeError(f"CompressionConfig.{name}: the runner cannot map the type {annotation} to a flag")
-        annotation = members[0]
-    if annotation is bool:
-        return {"action": argparse.BooleanOptionalAction}
-    if typing.get_origin(annotation) in (tuple, list):
-        return {"nargs": "*", "type": typing.get_args(annotation)[0]}
-    if annotation in (int, float, str):
-        return {"type": annotation}
-    raise TypeError(f"CompressionConfig.{name}: the runner cannot map the type {annotation} to a flag")
-
-
-def add_compression_flags(parser: argparse.ArgumentParser) -> None:
-    """One ``--<name>`` per ``CompressionConfig`` field, help and choices from its metadata.
-
-    Flags default to None (not given), so the config's own defaults apply.
-    """
-    from restkv.policies import available_methods
-
-    group = parser.add_argument_group("compression (restkv.config.CompressionConfig)")
-    hints = typing.get_type_hints(CompressionConfig)
-    for config_field in dataclasses.fields(CompressionConfig):
-        spec = _flag_spec(config_field.name, hints[config_field.name])
-        help_text = config_field.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
-        default = config_field.default
-        if config_field.name == "method":
-            spec["type"] = _method_name
-            help_text = f"{help_text}; one of {', '.join(available_methods())}"
-        if "choices" in config_field.metadata:
-            spec["choices"] = config_field.metadata["choices"]
-        if default not in (dataclasses.MISSING, None):
-            help_text = f"{help_text} (default: {default})"
-        group.add_argument(f"--{config_field.name}", default=None, help=help_text, **spec)
-
-
 def build_parser(benchmark: Benchmark, description: str | None = None) -> argparse.ArgumentParser:
     """The common flags of every runner plus one flag per compression option."""
     parser = argparse.ArgumentParser(
@@ -274,17 +228,8 @@ def build_parser(benchmark: Benchmark, description: str | None = None) -> argpar
     return parser
 
 
-def compression_config_from_args(args: argparse.Namespace) -> CompressionConfig:
-    """The config of the flags that were given; ``fullkv`` drops any budget (it keeps everything)."""
-    options = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(CompressionConfig)
-        if getattr(args, f.name, None) is not None
-    }
-    if options.get("method") == "fullkv":
-        options.pop("max_capacity_prompts", None)
-        options.pop("compression_ratio", None)
-    return CompressionConfig.from_options(**options)
+#: the flags of every compression option, and the config of the given ones (``restkv.flags``)
+compression_config_from_args = config_from_flags
 
 
 def selected_datasets(args: argparse.Namespace, benchmark: Benchmark) -> list[str]:
@@ -334,7 +279,7 @@ def default_model_max_len(model_path: str, model_config: Any | None = None) -> i
 
 def budget_label(config: CompressionConfig) -> str:
     """The budget part of a results folder name ("" for fullkv, which keeps everything)."""
-    if config.method == "fullkv":
+    if not config.policy.evicts:
         return ""
     if config.max_capacity_prompts is not None:
         return str(config.max_capacity_prompts)
@@ -642,15 +587,14 @@ def _attention_modules(model) -> list[torch.nn.Module]:
 def layers_expected_to_compress(model, config: CompressionConfig, prefill_tokens: int) -> list[int]:
     """Layers that must compress a prefill of ``prefill_tokens`` tokens under ``config``."""
     from restkv.attention import LayerParams
-    from restkv.compress import needs_compression
+    from restkv.context import plan_layer
 
-    if config.method == "fullkv":
-        return []
     valid = torch.ones(1, prefill_tokens, dtype=torch.bool)
+    layers = model.config.num_hidden_layers
     return [
         module.layer_idx
         for module in _attention_modules(model)
-        if needs_compression(config, valid, module.layer_idx, LayerParams.of(module).sliding_window)
+        if plan_layer(config, valid, module.layer_idx, layers, LayerParams.of(module).sliding_window).compress
     ]
 
 

@@ -1,38 +1,30 @@
-"""Policy registry: ``--method`` name -> policy.
+"""The methods: one module per ``--method``, each registering its policy.
 
-Each method lives in its own module and registers itself with ``@register_policy``.
+Every module of this package is imported here, so a new method is one new file: its
+``@register("method")`` class becomes a ``--method``, a ``replace_*`` keyword, a set of
+runner flags (its options) and an entry of every per-method test matrix.
 """
 
 from __future__ import annotations
 
-from restkv.policies.base import Policy, ScoringContext
+import importlib
+import pkgutil
 
-_REGISTRY: dict[str, Policy] = {}
+from restkv.options import lookup, names
+from restkv.policies.base import GroupedScores, Policy, PooledScores
 
-
-def register_policy(cls: type[Policy]) -> type[Policy]:
-    """Class decorator: make ``cls`` available as ``--method cls.name``."""
-    if cls.name in _REGISTRY:
-        raise ValueError(f"method {cls.name!r} is registered twice")
-    _REGISTRY[cls.name] = cls()
-    return cls
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 
-def get_policy(name: str) -> Policy:
-    """The policy registered as ``name``; the error lists the known methods."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(available_methods())}") from None
+def get_policy(name: str) -> type[Policy]:
+    """The policy class registered as ``--method name``; the error lists the known methods."""
+    return lookup("method", name)
 
 
 def available_methods() -> list[str]:
-    return sorted(_REGISTRY)
+    """Every registered ``--method`` name, sorted."""
+    return names("method")
 
 
-# Registration happens on import; keep one line per method.
-from restkv.policies import fullkv, h2o, l2norm, random_control, snapkv, streamingllm, tova  # noqa: E402,F401
-from restkv.policies import restkv  # noqa: E402,F401
-from restkv.policies import pyramidkv, adakv, headkv, cam  # noqa: E402,F401
-
-__all__ = ["Policy", "ScoringContext", "available_methods", "get_policy", "register_policy"]
+__all__ = ["GroupedScores", "Policy", "PooledScores", "available_methods", "get_policy"]

@@ -3,28 +3,28 @@
 Scores are SnapKV's window-*mean* attention, reduced per query group and pooled; the
 layer's ``H_kv * B`` candidates go to the heads through a global top-k over these scores
 (optionally normalised per head, ``--adakv_normalize``), with every head guaranteed
-``--floor`` of its uniform share (``restkv.allocation.adakv_caps``). Any other scorer gets
-the same allocation with ``--allocation adakv``.
+``--floor`` of its uniform share (``restkv.allocation.AdaKVAllocation``). Any other scorer
+gets the same allocation with ``--allocation adakv``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from restkv.policies import register_policy
-from restkv.policies.base import Policy, ScoringContext
+from restkv.context import ScoringContext
+from restkv.options import register
+from restkv.policies.base import PooledScores
 
 
-def window_mean_scores(ctx: ScoringContext) -> torch.Tensor:
-    """``[B, H_kv, N]`` window-mean attention per KV head, pooled (AdaKV's and HeadKV's scores)."""
-    return ctx.pool(ctx.reduce_groups(ctx.window_attention().mean(dim=2)))
-
-
-@register_policy
-class AdaKV(Policy):
+@register("method")
+@dataclass(frozen=True)
+class AdaKV(PooledScores):
     name = "adakv"
-    uses_pooling = True
     allocation = "adakv"
+    base_method = "snapkv"
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
-        return window_mean_scores(ctx)
+        """``[B, H_kv, N]`` window-mean attention per KV head, pooled (AdaKV's and HeadKV's scores)."""
+        return self.smooth(ctx, self.reduce(ctx, ctx.window_attention().mean(dim=2)))

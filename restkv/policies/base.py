@@ -1,123 +1,84 @@
-"""What a policy is, and what it sees.
+"""What a policy is: a scorer that owns its options.
 
-A policy scores every prompt token of one layer, per batch row and KV head; selection,
-budgets and storage are handled once for all policies (``restkv.selection``,
-``restkv.allocation``, ``restkv.cache``). Adding a method = one file with a ``Policy``
-subclass decorated with ``@register_policy``.
+A policy is a frozen dataclass whose fields are its options (``restkv.options.option``:
+the field name is the flag, with its help, type and range). ``score(ctx)`` returns an
+importance per batch row, KV head and token; selection, budgets and storage are shared by
+every policy (``restkv.selection``, ``restkv.allocation``, ``restkv.cache``). What a policy
+can do is declared on the class (``evicts``, ``ranks_by_position``, ``merges_values``,
+``allocation``), never inferred from its name.
+
+Adding a method = one file in ``restkv/policies/`` with a ``Policy`` subclass decorated with
+``@register("method")`` (see ``docs/ARCHITECTURE.md``)::
+
+    @register("method")
+    @dataclass(frozen=True)
+    class KeyNorm(Policy):
+        name = "keynorm"
+        keynorm_power: float = option(1.0, "exponent of the key norm", minimum=0)
+
+        def score(self, ctx):
+            return -ctx.key.float().norm(dim=-1) ** self.keynorm_power
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from restkv.adaptive_pooling import adaptive_pool
-from restkv.scoring import pool_scores, reduce_groups, window_attention
+from restkv.context import ScoringContext
+from restkv.options import ConfigError, Options, option
 
 if TYPE_CHECKING:
     from restkv.config import CompressionConfig
 
-
-@dataclass
-class ScoringContext:
-    """One layer's prompt, as every policy sees it.
-
-    Attributes
-    ----------
-    query: ``[B, H, N, d]`` post-RoPE queries of all prompt tokens.
-    key, value: ``[B, H_kv, N, d]``, stored once per KV head.
-    valid: ``[B, N]`` bool, real tokens (prompts are left-padded).
-    budgets: ``[B]`` tokens each row keeps per KV head (window included).
-    protected: ``[B, N]`` bool, tokens kept regardless of score (the recent window).
-    scaling, softcap, sliding_window: the layer's attention parameters.
-    o_proj_weight: ``[D, H*d]`` output projection (methods that score in output space).
-    """
-
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    valid: torch.Tensor
-    budgets: torch.Tensor
-    protected: torch.Tensor
-    config: "CompressionConfig"
-    layer_idx: int
-    num_layers: int
-    scaling: float
-    softcap: float | None = None
-    sliding_window: int | None = None
-    o_proj_weight: torch.Tensor | None = None
-    _window_cache: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.key.shape[1]
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        """``[B]`` real tokens per row."""
-        return self.valid.sum(dim=-1)
-
-    @property
-    def candidates(self) -> torch.Tensor:
-        """``[B, N]`` bool, tokens that compete for the budget (real and not protected)."""
-        return self.valid & ~self.protected
-
-    def window_attention(self, num_queries: int | None = None) -> torch.Tensor:
-        """``[B, H, w, N]`` float32 attention of the last ``w`` queries (default: the window).
-
-        Computed once per ``w`` and shared by every scorer of the layer.
-        """
-        w = self.config.window_size if num_queries is None else num_queries
-        if w not in self._window_cache:
-            self._window_cache[w] = window_attention(
-                self.query, self.key, self.valid, w, self.scaling, self.softcap, self.sliding_window
-            )
-        return self._window_cache[w]
-
-    def reduce_groups(self, scores: torch.Tensor) -> torch.Tensor:
-        """Per-query-head ``[B, H, N]`` to per-KV-head ``[B, H_kv, N]`` (``--gqa_score_agg``)."""
-        return reduce_groups(scores, self.num_kv_heads, self.config.gqa_score_agg)
-
-    def pool(self, scores: torch.Tensor) -> torch.Tensor:
-        """Spatial smoothing with ``--pooling``/``--kernel_size`` over the candidates
-        (``adaptive``: ReST-KV's drift-driven kernel, ``restkv.adaptive_pooling``)."""
-        if self.config.pooling == "adaptive":
-            return adaptive_pool(self, scores)
-        return pool_scores(scores, self.candidates, self.config.pooling, self.config.kernel_size)
+POOLINGS = ("none", "avgpool", "maxpool", "adaptive")
+GQA_AGGREGATIONS = ("mean", "max", "sum")
 
 
-class Policy:
+@dataclass(frozen=True)
+class Policy(Options):
     """Base class: scores tokens; the shared selection keeps the top ones plus the protected ones."""
 
     name: ClassVar[str]
-    #: whether ``--pooling`` applies (documented per method)
-    uses_pooling: ClassVar[bool] = False
-    #: the budget allocation the method is defined with (``--method pyramidkv`` = SnapKV + pyramid);
-    #: None lets ``--allocation`` choose
+    #: False for a method that keeps every token (``fullkv``): it needs no budget
+    evicts: ClassVar[bool] = True
+    #: keeps tokens by position, not by a ranking (StreamingLLM): a ranking cannot be split
+    ranks_by_position: ClassVar[bool] = False
+    #: changes the values it keeps by merging evicted ones into them (CaM)
+    merges_values: ClassVar[bool] = False
+    #: the allocation the method is defined with (``pyramidkv`` = SnapKV + pyramid); None lets
+    #: ``--allocation`` choose
     allocation: ClassVar[str | None] = None
-    #: the method's own defaults of options left at None (``config.METHOD_DEFAULTS``)
-    option_defaults: ClassVar[dict[str, Any]] = {}
+    #: for a method with its own allocation: the method whose scores it uses
+    base_method: ClassVar[str | None] = None
 
-    def protected_count(self, config: "CompressionConfig", budget: int) -> int:
+    def protected_count(self, window_size: int, budget: int) -> int:
         """Most recent tokens always kept, out of a row budget of ``budget`` tokens."""
-        return config.window_size
+        return window_size
 
-    def compresses_layer(self, config: "CompressionConfig", layer_idx: int) -> bool:
+    def compresses_layer(self, layer_idx: int) -> bool:
         """False for layers the method leaves untouched."""
         return True
 
-    def validate(self, config: "CompressionConfig") -> None:
-        """Reject settings that cannot work, naming the flag (fixed budgets are checked here;
-        ratio budgets are checked per row at compression time)."""
-        from restkv.config import ConfigError
-
-        budget = config.max_capacity_prompts
-        if budget is not None and self.protected_count(config, budget) >= budget:
+    def check(self, config: "CompressionConfig") -> None:
+        """A fixed budget must exceed the protected tokens (ratio budgets are checked per row)."""
+        budget = config.run.max_capacity_prompts
+        if self.evicts and budget is not None and self.protected_count(config.run.window_size, budget) >= budget:
             raise ConfigError(
-                f"--window_size {config.window_size} must be smaller than --max_capacity_prompts {budget} "
-                f"(the budget includes the window) for --method {config.method}"
+                f"--window_size {config.run.window_size} must be smaller than --max_capacity_prompts {budget} "
+                f"(the budget includes the window) for --method {self.name}"
+            )
+
+    def check_row(self, config: "CompressionConfig", length: int, budget: int, protected: int) -> None:
+        """A row that is compressed must keep more than its protected tokens."""
+        if protected >= budget:
+            raise ConfigError(
+                f"a row of {length} tokens keeps {budget} tokens (--compression_ratio "
+                f"{config.run.compression_ratio}), which does not exceed the {protected} protected tokens "
+                f"(--window_size {config.run.window_size}); lower the ratio or the window"
             )
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
@@ -125,7 +86,60 @@ class Policy:
         raise NotImplementedError
 
     def finalize(
-        self, ctx: ScoringContext, indices: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+        self, ctx: ScoringContext, columns: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hook after selection for methods that also change the kept entries (merging)."""
+        """Hook after selection for methods that also change the kept entries (merging).
+
+        ``columns`` ``[B, H_kv, K]`` are the kept padded-batch columns (-1 = unused slot).
+        """
         return keys, values
+
+
+@dataclass(frozen=True)
+class GroupedScores(Policy):
+    """A scorer whose per-query-head scores are reduced to one per KV head."""
+
+    gqa_score_agg: str = option("mean", "how a query group's scores are reduced to one per KV head",
+                                GQA_AGGREGATIONS)
+
+    def reduce(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
+        """``[B, H, N]`` per query head to ``[B, H_kv, N]`` (``--gqa_score_agg``)."""
+        return ctx.reduce_groups(scores, self.gqa_score_agg)
+
+
+POOLING_HELP = "spatial smoothing of the scores (adaptive: ReST-KV's drift-driven kernel)"
+
+
+@dataclass(frozen=True)
+class PooledScores(GroupedScores):
+    """A grouped scorer whose per-KV-head scores are smoothed along positions (``--pooling``)."""
+
+    pooling: str = option("avgpool", POOLING_HELP, POOLINGS)
+    kernel_size: int = option(5, "odd kernel of the spatial smoothing (the smallest one under adaptive)",
+                              minimum=1)
+    scale: float = option(2000.0, "adaptive pooling: tokens of attention drift per extra kernel step and shift",
+                          minimum=0, exclusive_minimum=True)
+
+    def validate(self) -> None:
+        if self.kernel_size % 2 == 0:
+            raise ConfigError(f"--kernel_size must be odd (got {self.kernel_size}); an even kernel shifts the scores")
+        if self.pooling == "adaptive" and self.kernel_size < 3:
+            raise ConfigError(
+                f"--pooling adaptive needs an odd --kernel_size >= 3 (its smallest kernel); got {self.kernel_size}"
+            )
+
+    def check(self, config: "CompressionConfig") -> None:
+        super().check(config)
+        if self.pooling == "adaptive" and config.run.window_size < 2:
+            raise ConfigError(
+                f"--pooling adaptive compares the two halves of the window, so it needs --window_size >= 2; "
+                f"got {config.run.window_size}"
+            )
+
+    def smooth(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
+        """Spatial smoothing with ``--pooling``/``--kernel_size`` over the candidates
+        (``adaptive``: ReST-KV's drift-driven kernel, ``restkv.adaptive_pooling``)."""
+        if self.pooling == "adaptive":
+            return adaptive_pool(ctx, scores, self.scale, self.kernel_size)
+        return ctx.pool(scores, self.pooling, self.kernel_size)
+

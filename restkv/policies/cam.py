@@ -12,50 +12,63 @@ so a row of a left-padded batch merges exactly as it does alone.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from restkv.context import ScoringContext
 from restkv.merging import cam_merge, cam_reference_values, evicted_mask
-from restkv.policies import register_policy
-from restkv.policies.base import Policy, ScoringContext
+from restkv.options import option, register
+from restkv.policies.base import GroupedScores
 from restkv.selection import gather_columns
 
+CAM_MODES = ("paper", "reference")
 
-@register_policy
-class CaM(Policy):
+
+@register("method")
+@dataclass(frozen=True)
+class CaM(GroupedScores):
     name = "cam"
+    merges_values = True
+
+    cam_mode: str = option("paper", "CaM: the paper's merge after selection, or the release's cascade", CAM_MODES)
+    cam_seed: int = option(0, "CaM: seed of the Bernoulli merge decisions", minimum=0)
+    cam_expected: bool = option(False, "CaM: merge with the probability itself instead of a Bernoulli draw")
+    cam_merge_tokens: int = option(32, "CaM (paper mode): kept tokens after an evicted one that share its value",
+                                   minimum=1)
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
-        return ctx.reduce_groups(ctx.window_attention().sum(dim=2))
+        return self.reduce(ctx, ctx.window_attention().sum(dim=2))
 
     def finalize(
-        self, ctx: ScoringContext, indices: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+        self, ctx: ScoringContext, columns: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        config = ctx.config
-        mean_attention = ctx.reduce_groups(ctx.window_attention().mean(dim=2))
-        draws = None if config.cam_expected else _row_local_draws(ctx)
-        if config.cam_mode == "paper":
-            evicted = evicted_mask(ctx, indices)
-            return keys, cam_merge(ctx.value, evicted, indices, values, mean_attention, config.cam_merge_tokens, draws)
+        mean_attention = self.reduce(ctx, ctx.window_attention().mean(dim=2))
+        draws = None if self.cam_expected else self._row_local_draws(ctx)
+        if self.cam_mode == "paper":
+            evicted = evicted_mask(ctx.visible, columns)
+            return keys, cam_merge(ctx.value, evicted, columns, values, mean_attention, self.cam_merge_tokens, draws)
         merged = ctx.value.clone()
         length = ctx.valid.shape[-1]
-        for row, (real, budget) in enumerate(zip(ctx.lengths.tolist(), ctx.budgets.tolist())):
+        rows = zip(ctx.plan.visible_counts.tolist(), ctx.budgets.tolist())
+        for row, (real, budget) in enumerate(rows):
             if budget >= real:  # a row that fits is not compressed, so nothing is merged
                 continue
             part = slice(length - real, length)
             merged[row, :, part] = cam_reference_values(
                 ctx.value[row, :, part],
                 mean_attention[row, :, part],
-                config.window_size,
+                ctx.window_size,
                 None if draws is None else draws[row, :, part],
             )
-        return keys, gather_columns(merged, indices)
+        return keys, gather_columns(merged, columns)
 
-
-def _row_local_draws(ctx: ScoringContext) -> torch.Tensor:
-    """``[B, H_kv, N]`` uniform numbers from ``--cam_seed`` and the layer, in row-local order."""
-    batch, length = ctx.valid.shape
-    draws = torch.ones(batch, ctx.num_kv_heads, length, dtype=torch.float64)
-    for row, real in enumerate(ctx.lengths.tolist()):
-        generator = torch.Generator().manual_seed(ctx.config.cam_seed * 100_003 + ctx.layer_idx)
-        draws[row, :, length - real :] = torch.rand(ctx.num_kv_heads, real, generator=generator, dtype=torch.float64)
-    return draws.to(ctx.valid.device)
+    def _row_local_draws(self, ctx: ScoringContext) -> torch.Tensor:
+        """``[B, H_kv, N]`` uniform numbers from ``--cam_seed`` and the layer, in row-local order."""
+        batch, length = ctx.valid.shape
+        draws = torch.ones(batch, ctx.num_kv_heads, length, dtype=torch.float64)
+        for row, real in enumerate(ctx.plan.visible_counts.tolist()):
+            generator = torch.Generator().manual_seed(self.cam_seed * 100_003 + ctx.layer_idx)
+            draws[row, :, length - real :] = torch.rand(ctx.num_kv_heads, real, generator=generator,
+                                                         dtype=torch.float64)
+        return draws.to(ctx.valid.device)

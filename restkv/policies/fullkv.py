@@ -1,17 +1,21 @@
-"""``fullkv``: no compression, the reference every other method is compared with."""
+"""``fullkv``: no compression, the reference every other method is compared with.
+
+It evicts nothing, so it needs no budget (a budget given with it is ignored).
+"""
 
 from __future__ import annotations
 
-from restkv.policies import register_policy
+from dataclasses import dataclass
+
+from restkv.options import register
 from restkv.policies.base import Policy
 
 
-@register_policy
+@register("method")
+@dataclass(frozen=True)
 class FullKV(Policy):
     name = "fullkv"
+    evicts = False
 
-    def compresses_layer(self, config, layer_idx: int) -> bool:
+    def compresses_layer(self, layer_idx: int) -> bool:
         return False
-
-    def validate(self, config) -> None:
-        return None

@@ -3,34 +3,51 @@
 Heavy hitters = tokens with the largest accumulated attention. The default accumulates
 the attention of the observation window (``--h2o_queries window``: SnapKV without
 pooling, the ResKV protocol); ``--h2o_queries all`` sums the causal attention of every
-prompt query (computed in query chunks, never ``N x N``), optionally divided by the
-number of queries that can see each token (``--h2o_normalize``, kvpress'
-ObservedAttention). The window is always kept.
+prompt query (computed in query chunks, never ``N x N``). ``--h2o_normalize`` divides each
+token's sum by the number of the accumulated queries that see it (kvpress'
+ObservedAttention): in window mode that is the window queries at or after the token (all
+of them for a past token, so the ranking does not change), in ``all`` mode every later
+query, on a sliding-window layer only those inside the window. The window is always kept.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from restkv.policies import register_policy
-from restkv.policies.base import Policy, ScoringContext
+from restkv.context import ScoringContext
+from restkv.options import option, register
+from restkv.policies.base import GroupedScores
 from restkv.scoring import window_attention
 
 QUERY_CHUNK = 512
+H2O_QUERIES = ("window", "all")
 
 
-@register_policy
-class H2O(Policy):
+@register("method")
+@dataclass(frozen=True)
+class H2O(GroupedScores):
     name = "h2o"
 
+    h2o_queries: str = option(
+        "window", "H2O accumulates the attention of the observation window or of all prompt queries", H2O_QUERIES
+    )
+    h2o_normalize: bool = option(
+        False, "H2O divides each token's sum by the number of the accumulated queries that see it"
+    )
+
     def score(self, ctx: ScoringContext) -> torch.Tensor:
-        if ctx.config.h2o_queries == "window":
+        if self.h2o_queries == "window":
             accumulated = ctx.window_attention().sum(dim=2)
+            queries = min(ctx.window_size, ctx.valid.shape[-1])
         else:
             accumulated = all_query_column_sums(ctx)
-        if ctx.config.h2o_normalize:
-            accumulated = accumulated / queries_seeing_each_key(ctx.valid)[:, None, :]
-        return ctx.reduce_groups(accumulated)
+            queries = ctx.valid.shape[-1]
+        if self.h2o_normalize:
+            seeing = queries_seeing_each_key(ctx.valid, queries, ctx.plan.sliding_window)
+            accumulated = accumulated / seeing[:, None, :]
+        return self.reduce(ctx, accumulated)
 
 
 def all_query_column_sums(ctx: ScoringContext) -> torch.Tensor:
@@ -47,13 +64,18 @@ def all_query_column_sums(ctx: ScoringContext) -> torch.Tensor:
             end - start,
             ctx.scaling,
             ctx.softcap,
-            ctx.sliding_window,
+            ctx.plan.sliding_window,
         )
         total[:, :, :end] += weights.sum(dim=2)
     return total
 
 
-def queries_seeing_each_key(valid: torch.Tensor) -> torch.Tensor:
-    """``[B, N]``: number of real queries at or after each position (at least 1)."""
-    after = valid.flip(-1).cumsum(-1).flip(-1)
-    return after.clamp(min=1).to(torch.float32)
+def queries_seeing_each_key(valid: torch.Tensor, num_queries: int, sliding_window: int | None = None) -> torch.Tensor:
+    """``[B, N]`` float32: how many of the last ``num_queries`` real queries attend to each key
+    (causally, and inside the sliding window when there is one); at least 1."""
+    length = valid.shape[-1]
+    first_real = length - valid.sum(dim=-1)
+    keys = torch.arange(length, device=valid.device)
+    first_query = torch.maximum(keys[None, :], torch.clamp(first_real, min=length - num_queries)[:, None])
+    end = torch.full_like(keys, length) if sliding_window is None else torch.clamp(keys + sliding_window, max=length)
+    return (end[None, :] - first_query).clamp(min=1).to(torch.float32)

@@ -2,17 +2,21 @@
 
 Scores are SnapKV's window-mean attention (as AdaKV's); the budget of each (layer, KV head)
 comes from a file of retrieval-reasoning head scores (``--head_scores``; compute one with
-``python -m restkv.head_scores``), spread model-wide (``restkv.allocation.headkv_table``).
-Any other scorer gets the same allocation with ``--allocation headkv``.
+``python -m restkv.benchmarks.head_scores``), spread model-wide
+(``restkv.allocation.HeadKVAllocation``). Any other scorer gets the same allocation with
+``--allocation headkv``.
 """
 
 from __future__ import annotations
 
-from restkv.policies import register_policy
+from dataclasses import dataclass
+
+from restkv.options import register
 from restkv.policies.adakv import AdaKV
 
 
-@register_policy
+@register("method")
+@dataclass(frozen=True)
 class HeadKV(AdaKV):
     """AdaKV's scores; only the allocation differs."""
 

@@ -8,21 +8,28 @@ keeps it) and layers 0 and 1 stay uncompressed (``--l2norm_skip_layers``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from restkv.policies import register_policy
-from restkv.policies.base import Policy, ScoringContext
+from restkv.context import ScoringContext
+from restkv.options import option, register
+from restkv.policies.base import Policy
 
 
-@register_policy
+@register("method")
+@dataclass(frozen=True)
 class L2Norm(Policy):
     name = "l2norm"
 
-    def protected_count(self, config, budget: int) -> int:
-        return config.window_size if config.l2norm_protect_window else 0
+    l2norm_skip_layers: tuple[int, ...] = option((0, 1), "layers L2Norm leaves uncompressed")
+    l2norm_protect_window: bool = option(False, "L2Norm also keeps the observation window")
 
-    def compresses_layer(self, config, layer_idx: int) -> bool:
-        return layer_idx not in config.l2norm_skip_layers
+    def protected_count(self, window_size: int, budget: int) -> int:
+        return window_size if self.l2norm_protect_window else 0
+
+    def compresses_layer(self, layer_idx: int) -> bool:
+        return layer_idx not in self.l2norm_skip_layers
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         return -ctx.key.float().norm(dim=-1)

@@ -6,20 +6,29 @@ row-local order, so a row of a padded batch keeps what it keeps alone.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from restkv.policies import register_policy
-from restkv.policies.base import Policy, ScoringContext
+from restkv.context import ScoringContext
+from restkv.options import register
+from restkv.policies.base import Policy
 
 
-@register_policy
+def random_scores(ctx: ScoringContext) -> torch.Tensor:
+    """``[B, H_kv, N]`` uniform scores from the run's seed and the layer, in row-local order."""
+    batch, length = ctx.valid.shape
+    scores = torch.zeros(batch, ctx.num_kv_heads, length, dtype=torch.float32)
+    for row, real in enumerate(ctx.plan.visible_counts.tolist()):
+        generator = torch.Generator().manual_seed(ctx.plan.seed * 100_003 + ctx.layer_idx)
+        scores[row, :, length - real :] = torch.rand(ctx.num_kv_heads, real, generator=generator)
+    return scores.to(ctx.valid.device)
+
+
+@register("method")
+@dataclass(frozen=True)
 class RandomPolicy(Policy):
     name = "random"
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
-        batch, length = ctx.valid.shape
-        scores = torch.zeros(batch, ctx.num_kv_heads, length, dtype=torch.float32)
-        for row, real in enumerate(ctx.lengths.tolist()):
-            generator = torch.Generator().manual_seed(ctx.config.seed * 100_003 + ctx.layer_idx)
-            scores[row, :, length - real :] = torch.rand(ctx.num_kv_heads, real, generator=generator)
-        return scores.to(ctx.valid.device)
+        return random_scores(ctx)

@@ -33,11 +33,15 @@ indicator; the release's ablation rows for ``attn``/``attn_v`` always used the w
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from restkv.policies import get_policy, register_policy
-from restkv.policies.base import Policy, ScoringContext
-from restkv.temporal import aggregate_queries
+from restkv.context import ScoringContext
+from restkv.options import ConfigError, option, register
+from restkv.policies.base import POOLING_HELP, POOLINGS, PooledScores
+from restkv.policies.random_control import random_scores
+from restkv.temporal import TEMPORAL_MODES, aggregate_queries
 
 #: attention weights are clamped to 1 - ODDS_EPSILON before the odds ratio (no inf / NaN)
 ODDS_EPSILON = 1e-6
@@ -47,70 +51,117 @@ NORM_CHUNK = 8192
 MIN_OUTPUT_NORM = 1e-12
 
 
-@register_policy
-class RestKV(Policy):
+METRIC_MODES = ("after", "before")
+MEAN_OUTPUTS = ("past_only", "full")
+RESTKV_GQA = ("mean", "vector")
+INDICATORS = ("reconstruction", "attn", "attn_v", "random")
+
+
+@register("method")
+@dataclass(frozen=True)
+class RestKV(PooledScores):
     name = "restkv"
-    uses_pooling = True
-    option_defaults = {"pooling": "adaptive"}
 
-    def validate(self, config) -> None:
-        from restkv.config import ConfigError
+    pooling: str = option("adaptive", POOLING_HELP, POOLINGS)
+    use_wo: bool = option(
+        True, "ReST-KV: measure the output change through the layer's W_o (--no-use_wo: in value space, without --tau)"
+    )
+    use_ema: bool = option(
+        True, "ReST-KV: aggregate the window queries with an EMA of weight --alpha (--no-use_ema: their mean)"
+    )
+    alpha: float = option(0.3, "ReST-KV: EMA weight of the newest window query", minimum=0, maximum=1)
+    metric_mode: str = option(
+        "after",
+        "ReST-KV: 'after' aggregates the window attention, then scores once (the paper); 'before' scores every "
+        "window query, then aggregates",
+        METRIC_MODES,
+    )
+    tau: float = option(1.0, "ReST-KV: exponent of the output-space gap (--use_wo with --metric_mode after)",
+                        minimum=0, exclusive_minimum=True)
+    use_norm: bool = option(
+        False, "ReST-KV --metric_mode before: divide each query's term by its output norm (after mode ignores it)"
+    )
+    restkv_mean_output: str = option(
+        "past_only",
+        "ReST-KV after mode: the mean output mixes the past values only (the release) or every value",
+        MEAN_OUTPUTS,
+    )
+    restkv_gqa: str = option(
+        "mean",
+        "ReST-KV under GQA: reduce per-query-head scores with --gqa_score_agg, or score the norm of the query "
+        "group's summed output change (vector)",
+        RESTKV_GQA,
+    )
+    indicator: str = option(
+        "reconstruction",
+        "ReST-KV ablation: token importance from the output reconstruction, the window attention (attn), attention "
+        "times value norm (attn_v) or random scores",
+        INDICATORS,
+    )
+    temporal: str | None = option(
+        None, "ReST-KV ablation: aggregation over the window queries; default: ema with --use_ema, else mean",
+        TEMPORAL_MODES,
+    )
 
-        super().validate(config)
-        if config.restkv_gqa == "vector":
-            if config.indicator != "reconstruction" or config.metric_mode != "after":
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.temporal is None:  # derived, so that replace(use_ema=...) derives it again
+            object.__setattr__(self, "temporal", "ema" if self.use_ema else "mean")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.restkv_gqa == "vector":
+            if self.indicator != "reconstruction" or self.metric_mode != "after":
                 raise ConfigError(
                     "--restkv_gqa vector scores the reconstruction indicator in --metric_mode after; got "
-                    f"--indicator {config.indicator} --metric_mode {config.metric_mode}"
+                    f"--indicator {self.indicator} --metric_mode {self.metric_mode}"
                 )
-            if config.tau != 1:
-                raise ConfigError(f"--restkv_gqa vector takes no exponent; use --tau 1 (got {config.tau})")
+            if self.tau != 1:
+                raise ConfigError(f"--restkv_gqa vector takes no exponent; use --tau 1 (got {self.tau})")
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
-        config = ctx.config
-        if config.indicator == "random":
-            return get_policy("random").score(ctx)
-        if config.indicator == "reconstruction":
-            if config.restkv_gqa == "vector":
-                per_kv_head = group_change_norms(ctx)
-            elif config.metric_mode == "after":
-                per_kv_head = ctx.reduce_groups(reconstruction_after(ctx))
+        if self.indicator == "random":
+            return random_scores(ctx)
+        if self.indicator == "reconstruction":
+            if self.restkv_gqa == "vector":
+                per_kv_head = group_change_norms(ctx, self)
+            elif self.metric_mode == "after":
+                per_kv_head = self.reduce(ctx, reconstruction_after(ctx, self))
             else:
-                per_kv_head = ctx.reduce_groups(reconstruction_before(ctx))
+                per_kv_head = self.reduce(ctx, reconstruction_before(ctx, self))
         else:
-            attention = aggregate_queries(ctx.window_attention(), config.temporal, config.alpha)
-            if config.indicator == "attn_v":
+            attention = aggregate_queries(ctx.window_attention(), self.temporal, self.alpha)
+            if self.indicator == "attn_v":
                 attention = _per_query_head(_grouped(attention, ctx) * ctx.value.float().norm(dim=-1)[:, :, None])
-            per_kv_head = ctx.reduce_groups(attention)
-        return ctx.pool(per_kv_head)
+            per_kv_head = self.reduce(ctx, attention)
+        return self.smooth(ctx, per_kv_head)
 
 
-def reconstruction_after(ctx: ScoringContext) -> torch.Tensor:
+def reconstruction_after(ctx: ScoringContext, options: RestKV) -> torch.Tensor:
     """``[B, H, N]``: ``r(ā_j) * ‖W_o^h (ō - v_j)‖^tau`` per query head (``--metric_mode after``)."""
-    config = ctx.config
-    mean_attention, mean_output = _aggregated_attention_and_output(ctx)
-    gram = _head_grams(ctx) if config.use_wo else None
+    mean_attention, mean_output = _aggregated_attention_and_output(ctx, options)
+    gram = _head_grams(ctx) if options.use_wo else None
     gaps = torch.empty_like(_grouped(mean_attention, ctx))
     values = ctx.value.float()
     for columns in _column_chunks(values.shape[2]):
         differences = mean_output[:, :, :, None, :] - values[:, :, None, columns, :]
         gaps[..., columns] = _projected_norms(differences, gram)
-    if config.use_wo:
-        gaps = gaps.pow(config.tau)
+    if options.use_wo:
+        gaps = gaps.pow(options.tau)
     return _odds(mean_attention) * _per_query_head(gaps)
 
 
-def group_change_norms(ctx: ScoringContext) -> torch.Tensor:
+def group_change_norms(ctx: ScoringContext, options: RestKV) -> torch.Tensor:
     """``[B, H_kv, N]``: ``‖Σ_{h in group} r_h W_o^h (v_j - ō_h)‖`` (``--restkv_gqa vector``).
 
     The exact layer-output change when token ``j`` leaves the KV head (all ``G`` query heads
     lose it), through the group's Gram matrix ``[G*d, G*d]`` (cross-head blocks included).
     """
-    mean_attention, mean_output = _aggregated_attention_and_output(ctx)
+    mean_attention, mean_output = _aggregated_attention_and_output(ctx, options)
     odds = _grouped(_odds(mean_attention), ctx)
     values = ctx.value.float()
     batch, num_kv_heads, length, _ = values.shape
-    gram = _group_grams(ctx) if ctx.config.use_wo else None
+    gram = _group_grams(ctx) if options.use_wo else None
     norms = torch.empty(batch, num_kv_heads, length, dtype=torch.float32, device=values.device)
     for columns in _column_chunks(length):
         changes = odds[..., columns, None] * (values[:, :, None, columns, :] - mean_output[:, :, :, None, :])
@@ -122,7 +173,7 @@ def group_change_norms(ctx: ScoringContext) -> torch.Tensor:
     return norms
 
 
-def reconstruction_before(ctx: ScoringContext) -> torch.Tensor:
+def reconstruction_before(ctx: ScoringContext, options: RestKV) -> torch.Tensor:
     """``[B, H, N]``: ``Agg_i r(A_ij) * ‖W_o^h (o_i - v_j)‖`` per query head (``--metric_mode before``).
 
     ``o_i`` is query ``i``'s true attention output over every key. The squared norms are
@@ -130,13 +181,12 @@ def reconstruction_before(ctx: ScoringContext) -> torch.Tensor:
     most-attended key of each query, where ``o_i ≈ v_j`` makes that expansion cancel, is
     recomputed directly.
     """
-    config = ctx.config
     weights = ctx.window_attention().clamp(max=1.0 - ODDS_EPSILON)
     batch, num_heads, window, length = weights.shape
     num_kv_heads, head_dim = ctx.num_kv_heads, ctx.value.shape[-1]
     groups = num_heads // num_kv_heads
     values = ctx.value.float()
-    gram = _head_grams(ctx) if config.use_wo else None
+    gram = _head_grams(ctx) if options.use_wo else None
 
     outputs = torch.matmul(weights.reshape(batch, num_kv_heads, groups * window, length), values)
     outputs = outputs.view(batch, num_kv_heads, groups, window, head_dim)
@@ -158,24 +208,23 @@ def reconstruction_before(ctx: ScoringContext) -> torch.Tensor:
     squared = squared.scatter(-1, most_attended[..., None], exact[..., None])
 
     terms = _odds(weights) * _per_query_head(squared.clamp(min=0).sqrt())
-    if config.use_norm:
+    if options.use_norm:
         output_norms = output_sq.clamp(min=0).sqrt().clamp(min=MIN_OUTPUT_NORM)
         terms = terms / _per_query_head(output_norms)[..., None]
-    return aggregate_queries(terms, config.temporal, config.alpha)
+    return aggregate_queries(terms, options.temporal, options.alpha)
 
 
-def _aggregated_attention_and_output(ctx: ScoringContext) -> tuple[torch.Tensor, torch.Tensor]:
+def _aggregated_attention_and_output(ctx: ScoringContext, options: RestKV) -> tuple[torch.Tensor, torch.Tensor]:
     """``ā`` ``[B, H, N]`` (clamped below 1) and ``ō`` ``[B, H_kv, G, d]``, the ``ā``-weighted
     sum of the past values (``--restkv_mean_output past_only``, the release) or of all values.
 
     ``ō`` uses the clamped weights so that a one-hot head keeps a finite, top-ranked score:
     ``r * ‖ō - v_j‖`` then tends to ``‖v_j - ō^(-j)‖`` instead of ``inf * 0``.
     """
-    config = ctx.config
-    mean_attention = aggregate_queries(ctx.window_attention(), config.temporal, config.alpha)
+    mean_attention = aggregate_queries(ctx.window_attention(), options.temporal, options.alpha)
     mean_attention = mean_attention.clamp(max=1.0 - ODDS_EPSILON)
     mixing = mean_attention
-    if config.restkv_mean_output == "past_only":
+    if options.restkv_mean_output == "past_only":
         mixing = mean_attention * ctx.candidates[:, None, :]
     mean_output = torch.matmul(_grouped(mixing, ctx), ctx.value.float())
     return mean_attention, mean_output

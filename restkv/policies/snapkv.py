@@ -8,17 +8,20 @@ Defaults follow the ReST-KV runs: window 32, avgpool, kernel 5.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from restkv.policies import register_policy
-from restkv.policies.base import Policy, ScoringContext
+from restkv.context import ScoringContext
+from restkv.options import register
+from restkv.policies.base import PooledScores
 
 
-@register_policy
-class SnapKV(Policy):
+@register("method")
+@dataclass(frozen=True)
+class SnapKV(PooledScores):
     name = "snapkv"
-    uses_pooling = True
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         summed = ctx.window_attention().sum(dim=2)
-        return ctx.pool(ctx.reduce_groups(summed))
+        return self.smooth(ctx, self.reduce(ctx, summed))

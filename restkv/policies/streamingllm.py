@@ -1,33 +1,47 @@
 """StreamingLLM (Xiao et al., 2023, arXiv 2309.17453), prefill-only.
 
 Keeps the first ``n_sink`` tokens (attention sinks) and the most recent
-``budget - n_sink``; scores play no part and every head keeps the same positions, at
-their original RoPE positions. ``--n_sink`` defaults to 4; the original ReST-KV release
-kept the first ``budget - window`` tokens plus the window, i.e.
-``n_sink = max_capacity_prompts - window_size``.
+``budget - n_sink``; scores play no part and every head keeps the same positions, at their
+original RoPE positions. ``--n_sink`` defaults to 4, which is what the original ReST-KV
+release's LongBench, RULER and InfiniteBench runners did (they set the window to
+``budget - 4``); only its needle runner kept the first ``budget - window`` tokens plus the
+window, i.e. ``--n_sink`` = max_capacity_prompts - window_size. ``--n_sink 0`` keeps the
+last ``budget`` tokens. ``--window_size`` plays no part.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from restkv.policies import register_policy
-from restkv.policies.base import Policy, ScoringContext
+from restkv.context import ScoringContext
+from restkv.options import ConfigError, option, register
+from restkv.policies.base import Policy
 
 
-@register_policy
+@register("method")
+@dataclass(frozen=True)
 class StreamingLLM(Policy):
     name = "streamingllm"
+    ranks_by_position = True
 
-    def protected_count(self, config, budget: int) -> int:
-        return max(budget - config.n_sink, 0)
+    n_sink: int = option(4, "StreamingLLM attention sinks: the first tokens, always kept", minimum=0)
 
-    def validate(self, config) -> None:
-        from restkv.config import ConfigError
+    def protected_count(self, window_size: int, budget: int) -> int:
+        return max(budget - self.n_sink, 0)
 
-        budget = config.max_capacity_prompts
-        if budget is not None and config.n_sink >= budget:
-            raise ConfigError(f"--n_sink {config.n_sink} must be smaller than --max_capacity_prompts {budget}")
+    def check(self, config) -> None:
+        budget = config.run.max_capacity_prompts
+        if budget is not None and self.n_sink >= budget:
+            raise ConfigError(f"--n_sink {self.n_sink} must be smaller than --max_capacity_prompts {budget}")
+
+    def check_row(self, config, length: int, budget: int, protected: int) -> None:
+        if self.n_sink >= budget:
+            raise ConfigError(
+                f"a row of {length} tokens keeps {budget} tokens (--compression_ratio "
+                f"{config.run.compression_ratio}), which does not exceed --n_sink {self.n_sink}"
+            )
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         # Earlier tokens rank higher, so the top `n_sink` candidates are the first real tokens.

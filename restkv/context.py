@@ -1,0 +1,205 @@
+"""One layer's prefill plan, and the context every scorer sees.
+
+``plan_layer`` decides once per layer what the compressing prefill does: which tokens are
+real, which ones the next query can still see (a sliding-window layer forgets older
+ones), each row's budget, the protected tokens, and whether anything is evicted at all.
+The attention forward, ``compress_kv`` and the benchmark runners' "did every layer
+compress" check all read the same plan.
+
+Positions: every tensor here indexes the padded batch (prompts are left-padded; column
+``j`` of row ``b`` is real iff ``valid[b, j]``). Only the notebook-facing return of
+``restkv.compress_kv`` converts them to row-local positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from restkv.scoring import pool_scores, reduce_groups, window_attention
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one layer's compressing prefill does (see the module docstring).
+
+    valid: ``[B, N]`` bool, real tokens.
+    visible: ``[B, N]`` bool, real tokens the next query can still attend to (all of them, or
+        on a sliding-window layer the last ``sliding_window - 1``): the tokens that compete.
+    budgets: ``[B]`` tokens each row keeps per KV head (window included, at most its visible tokens).
+    protected: ``[B, N]`` bool, tokens kept whatever their score (the recent window).
+    compress: whether any row holds more visible tokens than its budget (else the layer is
+        stored as it is).
+    """
+
+    valid: torch.Tensor
+    visible: torch.Tensor
+    budgets: torch.Tensor
+    protected: torch.Tensor
+    compress: bool
+    layer_idx: int
+    num_layers: int
+    window_size: int
+    seed: int
+    sliding_window: int | None = None
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``[B]`` real tokens per row."""
+        return self.valid.sum(dim=-1)
+
+    @property
+    def visible_counts(self) -> torch.Tensor:
+        """``[B]`` visible tokens per row."""
+        return self.visible.sum(dim=-1)
+
+    @property
+    def candidates(self) -> torch.Tensor:
+        """``[B, N]`` bool, tokens that compete for the budget (visible and not protected)."""
+        return self.visible & ~self.protected
+
+    @property
+    def padding(self) -> torch.Tensor:
+        """``[B]`` left-padding columns of each row (padded column = row-local position + padding)."""
+        return self.valid.shape[-1] - self.lengths
+
+
+def plan_layer(config: Any, valid: torch.Tensor, layer_idx: int = 0, num_layers: int = 1,
+               sliding_window: int | None = None) -> LayerPlan:
+    """The prefill plan of layer ``layer_idx`` for a left-padded prompt with real tokens ``valid``.
+
+    ``config`` is a ``restkv.config.CompressionConfig``. Raises ``ConfigError`` when a row
+    that must be compressed cannot keep more than its protected tokens (a ratio budget on a
+    short row).
+    """
+    if not 0 <= layer_idx < num_layers:
+        raise ValueError(f"layer_idx {layer_idx} must lie in 0..{num_layers - 1} (num_layers {num_layers})")
+    policy = config.policy
+    visible = valid
+    length = valid.shape[-1]
+    if sliding_window is not None:
+        visible = valid & (torch.arange(length, device=valid.device) >= length - sliding_window + 1)
+    # One host transfer for every row's sizes.
+    lengths, counts = valid.sum(dim=-1).tolist(), visible.sum(dim=-1).tolist()
+    budgets = [min(config.budget_for(int(n)), int(c)) for n, c in zip(lengths, counts)]
+    window = config.run.window_size
+    protected_counts = [policy.protected_count(window, budget) for budget in budgets]
+    compress = policy.evicts and policy.compresses_layer(layer_idx) and any(
+        budget < count for budget, count in zip(budgets, counts)
+    )
+    if compress:
+        for count, budget, protected in zip(counts, budgets, protected_counts):
+            if count > budget:
+                policy.check_row(config, count, budget, protected)
+    start = torch.tensor([length - c for c in protected_counts], device=valid.device)
+    protected = (torch.arange(length, device=valid.device)[None, :] >= start[:, None]) & visible
+    return LayerPlan(valid, visible, torch.tensor(budgets, device=valid.device), protected, compress,
+                     layer_idx, num_layers, window, config.run.seed, sliding_window)
+
+
+def valid_from_mask(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
+    """``[B, N]`` bool real-token mask from an optional 2-D 0/1 mask; checks left padding."""
+    if attention_mask is None:
+        return torch.ones(batch, length, dtype=torch.bool, device=device)
+    if attention_mask.shape != (batch, length):
+        raise ValueError(f"attention_mask must have shape [B, N] = [{batch}, {length}], got {list(attention_mask.shape)}")
+    valid = attention_mask.to(device=device).bool()
+    # Left padding: once a row has a real token, every later column is real.
+    if bool((valid[:, :-1] & ~valid[:, 1:]).any()):
+        raise ValueError(
+            "restkv expects left padding (tokenizer.padding_side = 'left'); the attention mask has padding "
+            "after a real token"
+        )
+    if not bool(valid.any(dim=-1).all()):
+        raise ValueError("a row of the batch is all padding; every row needs at least one real token")
+    return valid
+
+
+@dataclass
+class ScoringContext:
+    """One layer's prompt, as every scorer sees it.
+
+    query: ``[B, H, N, d]`` post-RoPE queries of all prompt tokens.
+    key, value: ``[B, H_kv, N, d]``, stored once per KV head.
+    plan: the layer's ``LayerPlan`` (real and visible tokens, budgets, protected tokens).
+    scaling, softcap: the layer's attention scale and logit soft-cap.
+    o_proj_weight: ``[D, H*d]`` output projection (methods that score in output space).
+
+    The window attention is computed once per number of queries and shared by every part
+    of the layer's compression (scorer, allocation, residual cache).
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    plan: LayerPlan
+    scaling: float
+    softcap: float | None = None
+    o_proj_weight: torch.Tensor | None = None
+    _window_cache: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, query, key, value, plan: LayerPlan, scaling: float | None = None, softcap=None,
+           o_proj_weight=None) -> "ScoringContext":
+        return cls(query, key, value, plan, scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1]),
+                   softcap, o_proj_weight)
+
+    # The plan's fields, as scorers read them.
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.plan.valid
+
+    @property
+    def visible(self) -> torch.Tensor:
+        return self.plan.visible
+
+    @property
+    def budgets(self) -> torch.Tensor:
+        return self.plan.budgets
+
+    @property
+    def protected(self) -> torch.Tensor:
+        return self.plan.protected
+
+    @property
+    def candidates(self) -> torch.Tensor:
+        return self.plan.candidates
+
+    @property
+    def layer_idx(self) -> int:
+        return self.plan.layer_idx
+
+    @property
+    def num_layers(self) -> int:
+        return self.plan.num_layers
+
+    @property
+    def window_size(self) -> int:
+        return self.plan.window_size
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.key.shape[1]
+
+    def window_attention(self, num_queries: int | None = None) -> torch.Tensor:
+        """``[B, H, w, N]`` float32 attention of the last ``w`` queries (default: the window),
+        over every key they really see (real, causal, inside the sliding window): the weights
+        the model itself computes. Only ``candidates`` compete, but the softmax is the model's."""
+        w = self.plan.window_size if num_queries is None else num_queries
+        if w not in self._window_cache:
+            self._window_cache[w] = window_attention(
+                self.query, self.key, self.plan.valid, w, self.scaling, self.softcap, self.plan.sliding_window
+            )
+        return self._window_cache[w]
+
+    def reduce_groups(self, scores: torch.Tensor, how: str = "mean") -> torch.Tensor:
+        """Per-query-head ``[B, H, N]`` to per-KV-head ``[B, H_kv, N]``."""
+        return reduce_groups(scores, self.num_kv_heads, how)
+
+    def pool(self, scores: torch.Tensor, pooling: str, kernel_size: int) -> torch.Tensor:
+        """Plain spatial smoothing (``none``, ``avgpool``, ``maxpool``) over the candidates."""
+        return pool_scores(scores, self.plan.candidates, pooling, kernel_size)
+

@@ -1,0 +1,23 @@
+"""ResKV (ALGORITHMS.md 3): residual entries that stand in for what eviction drops.
+
+Split by job: ``readout`` (how attention reads the entries: count bias, gate, shared or
+separate softmax), ``clustering`` (Lloyd k-means of the evicted keys and the entries made
+from it), ``validation`` (the proxy that picks each head's residual ratio), ``builder``
+(one layer's entries) and ``options`` (the ``--residual`` switch and its flags).
+
+Storage (``restkv.compress``, ``restkv.cache``): a head's entries take the last ``r`` of its
+``b`` slots, so a layer stores exactly as many entries as the base method, plus one float32
+log-count per residual slot.
+"""
+
+from restkv.residual.builder import ResidualPlan, build_residual, ratio_sizes
+from restkv.residual.clustering import Clusters, Entries, cluster_sums, entries_of, lloyd_kmeans
+from restkv.residual.options import ResidualCache
+from restkv.residual.readout import MASKED, Branch, ResidualReadout, capped, combine_by_lse
+from restkv.residual.validation import choose_ratios, full_attention_output, split_observations
+
+__all__ = [
+    "MASKED", "Branch", "Clusters", "Entries", "ResidualCache", "ResidualPlan", "ResidualReadout", "build_residual",
+    "capped", "choose_ratios", "cluster_sums", "combine_by_lse", "entries_of", "full_attention_output",
+    "lloyd_kmeans", "ratio_sizes", "split_observations",
+]
