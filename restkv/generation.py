@@ -27,8 +27,11 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     return _prefill(model, input_ids, attention_mask)[0]
 
 
-def _prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[DynamicCache, torch.Tensor]:
+def _prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+             part: str = "prompt") -> tuple[DynamicCache, torch.Tensor]:
     """``prefill``, also returning the logits of the last position ``[B, 1, vocab]``."""
+    if input_ids.dim() != 2 or input_ids.shape[-1] == 0:
+        raise ValueError(f"the {part} is empty (input ids of shape {list(input_ids.shape)}); give at least one token")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     cache = DynamicCache(config=model.config)
@@ -63,7 +66,7 @@ def generate_after_context(
         context_mask = torch.ones_like(context_ids)
     if question_mask is None:
         question_mask = torch.ones_like(question_ids)
-    cache = prefill(model, context_ids, context_mask)
+    cache = _prefill(model, context_ids, context_mask, part="context")[0]
     input_ids = torch.cat([context_ids, question_ids], dim=-1)
     attention_mask = torch.cat([context_mask, question_mask], dim=-1)
     output = model.generate(input_ids=input_ids, attention_mask=attention_mask, **with_cache(cache), **generate_kwargs)

@@ -463,3 +463,21 @@ def test_stored_bytes_follow_the_per_head_budgets():
     assert ragged
     report = cache_report(out.past_key_values)
     assert all(r.compressed for r in report)
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ("[1, 2]", "must hold one JSON object"),
+        ('{"0-0": [1.0], "zero-1": [2.0]}', "key 'zero-1' is not"),
+        ('{"0-0": []}', "0-0 must be a non-empty list of numbers"),
+        ('{"0-0": [0.0], "0-1": [0.0]}', "not all zero"),
+        ("{not json", "cannot be read as JSON"),
+    ],
+)
+def test_a_malformed_head_score_file_fails_when_the_config_is_built(tmp_path, content, fragment):
+    path = tmp_path / "heads.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match="--head_scores") as error:
+        CompressionConfig(method="headkv", max_capacity_prompts=64, head_scores=str(path))
+    assert fragment in str(error.value)

@@ -3,13 +3,13 @@
 import pytest
 
 from restkv.compat import output_cache
-from tiny_models import FAMILY_BACKENDS, assert_rows_match_single_row_runs, replace_for, tiny_model
+from tiny_models import FAMILY_BACKENDS, assert_rows_match_single_row_runs, registered_methods, replace_for, tiny_model
 
 LENGTHS = [90, 64, 41]
 
 
 @pytest.mark.parametrize("family, backend", FAMILY_BACKENDS)
-@pytest.mark.parametrize("method", ["snapkv", "streamingllm", "tova"])
+@pytest.mark.parametrize("method", registered_methods(uniform=True, keeps_inputs=True, compresses_first_layer=True))
 def test_each_row_of_a_left_padded_batch_equals_its_single_row_run(family, backend, method):
     model = tiny_model(family, backend)
     replace_for(family)(method=method, max_capacity_prompts=24, window_size=8)

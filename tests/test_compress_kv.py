@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from tiny_models import random_qkv
+from tiny_models import random_qkv, registered_methods
 
-METHODS = ["snapkv", "h2o", "streamingllm", "l2norm", "tova", "random"]
+#: every registered method whose heads keep the budget and whose kept entries are the inputs
+METHODS = registered_methods(uniform=True, keeps_inputs=True)
 
 
 def qkv(heads=6, length=120, dim=8, **options):
@@ -15,13 +16,18 @@ def qkv(heads=6, length=120, dim=8, **options):
 
 
 def config_for(method, budget=40):
-    return CompressionConfig(method=method, max_capacity_prompts=budget, window_size=8, l2norm_skip_layers=())
+    options = dict(l2norm_skip_layers=()) if method == "l2norm" else {}
+    return CompressionConfig(method=method, max_capacity_prompts=budget, window_size=8, **options)
+
+
+#: an output projection for the scorers that read one (``[hidden, heads * dim]`` of ``qkv()``)
+O_PROJ = torch.randn(32, 6 * 8, generator=torch.Generator().manual_seed(1))
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_kept_entries_are_the_inputs_at_ascending_positions(method):
     query, key, value = qkv()
-    out = compress_kv(query, key, value, config_for(method))
+    out = compress_kv(query, key, value, config_for(method), o_proj_weight=O_PROJ)
     assert out.keys.shape == (1, 2, 40, 8) and out.indices.shape == (1, 2, 40)
     for head in range(2):
         positions = out.indices[0, head]
@@ -33,8 +39,8 @@ def test_kept_entries_are_the_inputs_at_ascending_positions(method):
 @pytest.mark.parametrize("method", METHODS)
 def test_window_is_always_kept(method):
     query, key, value = qkv()
-    out = compress_kv(query, key, value, config_for(method))
-    protected = {"streamingllm": 36, "l2norm": 0, "tova": 1}.get(method, 8)
+    out = compress_kv(query, key, value, config_for(method), o_proj_weight=O_PROJ)
+    protected = config_for(method).policy.protected_count(8, 40)
     for head in range(2):
         assert set(range(120 - protected, 120)) <= set(out.indices[0, head].tolist())
 
@@ -46,9 +52,10 @@ def test_left_padded_rows_equal_their_single_row_runs(method):
     mask = torch.zeros(3, 120, dtype=torch.long)
     for row, length in enumerate(lengths):
         mask[row, 120 - length :] = 1
-    batched = compress_kv(query, key, value, config_for(method), attention_mask=mask)
+    batched = compress_kv(query, key, value, config_for(method), attention_mask=mask, o_proj_weight=O_PROJ)
     for row, length in enumerate(lengths):
-        alone = compress_kv(query[row : row + 1, :, -length:], key[row : row + 1, :, -length:], value[row : row + 1, :, -length:], config_for(method))
+        alone = compress_kv(query[row : row + 1, :, -length:], key[row : row + 1, :, -length:],
+                            value[row : row + 1, :, -length:], config_for(method), o_proj_weight=O_PROJ)
         width = alone.indices.shape[-1]
         assert torch.equal(batched.indices[row, :, :width], alone.indices[0])
         assert bool((batched.indices[row, :, width:] == -1).all())
@@ -135,3 +142,37 @@ def test_right_padding_is_rejected():
     mask[0, -3:] = 0
     with pytest.raises(ValueError, match="left padding"):
         compress_kv(query, key, value, config_for("snapkv"), attention_mask=mask)
+
+
+def test_window_attention_on_a_sliding_layer_equals_the_models_own_weights():
+    """A sliding-window layer compressed below its window: the scores read the softmax the model
+    computes (over every key each window query sees), only the competing tokens are limited."""
+    from restkv.attention import project_qkv
+    from restkv.context import ScoringContext, plan_layer
+    from tiny_models import random_prompt, tiny_model
+
+    model = tiny_model("mistral", "eager", sliding_window=16, num_hidden_layers=1)
+    captured = {}
+
+    def capture(module, args, kwargs):
+        captured["qkv"] = project_qkv(module, kwargs["hidden_states"], kwargs["position_embeddings"])
+
+    attention = model.model.layers[0].self_attn
+    handle = attention.register_forward_pre_hook(capture, with_kwargs=True)
+    with torch.no_grad():
+        weights = model(random_prompt(1, 40), output_attentions=True).attentions[0]
+    handle.remove()
+    query, key, value = captured["qkv"]
+    config = CompressionConfig(method="snapkv", max_capacity_prompts=10, window_size=6)
+    plan = plan_layer(config, torch.ones(1, 40, dtype=torch.bool), sliding_window=16)
+    assert plan.compress and int(plan.visible_counts) == 15
+    ctx = ScoringContext.of(query, key, value, plan, attention.scaling)
+    torch.testing.assert_close(ctx.window_attention(), weights[:, :, -6:, :].float(), rtol=1e-5, atol=1e-6)
+    out = compress_kv(query, key, value, config, sliding_window=16)
+    assert bool((out.indices[out.indices >= 0] >= 40 - 15).all())  # only visible tokens compete
+
+
+def test_a_layer_index_outside_the_model_is_a_clear_error():
+    with pytest.raises(ValueError, match="layer_idx 4 must lie in 0..3"):
+        compress_kv(*qkv(), dict(method="pyramidkv", max_capacity_prompts=40, window_size=8),
+                    layer_idx=4, num_layers=4)

@@ -64,3 +64,43 @@ def test_ratio_budget_floors_the_kept_fraction():
     config = CompressionConfig(compression_ratio=0.9)
     assert config.budget_for(1005) == 100  # floor(1005 * 0.1)
     assert config.budget_for(1000) == 100  # not 99 from float noise
+
+
+@pytest.mark.parametrize(
+    "options, fragment",
+    [
+        (dict(method="h2o", h2o_normalize="False"), "--h2o_normalize must be a boolean"),
+        (dict(method="tova", tova_per_head="False"), "--tova_per_head must be a boolean"),
+        (dict(method="l2norm", l2norm_protect_window="yes"), "--l2norm_protect_window must be a boolean"),
+        (dict(method="snapkv", use_pyramid="no"), "--use_pyramid must be a boolean"),
+        (dict(method="pyramidkv", pyramid_reference_rounding=1), "--pyramid_reference_rounding must be a boolean"),
+        (dict(method="adakv", adakv_reference_allocation="True"), "--adakv_reference_allocation must be a boolean"),
+        (dict(method="adakv", adakv_normalize=0), "--adakv_normalize must be a boolean"),
+        (dict(method="headkv", headkv_window_outside="x"), "--headkv_window_outside must be a boolean"),
+        (dict(method="cam", cam_expected="False"), "--cam_expected must be a boolean"),
+        (dict(method="snapkv", residual="True"), "--residual must be a boolean"),
+        (dict(method="l2norm", l2norm_skip_layers=5), "--l2norm_skip_layers must be a list of int values"),
+        (dict(method="l2norm", l2norm_skip_layers="12"), "--l2norm_skip_layers must be a list of int values"),
+        (dict(method="l2norm", l2norm_skip_layers=(0, "1")), "--l2norm_skip_layers must be an integer"),
+        (dict(method="snapkv", window_size=True), "--window_size must be an integer"),
+    ],
+)
+def test_options_of_the_wrong_type_name_the_flag(options, fragment):
+    with pytest.raises(ConfigError) as error:
+        CompressionConfig(max_capacity_prompts=64, **options)
+    assert fragment in str(error.value)
+
+
+def test_an_option_the_method_does_not_use_is_ignored_loudly_and_not_recorded():
+    with pytest.warns(UserWarning, match=r"--pooling not used by --method h2o \(options of --method adakv"):
+        config = CompressionConfig(method="h2o", max_capacity_prompts=64, pooling="maxpool")
+    assert config.to_dict()["pooling"] is None  # the run settings do not claim it was used
+    assert config == CompressionConfig(method="h2o", max_capacity_prompts=64)
+    assert CompressionConfig(method="snapkv", max_capacity_prompts=64, pooling="maxpool").to_dict()["pooling"] == "maxpool"
+
+
+def test_replace_drops_the_old_methods_options_and_keeps_the_shared_ones():
+    restkv = CompressionConfig(method="restkv", max_capacity_prompts=64, alpha=0.5, kernel_size=7)
+    snapkv = restkv.replace(method="snapkv")
+    assert snapkv.alpha is None and snapkv.kernel_size == 7
+    assert snapkv.replace(method="restkv").alpha == 0.3  # the dropped option is not resurrected

@@ -1,10 +1,11 @@
 """Query-aware and query-agnostic compression through the same patched model."""
 
+import pytest
 import torch
 
 from restkv.attention import key_validity
-from restkv.cache import tail_visibility as _tail_visibility
 from restkv.cache import CompressedLayer
+from restkv.cache import tail_visibility as _tail_visibility
 from restkv.generation import answer_nll, generate_after_context
 from tiny_models import left_padded, random_prompt, replace_for, tiny_model
 
@@ -91,3 +92,16 @@ def test_answer_nll_sees_the_compression():
     compressed = answer_nll(model, context, answer)
     assert compressed.shape == full.shape == (3,)
     assert not torch.allclose(compressed, full)
+
+
+def test_an_empty_prompt_or_context_is_a_clear_error():
+    from restkv.generation import answer_nll, generate_after_context, prefill
+
+    model = tiny_model("llama")
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        prefill(model, empty)
+    with pytest.raises(ValueError, match="the context is empty"):
+        generate_after_context(model, empty, random_prompt(1, 5), max_new_tokens=1)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        answer_nll(model, empty, random_prompt(1, 2))

@@ -14,9 +14,13 @@ from tiny_models import (
     assert_rows_match_single_row_runs,
     left_padded,
     random_qkv,
+    registered_methods,
     replace_for,
     tiny_model,
 )
+
+#: an output projection for the scorers that read one (``[hidden, heads * dim]`` of ``random_qkv()``)
+O_PROJ = torch.randn(32, 4 * 16, generator=torch.Generator().manual_seed(1))
 
 
 def one_head(columns):
@@ -72,10 +76,11 @@ def test_pivot_merge_mean_reduces_several_tokens_into_one_pivot_and_breaks_ties_
 
 def test_merge_pivot_applies_to_any_scorer_after_selection():
     query, key, value = random_qkv(length=80, seed=3)
-    for method in ["snapkv", "h2o", "tova", "streamingllm"]:
-        base = compress_kv(query, key, value, dict(method=method, max_capacity_prompts=30, window_size=8))
+    for method in registered_methods(uniform=True, keeps_inputs=True, compresses_first_layer=True):
+        base = compress_kv(query, key, value, dict(method=method, max_capacity_prompts=30, window_size=8),
+                           o_proj_weight=O_PROJ)
         merged = compress_kv(query, key, value, dict(method=method, max_capacity_prompts=30, window_size=8,
-                                                     merge="pivot"))
+                                                     merge="pivot"), o_proj_weight=O_PROJ)
         assert torch.equal(base.indices, merged.indices)
         assert not torch.equal(base.keys, merged.keys) and not torch.equal(base.values, merged.values)
         evicted = torch.ones(1, 2, 80, dtype=torch.bool) & ~kept_mask(base.indices, 80)

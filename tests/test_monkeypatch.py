@@ -6,9 +6,11 @@ from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from restkv.compat import UnsupportedTransformersVersion, check_transformers_version, output_cache
-from restkv.config import ConfigError
+from restkv.config import CompressionConfig, ConfigError
 from restkv.monkeypatch import config_of, configure, family_of, replace_for_model, replace_llama, unpatch
 from tiny_models import random_prompt, tiny_model
+
+_ORIGINAL_LLAMA_FORWARD = LlamaAttention.forward
 
 
 def test_unpatch_restores_bitwise_identical_outputs():
@@ -80,3 +82,66 @@ def test_patching_before_loading_works_too():
     out = model.generate(random_prompt(1, 50), max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
     assert isinstance(model, LlamaForCausalLM)
     assert output_cache(out).layers[0].kept_counts.max() == 16
+
+
+# ---------------------------------------------------------------- setting a fresh config
+def test_configure_with_reset_or_a_config_starts_from_nothing():
+    model = tiny_model("llama")
+    replace_llama(method="snapkv", max_capacity_prompts=32, window_size=4, residual=True)
+    kept = configure(model, method="snapkv")
+    assert kept.residual is True  # options not given are kept, as documented
+    fresh = configure(model, reset=True, method="snapkv", max_capacity_prompts=32, window_size=4)
+    assert fresh.residual is False and config_of(model) == fresh
+    exact = CompressionConfig(method="fullkv")
+    assert configure(model, exact) is exact and config_of(model).method == "fullkv"
+    with pytest.raises(ConfigError, match="complete CompressionConfig"):
+        configure(model, exact, window_size=8)
+
+
+def test_compression_context_sets_a_fresh_config_and_restores_the_previous_state():
+    import restkv
+
+    model = tiny_model("llama")
+    prompt = random_prompt(1, 60)
+    with restkv.compression(model, method="snapkv", max_capacity_prompts=16, window_size=4) as config:
+        assert config_of(model) == config
+        out = model.generate(prompt, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+        assert output_cache(out).layers[0].kept_counts.max() == 16
+    assert LlamaAttention.forward is _ORIGINAL_LLAMA_FORWARD  # it patched the family, so it unpatched it
+    replace_llama(method="h2o", max_capacity_prompts=40, window_size=4)
+    configure(model, max_capacity_prompts=24)
+    with restkv.compression(model, method="tova", max_capacity_prompts=12):
+        assert config_of(model).method == "tova"
+    assert config_of(model).method == "h2o" and config_of(model).max_capacity_prompts == 24
+
+
+def test_a_later_replace_call_overrides_what_configure_set_before_an_unpatch():
+    model = tiny_model("llama")
+    replace_llama(method="snapkv", max_capacity_prompts=32, window_size=4)
+    configure(model, max_capacity_prompts=16)
+    unpatch()
+    replace_llama(method="h2o", max_capacity_prompts=40, window_size=4)
+    assert config_of(model).method == "h2o" and config_of(model).max_capacity_prompts == 40
+    out = model.generate(random_prompt(1, 60), max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    layer = output_cache(out).layers[0]
+    assert layer.kept_counts.max() == 40 and layer.config.method == "h2o"
+
+
+def test_a_model_of_an_unpatched_family_warns_while_another_family_is_patched():
+    replace_llama(method="snapkv", max_capacity_prompts=16, window_size=4)
+    qwen = tiny_model("qwen2")
+    with pytest.warns(UserWarning, match="Qwen2Attention model runs uncompressed: restkv is patched for llama"):
+        with torch.no_grad():
+            qwen(random_prompt(1, 30))
+    unpatch()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            qwen(random_prompt(1, 30))  # nothing patched: nothing to warn about
+
+
+def test_unpatching_an_unknown_family_names_the_known_ones():
+    with pytest.raises(ValueError, match="unknown family 'gpt2'; restkv patches llama, mistral, qwen2, gemma"):
+        unpatch("gpt2")

@@ -158,3 +158,74 @@ def test_one_hot_attention_is_finite_and_keeps_its_token(dtype, method):
     out = compress_kv(query.to(dtype), key.to(dtype), key.to(dtype), dict(method=method, max_capacity_prompts=12, window_size=8))
     assert 5 in kept(out.indices)
     assert torch.isfinite(out.keys.float()).all()
+
+
+# ---------------------------------------------------------------- defects found in review
+def test_h2o_normalize_in_window_mode_divides_by_the_window_queries_that_see_the_token():
+    """Every window query sees a past token, so normalising leaves the window ranking alone
+    (dividing by all later prompt queries, as before, favoured recent tokens)."""
+    query, key, value = random_qkv(length=96)
+    options = dict(method="h2o", max_capacity_prompts=30, window_size=8)
+    plain = compress_kv(query, key, value, options)
+    normalised = compress_kv(query, key, value, dict(options, h2o_normalize=True))
+    assert torch.equal(normalised.indices, plain.indices)
+
+
+def test_queries_seeing_each_key_counts_causal_window_and_sliding_visibility():
+    from restkv.policies.h2o import queries_seeing_each_key
+
+    valid = torch.tensor([[False, True, True, True, True, True]])  # one padding column
+    assert queries_seeing_each_key(valid, 2).tolist() == [[2, 2, 2, 2, 2, 1]]
+    assert queries_seeing_each_key(valid, 6).tolist() == [[5, 5, 4, 3, 2, 1]]
+    # A sliding window of 2: each key is seen by itself and the next query only.
+    assert queries_seeing_each_key(valid, 6, sliding_window=2).tolist() == [[1, 2, 2, 2, 2, 1]]
+
+
+def test_h2o_normalize_on_a_sliding_layer_caps_the_count_at_the_window():
+    query, key, value = random_qkv(length=60)
+    options = dict(method="h2o", max_capacity_prompts=12, window_size=4, h2o_queries="all", h2o_normalize=True)
+    out = compress_kv(query, key, value, options, sliding_window=30)
+    groups = 2
+    keys = key.repeat_interleave(groups, dim=1)
+    logits = query @ keys.transpose(-1, -2) / math.sqrt(query.shape[-1])
+    positions = torch.arange(60)
+    visible = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - 30)
+    attention = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+    seen_by = visible.sum(dim=0).float()  # queries inside the window of each key: at most 30
+    assert int(seen_by.max()) == 30
+    columns = (attention.sum(dim=2) / seen_by).view(1, 2, groups, 60).mean(dim=2)
+    candidates = torch.arange(31, 56)  # visible to the next query (last 29) minus the 4 protected
+    for head in range(2):
+        top = candidates[torch.topk(columns[0, head, 31:56], 8).indices]
+        assert kept(out.indices, head) == sorted(top.tolist()) + list(range(56, 60))
+
+
+def test_streamingllm_without_sinks_keeps_the_last_tokens():
+    query, key, value = random_qkv()
+    out = compress_kv(query, key, value, dict(method="streamingllm", max_capacity_prompts=40, n_sink=0))
+    for head in range(2):
+        assert kept(out.indices, head) == list(range(96 - 40, 96))
+    ratio = compress_kv(query, key, value, dict(method="streamingllm", compression_ratio=0.5, n_sink=0))
+    assert kept(ratio.indices) == list(range(48, 96))
+
+
+def test_non_finite_scores_never_displace_the_protected_window():
+    query, key, value = random_qkv(length=64)
+    key[0, 0, 10] = float("nan")  # NaN logits in every window row of KV head 0
+    with pytest.warns(RuntimeWarning, match="layer 0 produced .* non-finite scores"):
+        out = compress_kv(query, key, value, dict(method="snapkv", max_capacity_prompts=20, window_size=8))
+    for head in range(2):
+        assert set(range(56, 64)) <= set(kept(out.indices, head))
+        assert len(kept(out.indices, head)) == 20
+
+
+def test_infinite_and_nan_scores_rank_below_every_finite_one():
+    from restkv.selection import rank_keys, select_columns
+
+    scores = torch.tensor([[[float("inf"), float("nan"), 0.5, 0.1, 7.0, 8.0]]])
+    visible = torch.ones(1, 6, dtype=torch.bool)
+    protected = torch.tensor([[False, False, False, False, True, True]])
+    with pytest.warns(RuntimeWarning):
+        ranked = rank_keys(scores, visible, protected, layer_idx=3)
+    assert select_columns(ranked, torch.tensor([[3]])).tolist() == [[[2, 4, 5]]]
+    assert select_columns(ranked, torch.tensor([[5]])).tolist() == [[[0, 2, 3, 4, 5]]]

@@ -7,8 +7,7 @@ import torch
 
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.attention import LayerParams
-from restkv.cache import Segment, attend_segments
-from restkv.cache import CompressedLayer, cache_nbytes
+from restkv.cache import CompressedLayer, Segment, attend_segments, cache_nbytes
 from restkv.compat import output_cache
 from restkv.generation import generate_after_context, prefill
 from restkv.residual import (
@@ -27,6 +26,7 @@ from tiny_models import (
     greedy,
     random_prompt,
     random_qkv,
+    registered_methods,
     replace_for,
     tiny_model,
 )
@@ -42,8 +42,9 @@ def qkv(heads=6, length=120, dim=8, **options):
 
 
 def residual_config(method="snapkv", budget=40, **options):
-    return CompressionConfig(method=method, max_capacity_prompts=budget, window_size=8, l2norm_skip_layers=(),
-                             residual=True, **options)
+    if method == "l2norm":
+        options = dict(l2norm_skip_layers=(), **options)
+    return CompressionConfig(method=method, max_capacity_prompts=budget, window_size=8, residual=True, **options)
 
 
 def crafted(evicted: str, seed: int = 0, dim: int = 8, length: int = 64):
@@ -72,7 +73,7 @@ CRAFTED = dict(budget=24, pooling="none")
 
 
 # ---------------------------------------------------------------- budget 0 = the base method
-@pytest.mark.parametrize("method", ["snapkv", "adakv", "h2o", "tova", "restkv", "l2norm"])
+@pytest.mark.parametrize("method", registered_methods(splittable=True))
 @pytest.mark.parametrize("zero", [dict(residual_ratios=(0.0,)),
                                   dict(residual_no_validation=True, residual_fixed_ratio=0.0),
                                   dict(residual_delta=2.0)])
@@ -100,7 +101,7 @@ def test_model_with_residual_budget_zero_generates_bitwise_the_base_logits(backe
 
 
 # ---------------------------------------------------------------- main cache = base at budget m
-@pytest.mark.parametrize("method", ["snapkv", "h2o", "tova", "restkv", "l2norm", "random"])
+@pytest.mark.parametrize("method", registered_methods(uniform=True, splittable=True))
 def test_main_cache_is_the_base_method_at_the_smaller_budget(method):
     query, key, value = qkv()
     o_proj = torch.randn(48, 6 * 8, generator=torch.Generator().manual_seed(3))

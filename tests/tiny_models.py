@@ -164,3 +164,37 @@ def decode_in_chunks(model, cache, attention_mask, step):
         with torch.no_grad():
             logits.append(model(chunk, attention_mask=mask, position_ids=positions, **with_cache(cache)).logits)
     return logits
+
+
+def registered_methods(*, uniform: bool = False, splittable: bool = False, keeps_inputs: bool = False,
+                       compresses_first_layer: bool = False) -> list[str]:
+    """The registered ``--method`` names a per-method test matrix runs (read from the registry,
+    so a new method joins every matrix): those that evict and build from a budget alone
+    (a method that needs a file, such as HeadKV's scores, has its own tests), filtered by what a
+    test assumes of them.
+
+    uniform: every KV head keeps the budget (no allocation of its own).
+    splittable: the residual cache can split its ranking (not positional, not merging values).
+    keeps_inputs: kept entries are the input keys and values (no merging).
+    compresses_first_layer: layer 0 is compressed.
+    """
+    import warnings
+
+    from restkv import CompressionConfig, ConfigError, available_methods
+
+    chosen = []
+    for name in available_methods():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                policy = CompressionConfig(method=name, max_capacity_prompts=64, window_size=8).policy
+        except ConfigError:
+            continue
+        if not policy.evicts or (uniform and policy.allocation is not None):
+            continue
+        if splittable and (policy.ranks_by_position or policy.merges_values):
+            continue
+        if (keeps_inputs and policy.merges_values) or (compresses_first_layer and not policy.compresses_layer(0)):
+            continue
+        chosen.append(name)
+    return chosen
