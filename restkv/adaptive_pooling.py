@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from restkv.observation import top_position_sums
+
 if TYPE_CHECKING:
     from restkv.context import ScoringContext
 
@@ -46,14 +48,13 @@ def attention_shift(weights: torch.Tensor, valid: torch.Tensor, top: int) -> tor
     """
     if weights.shape[1] < 2:
         raise ValueError(f"the attention-shift statistic needs at least 2 window queries; got {weights.shape[1]}")
-    # Padding has zero weight; rank it below every real key (a copy only when there is padding).
-    ranked = weights if bool(valid.all()) else weights.masked_fill(~valid, -1.0)
-    positions = ranked.topk(top, dim=-1, sorted=False).indices  # [H, w, top]
-    half = weights.shape[1] // 2
-    # Integer sums, then one float64 division on the host: exact means, any summation order.
-    early = positions[:, :half].sum(dim=(1, 2)).cpu().double() / (half * top)
-    late = positions[:, half:].sum(dim=(1, 2)).cpu().double() / ((weights.shape[1] - half) * top)
-    return early - late
+    return drift_of(*top_position_sums(weights, valid, top))
+
+
+def drift_of(early: torch.Tensor, late: torch.Tensor) -> torch.Tensor:
+    """``[H]`` float64 mean position of the early queries' top keys minus the late queries'
+    (from ``top_position_sums``: integer sums, then one float64 division each: exact means)."""
+    return early[:, 0].double() / early[:, 1] - late[:, 0].double() / late[:, 1]
 
 
 def kernel_and_shift(shift_statistic: float, scale: float, min_kernel: int) -> tuple[int, int]:
@@ -81,7 +82,6 @@ def adaptive_pool(ctx: "ScoringContext", scores: torch.Tensor, scale: float, min
     layer-dependent allocation, still the global budget, as the release does). Rows that
     keep every token are returned unchanged.
     """
-    attention = ctx.window_attention()
     num_kv_heads = ctx.num_kv_heads
     candidates = ctx.candidates
     pooled = scores.clone()
@@ -93,7 +93,7 @@ def adaptive_pool(ctx: "ScoringContext", scores: torch.Tensor, scale: float, min
         if columns.numel() == 0 or top < 1 or length <= budget:
             continue
         start, stop = int(columns[0]), int(columns[-1]) + 1  # left padding: one contiguous run
-        drift = attention_shift(attention[row], ctx.valid[row], top)
+        drift = drift_of(*ctx.observation.shift_positions(row, top))
         heads_by_kernel: dict[tuple[int, int], list[int]] = {}
         for head, statistic in enumerate(drift.view(num_kv_heads, -1).mean(dim=-1).tolist()):
             heads_by_kernel.setdefault(kernel_and_shift(statistic, scale, min_kernel), []).append(head)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -62,7 +62,13 @@ class RowShape(NamedTuple):
 
 @dataclass(frozen=True)
 class Allocation(Options):
-    """Base of the allocations: spreads each row's budget over the KV heads of a layer."""
+    """Base of the allocations: spreads each row's budget over the KV heads of a layer.
+
+    An allocation with ``model_wide = True`` needs every layer's scores at once: its layers
+    compress after the whole prefill (``restkv.deferred``), which calls ``allocate_model``.
+    """
+
+    model_wide: ClassVar[bool] = False
 
     def allocate(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
         """``[B, H_kv]`` tokens kept per row and KV head, protected tokens included."""
@@ -79,6 +85,11 @@ class Allocation(Options):
 
     def candidate_counts(self, ctx: ScoringContext, scores: torch.Tensor, shape: RowShape) -> torch.Tensor:
         """``[H_kv]`` candidate (non-protected) counts for a row that must be compressed (``B < L - W``)."""
+        raise NotImplementedError
+
+    def allocate_model(self, contexts: dict[int, ScoringContext], scores: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Model-wide allocations: ``{layer: [B, H_kv] kept counts}`` from every compressed layer's
+        context and scores (protected tokens included)."""
         raise NotImplementedError
 
 
@@ -363,3 +374,62 @@ def _round_to_total(values: torch.Tensor, total: int, limit: int) -> torch.Tenso
         order = torch.sort(remainders, descending=True, stable=True).indices[:missing]
         counts[order] += 1
     return counts
+
+
+# ---------------------------------------------------------------- one ranking for many heads
+@register("allocation")
+@dataclass(frozen=True)
+class LayerRanked(Allocation):
+    """The KV heads of a layer share its ``H_kv * B`` candidates by one ranking of their scores
+    (AdaKV without its floor or normalisation; KVzip's ``--kvzip_layerwise``)."""
+
+    name = "layer_ranked"
+
+    def candidate_counts(self, ctx, scores, shape):
+        return adakv_caps(scores[shape.row][:, ctx.candidates[shape.row]], shape.candidate_budget, 0.0,
+                          normalize=False)
+
+
+@register("allocation")
+@dataclass(frozen=True)
+class ModelRanked(Allocation):
+    """Every compressed layer and KV head shares the model's budget by one ranking of their
+    scores (KVzip): per row, the top ``sum over layers of H_kv * B`` candidates across the model,
+    each (layer, head) keeping the ones it won. Scores must be comparable across layers.
+    Ties go to the lower layer, head and position."""
+
+    name = "model_ranked"
+    model_wide = True
+
+    def allocate(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
+        """A single layer ranks its heads alone (the model of one layer)."""
+        return self.allocate_model({ctx.layer_idx: ctx}, {ctx.layer_idx: scores})[ctx.layer_idx]
+
+    def allocate_model(self, contexts, scores):
+        layers = sorted(contexts)
+        first = contexts[layers[0]]
+        keeps = {layer: torch.zeros(first.valid.shape[0], first.num_kv_heads, dtype=torch.long) for layer in layers}
+        for row in range(first.valid.shape[0]):
+            competing, total = [], 0
+            for layer in layers:
+                ctx = contexts[layer]
+                protected = int(ctx.protected[row].sum())
+                shape = RowShape(row, int(ctx.budgets[row]), protected, int(ctx.plan.visible_counts[row]))
+                keeps[layer][row] = protected
+                if shape.candidate_budget >= shape.candidates:  # the row fits in this layer
+                    keeps[layer][row] += shape.candidates
+                    continue
+                competing.append((layer, scores[layer][row][:, ctx.candidates[row]].float().cpu()))
+                total += ctx.num_kv_heads * shape.candidate_budget
+            if not competing:
+                continue
+            flat = torch.cat([part.flatten() for _, part in competing])
+            owner = torch.cat([torch.full((part.numel(),), index, dtype=torch.long)
+                               for index, (_, part) in enumerate(competing)])
+            head = torch.cat([torch.arange(part.shape[0]).repeat_interleave(part.shape[1]) for _, part in competing])
+            won = torch.sort(flat, descending=True, stable=True).indices[:total]
+            for index, (layer, part) in enumerate(competing):
+                mine = won[owner[won] == index]
+                keeps[layer][row] += torch.bincount(head[mine], minlength=part.shape[0])
+        device = first.budgets.device
+        return {layer: keep.to(device) for layer, keep in keeps.items()}

@@ -33,9 +33,11 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from restkv.cache import CompressedLayer, native_layer
+from restkv.compat import CACHE_ARGUMENT, output_cache
 from restkv.compress import compress_layer
 from restkv.config import CompressionConfig
 from restkv.context import LayerPlan, ScoringContext, plan_layer, valid_from_mask
+from restkv.deferred import PendingLayer, defer_layer, finish_prefill, observe_chunk, pending_of, trailing_queries
 
 
 @dataclass(frozen=True)
@@ -95,17 +97,32 @@ def restkv_attention_forward(
     params = LayerParams.of(self)
     config = module_config(self)
     layer = _cache_layer(cache, self.layer_idx)
+    pending = pending_of(cache)
     weights = None
     if isinstance(layer, CompressedLayer) and layer.tokens_seen > 0:
         output = layer.attend(query, key, value, attention_mask, params.scaling, params.softcap)
-    elif (plan := _plan_to_compress(self, config, cache, layer, query, attention_mask, params)) is not None:
+    elif pending is not None and pending.observing:  # a reconstruction chunk (restkv.deferred)
+        key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
         output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
-        ctx = ScoringContext.of(query, key, value, plan, params.scaling, params.softcap, self.o_proj.weight)
-        residual = config.switch("residual")
-        cache.layers[self.layer_idx] = CompressedLayer.from_selection(
-            compress_layer(config, ctx), query.shape[2], params.sliding_window, config,
-            readout=residual.readout() if residual is not None else None,
-        )
+        waiting = pending.layers.get(self.layer_idx)
+        if waiting is not None and waiting.reconstructed:
+            observe_chunk(waiting, query, key)
+    elif (plan := _plan_to_compress(self, config, cache, layer, query, attention_mask, params)) is not None:
+        if config.compresses_after_prefill:  # the layer waits for the whole prefill (restkv.deferred)
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+            output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
+            defer_layer(cache, self.layer_idx, PendingLayer(
+                config, plan, key, value, trailing_queries(config, query), params.scaling, params.softcap,
+                self.o_proj.weight,
+            ))
+        else:
+            output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
+            ctx = ScoringContext.of(query, key, value, plan, params.scaling, params.softcap, self.o_proj.weight)
+            residual = config.switch("residual")
+            cache.layers[self.layer_idx] = CompressedLayer.from_selection(
+                compress_layer(config, ctx), query.shape[2], params.sliding_window, config,
+                readout=residual.readout() if residual is not None else None,
+            )
     else:
         if isinstance(layer, CompressedLayer):  # a reset compressed layer serving a prompt it need not compress
             cache.layers[self.layer_idx] = native_layer(params.sliding_window)
@@ -114,6 +131,22 @@ def restkv_attention_forward(
         output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
     output = output.reshape(*input_shape, -1).contiguous()
     return self.o_proj(output), weights
+
+
+def model_forward(original: Callable) -> Callable:
+    """The patched forward of a decoder model (``LlamaModel``...): ``original``, then the
+    compression of layers that waited for the whole prefill (``restkv.deferred``)."""
+
+    def forward(self, *args, **kwargs):
+        output = original(self, *args, **kwargs)
+        cache = kwargs.get(CACHE_ARGUMENT, kwargs.get("past_key_values")) or output_cache(output)
+        pending = pending_of(cache) if cache is not None else None
+        if pending is not None and not pending.observing:
+            pending.context_ids = kwargs.get("input_ids", args[0] if args else None)
+            finish_prefill(original, self, cache)
+        return output
+
+    return forward
 
 
 def module_config(module: torch.nn.Module) -> CompressionConfig:

@@ -95,8 +95,13 @@ def compress_kv(
                         selection.residual_log_counts, row_local(selection.residual_columns))
 
 
-def compress_layer(config: CompressionConfig, ctx: ScoringContext) -> Selection:
-    """What one layer keeps, following its plan (``ctx.plan``); columns index the padded batch."""
+def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch.Tensor | None = None,
+                   keep: torch.Tensor | None = None) -> Selection:
+    """What one layer keeps, following its plan (``ctx.plan``); columns index the padded batch.
+
+    ``scores`` and ``keep`` (``[B, H_kv]`` kept counts) may come from a model-wide pass
+    (``restkv.deferred``); by default the policy scores and the allocation allocates here.
+    """
     plan = ctx.plan
     if not plan.compress:  # every visible token stays
         keep = plan.visible_counts[:, None].expand(-1, ctx.num_kv_heads)
@@ -104,8 +109,10 @@ def compress_layer(config: CompressionConfig, ctx: ScoringContext) -> Selection:
                                            plan.protected), keep)
         return Selection(gather_columns(ctx.key, columns), gather_columns(ctx.value, columns), columns)
     policy = config.policy
-    scores = policy.score(ctx)
-    keep = config.allocator.allocate(ctx, scores)
+    if scores is None:
+        scores = policy.score(ctx)
+    if keep is None:
+        keep = config.allocator.allocate(ctx, scores)
     residual_part = config.switch("residual")
     residual = residual_part.build(ctx, scores, keep) if residual_part is not None else None
     if residual is not None:

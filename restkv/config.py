@@ -36,6 +36,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from restkv.observation import OBSERVATIONS
 from restkv.options import (
     ConfigError, Options, OptionSpec, lookup, option, option_specs, registered, registry_version,
 )
@@ -63,6 +64,16 @@ class RunOptions(Options):
         "adakv for adakv, headkv for headkv, uniform for the rest)",
     )
     merge: str = option("none", "merge evicted tokens into kept ones after selection (pivot: LOOK-M)")
+    observation: str | None = option(
+        None,
+        "the queries that score the prompt: the last --window_size prompt tokens (window), or the model repeating "
+        "the context after its prefill (reconstruction, KVzip's; the context is compressed once, for any later "
+        "question); default: the method's own (reconstruction for kvzip, window for the rest)",
+        OBSERVATIONS,
+    )
+    reconstruction_chunk: int = option(
+        2048, "--observation reconstruction: context tokens repeated per extra forward", minimum=1
+    )
     seed: int = option(0, "seed of the run (the random control policy's scores, Python/NumPy/torch)", minimum=0)
 
     def validate(self) -> None:
@@ -133,7 +144,13 @@ class CompressionConfig:
         kept = {name: value for name, value in explicit.items()
                 if name in _RUN_NAMES or name in switch_flags or any(name in group for group in given.values())}
         set_ = object.__setattr__
-        set_(self, "run", dataclasses.replace(run, allocation=allocation))
+        observation = run.observation or policy_cls.default_observation
+        if observation == "reconstruction" and not policy_cls.observes_queries:
+            raise ConfigError(
+                f"--observation reconstruction chooses the queries that score the prompt; --method {run.method} "
+                "does not score with queries"
+            )
+        set_(self, "run", dataclasses.replace(run, allocation=allocation, observation=observation))
         set_(self, "policy", policy_cls(**given[policy_cls]))
         set_(self, "allocator", allocation_cls(**given[allocation_cls]))
         set_(self, "merger", merge_cls(**given[merge_cls]) if merge_cls else None)
@@ -158,6 +175,12 @@ class CompressionConfig:
     def parts(self) -> tuple[Options, ...]:
         """The active parts: policy, allocation, merge (if any), switches."""
         return (self.policy, self.allocator, *([self.merger] if self.merger else []), *self.switches)
+
+    @property
+    def compresses_after_prefill(self) -> bool:
+        """Whether layers wait for the whole prefill before compressing (``restkv.deferred``):
+        reconstruction observation, or an allocation across the model."""
+        return self.run.observation == "reconstruction" or self.allocator.model_wide
 
     def switch(self, name: str) -> Options | None:
         """The active switch part named ``name`` (``"residual"``), or None."""
@@ -263,8 +286,11 @@ def _checked_unused(options: dict[str, Any]) -> dict[str, Any]:
 
 def _resolve_allocation(policy_cls: type, run: RunOptions, explicit: Mapping[str, Any]) -> str:
     """The method's own allocation, else ``--allocation``, else ``--use_pyramid``'s pyramid, else uniform."""
-    own, given = policy_cls.allocation, run.allocation
+    own, given = policy_cls.own_allocation(explicit), run.allocation
     if own is not None and given not in (None, own):
+        if policy_cls.base_method is None:
+            raise ConfigError(f"--method {run.method} spreads its budget with its own {own} allocation; "
+                              f"--allocation {given} does not apply to it")
         raise ConfigError(
             f"--method {run.method} is --method {policy_cls.base_method} with {own} allocation; for another "
             f"allocation use --method {policy_cls.base_method} --allocation {given}"

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from restkv.scoring import pool_scores, reduce_groups, window_attention
+from restkv.observation import WindowObservation
+from restkv.scoring import pool_scores, reduce_groups
 
 
 @dataclass(frozen=True)
@@ -122,14 +123,15 @@ def valid_from_mask(attention_mask: torch.Tensor | None, batch: int, length: int
 class ScoringContext:
     """One layer's prompt, as every scorer sees it.
 
-    query: ``[B, H, N, d]`` post-RoPE queries of all prompt tokens.
+    query: ``[B, H, n, d]`` post-RoPE queries of the last ``n`` prompt tokens (all of them, or
+        those the observation window and the residual cache read).
     key, value: ``[B, H_kv, N, d]``, stored once per KV head.
     plan: the layer's ``LayerPlan`` (real and visible tokens, budgets, protected tokens).
     scaling, softcap: the layer's attention scale and logit soft-cap.
     o_proj_weight: ``[D, H*d]`` output projection (methods that score in output space).
-
-    The window attention is computed once per number of queries and shared by every part
-    of the layer's compression (scorer, allocation, residual cache).
+    observation: what the scorers read of the observation queries (``restkv.observation``;
+        default: the window of the last ``window_size`` prompt queries). Its reductions are
+        computed once and shared by every part of the layer's compression.
     """
 
     query: torch.Tensor
@@ -139,13 +141,17 @@ class ScoringContext:
     scaling: float
     softcap: float | None = None
     o_proj_weight: torch.Tensor | None = None
-    _window_cache: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    observation: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.observation is None:
+            self.observation = WindowObservation(self)
 
     @classmethod
     def of(cls, query, key, value, plan: LayerPlan, scaling: float | None = None, softcap=None,
-           o_proj_weight=None) -> "ScoringContext":
+           o_proj_weight=None, observation=None) -> "ScoringContext":
         return cls(query, key, value, plan, scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1]),
-                   softcap, o_proj_weight)
+                   softcap, o_proj_weight, observation)
 
     # The plan's fields, as scorers read them.
     @property
@@ -185,15 +191,8 @@ class ScoringContext:
         return self.key.shape[1]
 
     def window_attention(self, num_queries: int | None = None) -> torch.Tensor:
-        """``[B, H, w, N]`` float32 attention of the last ``w`` queries (default: the window),
-        over every key they really see (real, causal, inside the sliding window): the weights
-        the model itself computes. Only ``candidates`` compete, but the softmax is the model's."""
-        w = self.plan.window_size if num_queries is None else num_queries
-        if w not in self._window_cache:
-            self._window_cache[w] = window_attention(
-                self.query, self.key, self.plan.valid, w, self.scaling, self.softcap, self.plan.sliding_window
-            )
-        return self._window_cache[w]
+        """``[B, H, w, N]`` attention of the observation window's queries (``WindowObservation.attention``)."""
+        return self.observation.attention(num_queries)
 
     def reduce_groups(self, scores: torch.Tensor, how: str = "mean") -> torch.Tensor:
         """Per-query-head ``[B, H, N]`` to per-KV-head ``[B, H_kv, N]``."""

@@ -4,10 +4,13 @@
   a plain ``model.generate(prompt_ids)`` compresses after the prefill.
 * Query-agnostic (prefix reuse): ``prefill`` compresses the context alone, then
   ``generate_after_context`` feeds the question as new tokens that attend to the
-  compressed cache; nothing is compressed a second time.
+  compressed cache; nothing is compressed a second time. ``answer_many`` answers several
+  questions from one compressed context.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from transformers import DynamicCache
@@ -62,17 +65,46 @@ def generate_after_context(
     generated tokens only, ``[B, new]``. ``return_cache=True`` also returns the cache, so a
     caller can check what it holds (``restkv.cache.cache_report``).
     """
-    if context_mask is None:
-        context_mask = torch.ones_like(context_ids)
-    if question_mask is None:
-        question_mask = torch.ones_like(question_ids)
+    context_mask = torch.ones_like(context_ids) if context_mask is None else context_mask
     cache = _prefill(model, context_ids, context_mask, part="context")[0]
+    new_tokens = _answer(model, cache, context_ids, context_mask, question_ids, question_mask, generate_kwargs)
+    return (new_tokens, cache) if return_cache else new_tokens
+
+
+@torch.no_grad()
+def answer_many(
+    model,
+    context_ids: torch.Tensor,
+    questions: list[torch.Tensor],
+    context_mask: torch.Tensor | None = None,
+    question_masks: list[torch.Tensor | None] | None = None,
+    **generate_kwargs,
+) -> list[torch.Tensor]:
+    """One compressed context, many questions: the context is prefilled and compressed once, and
+    every question is answered from that same compressed state (the cache is put back after each
+    answer, so no question's tokens reach the next). Each answer equals what
+    ``generate_after_context`` gives for that question alone, bit for bit. Returns the generated
+    ids of every question, ``[B, new]`` each.
+    """
+    context_mask = torch.ones_like(context_ids) if context_mask is None else context_mask
+    cache = _prefill(model, context_ids, context_mask, part="context")[0]
+    compressed = [copy.copy(layer) for layer in cache.layers]
+    answers = []
+    for index, question in enumerate(questions):
+        cache.layers[:] = [copy.copy(layer) for layer in compressed]
+        mask = None if question_masks is None else question_masks[index]
+        answers.append(_answer(model, cache, context_ids, context_mask, question, mask, generate_kwargs))
+    return answers
+
+
+def _answer(model, cache, context_ids, context_mask, question_ids, question_mask, generate_kwargs) -> torch.Tensor:
+    """Generate after ``question_ids`` from a cache that holds the (compressed) context."""
+    question_mask = torch.ones_like(question_ids) if question_mask is None else question_mask
     input_ids = torch.cat([context_ids, question_ids], dim=-1)
     attention_mask = torch.cat([context_mask, question_mask], dim=-1)
     output = model.generate(input_ids=input_ids, attention_mask=attention_mask, **with_cache(cache), **generate_kwargs)
     sequences = output.sequences if hasattr(output, "sequences") else output
-    new_tokens = sequences[:, input_ids.shape[-1] :]
-    return (new_tokens, cache) if return_cache else new_tokens
+    return sequences[:, input_ids.shape[-1] :]
 
 
 @torch.no_grad()

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
-from restkv.attention import module_config, restkv_attention_forward
+from restkv.attention import model_forward, module_config, restkv_attention_forward
 from restkv.compat import check_transformers_version
 from restkv.config import CompressionConfig, ConfigError
 
@@ -45,6 +45,19 @@ FAMILIES: dict[str, tuple[tuple[str, str], ...]] = {
         ("transformers.models.gemma.modeling_gemma", "GemmaAttention"),
         ("transformers.models.gemma2.modeling_gemma2", "Gemma2Attention"),
         ("transformers.models.gemma3.modeling_gemma3", "Gemma3Attention"),
+    ),
+}
+
+#: family -> decoder model classes whose forward finishes a prefill that compresses after it
+#: (``restkv.deferred``), as (module, class name)
+MODEL_CLASSES: dict[str, tuple[tuple[str, str], ...]] = {
+    "llama": (("transformers.models.llama.modeling_llama", "LlamaModel"),),
+    "mistral": (("transformers.models.mistral.modeling_mistral", "MistralModel"),),
+    "qwen2": (("transformers.models.qwen2.modeling_qwen2", "Qwen2Model"),),
+    "gemma": (
+        ("transformers.models.gemma.modeling_gemma", "GemmaModel"),
+        ("transformers.models.gemma2.modeling_gemma2", "Gemma2Model"),
+        ("transformers.models.gemma3.modeling_gemma3", "Gemma3TextModel"),
     ),
 }
 
@@ -63,12 +76,17 @@ MODEL_TYPES = {
 # the forward of an unpatched family that warns while another family is patched).
 _ORIGINAL_FORWARDS: dict[type, Any] = {}
 _WATCHED_FORWARDS: dict[type, Any] = {}
+_ORIGINAL_MODEL_FORWARDS: dict[type, Any] = {}
 
 
 def _attention_classes(family: str) -> list[type]:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; restkv patches {', '.join(FAMILIES)}")
-    return [getattr(importlib.import_module(module), name) for module, name in FAMILIES[family]]
+    return _classes(FAMILIES, family)
+
+
+def _classes(table: dict[str, tuple[tuple[str, str], ...]], family: str) -> list[type]:
+    if family not in table:
+        raise ValueError(f"unknown family {family!r}; restkv patches {', '.join(table)}")
+    return [getattr(importlib.import_module(module), name) for module, name in table[family]]
 
 
 def _replace(family: str, config: CompressionConfig) -> CompressionConfig:
@@ -81,6 +99,10 @@ def _replace(family: str, config: CompressionConfig) -> CompressionConfig:
             cls.forward = restkv_attention_forward
         cls._restkv_config = config
         cls._restkv_patch = object()  # a new patch: per-model configs set before no longer apply
+    for cls in _classes(MODEL_CLASSES, family):
+        if cls not in _ORIGINAL_MODEL_FORWARDS:
+            _ORIGINAL_MODEL_FORWARDS[cls] = cls.forward
+            cls.forward = model_forward(cls.forward)
     _watch_unpatched_families()
     return config
 
@@ -208,6 +230,9 @@ def unpatch(family: str | None = None) -> None:
             if cls in _ORIGINAL_FORWARDS:
                 cls.forward = _ORIGINAL_FORWARDS.pop(cls)
                 del cls._restkv_config, cls._restkv_patch
+        for cls in _classes(MODEL_CLASSES, name):
+            if cls in _ORIGINAL_MODEL_FORWARDS:
+                cls.forward = _ORIGINAL_MODEL_FORWARDS.pop(cls)
     _watch_unpatched_families()
 
 

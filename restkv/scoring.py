@@ -24,7 +24,7 @@ def window_attention(
 
     Parameters
     ----------
-    query: ``[B, H, N, d]`` post-RoPE queries of the whole prompt.
+    query: ``[B, H, n, d]`` post-RoPE queries of the last ``n >= num_queries`` prompt tokens.
     key: ``[B, H_kv, N, d]`` post-RoPE keys; query head ``h`` reads KV head ``h // G``.
     valid: ``[B, N]`` bool, real (non-padding) columns.
     num_queries: how many of the newest queries to use (clamped to ``N``).
@@ -34,11 +34,11 @@ def window_attention(
     ``[B, H, w, N]`` softmax weights (causal, padding and sliding window masked). Rows of
     padding queries are all zero instead of NaN.
     """
-    batch, num_heads, length, head_dim = query.shape
-    num_kv_heads = key.shape[1]
+    batch, num_heads, given, head_dim = query.shape
+    length, num_kv_heads = key.shape[2], key.shape[1]
     groups = num_heads // num_kv_heads
     w = min(num_queries, length)
-    q = query[:, :, length - w :, :].float().reshape(batch * num_kv_heads, groups * w, head_dim)
+    q = query[:, :, given - w :, :].float().reshape(batch * num_kv_heads, groups * w, head_dim)
     k = key.float().reshape(batch * num_kv_heads, length, head_dim).transpose(-1, -2)
     # The scale is applied inside the matmul (one pass over the [H, w, N] logits, not two).
     logits = torch.baddbmm(q.new_empty(()), q, k, beta=0.0, alpha=scaling).view(batch, num_heads, w, length)

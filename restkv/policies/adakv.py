@@ -27,4 +27,4 @@ class AdaKV(PooledScores):
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         """``[B, H_kv, N]`` window-mean attention per KV head, pooled (AdaKV's and HeadKV's scores)."""
-        return self.smooth(ctx, self.reduce(ctx, ctx.window_attention().mean(dim=2)))
+        return self.smooth(ctx, self.reduce(ctx, ctx.observation.mean()))

@@ -54,6 +54,16 @@ class Policy(Options):
     allocation: ClassVar[str | None] = None
     #: for a method with its own allocation: the method whose scores it uses
     base_method: ClassVar[str | None] = None
+    #: scores with the attention of observation queries (so ``--observation`` chooses them)
+    observes_queries: ClassVar[bool] = True
+    #: the observation the method is defined with (``--observation`` overrides it)
+    default_observation: ClassVar[str] = "window"
+
+    @classmethod
+    def own_allocation(cls, options) -> str | None:
+        """The allocation the method is defined with, given its flat ``options`` (``allocation``
+        unless a method's own flag chooses, like ``--kvzip_layerwise``); None lets ``--allocation`` choose."""
+        return cls.allocation
 
     def protected_count(self, window_size: int, budget: int) -> int:
         """Most recent tokens always kept, out of a row budget of ``budget`` tokens."""

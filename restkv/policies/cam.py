@@ -38,12 +38,12 @@ class CaM(GroupedScores):
                                    minimum=1)
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
-        return self.reduce(ctx, ctx.window_attention().sum(dim=2))
+        return self.reduce(ctx, ctx.observation.total())
 
     def finalize(
         self, ctx: ScoringContext, columns: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        mean_attention = self.reduce(ctx, ctx.window_attention().mean(dim=2))
+        mean_attention = self.reduce(ctx, ctx.observation.mean())
         draws = None if self.cam_expected else self._row_local_draws(ctx)
         if self.cam_mode == "paper":
             evicted = evicted_mask(ctx.visible, columns)

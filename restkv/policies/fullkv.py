@@ -16,6 +16,7 @@ from restkv.policies.base import Policy
 class FullKV(Policy):
     name = "fullkv"
     evicts = False
+    observes_queries = False
 
     def compresses_layer(self, layer_idx: int) -> bool:
         return False

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.context import ScoringContext
-from restkv.options import option, register
+from restkv.options import ConfigError, option, register
 from restkv.policies.base import GroupedScores
 from restkv.scoring import window_attention
 
@@ -37,9 +37,17 @@ class H2O(GroupedScores):
         False, "H2O divides each token's sum by the number of the accumulated queries that see it"
     )
 
+    def check(self, config) -> None:
+        super().check(config)
+        if self.h2o_queries == "all" and config.compresses_after_prefill:
+            raise ConfigError(
+                "--h2o_queries all accumulates the prompt's own queries as they are computed; it cannot wait for "
+                f"the whole prefill (--observation {config.run.observation}, --allocation {config.run.allocation})"
+            )
+
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         if self.h2o_queries == "window":
-            accumulated = ctx.window_attention().sum(dim=2)
+            accumulated = ctx.observation.total()
             queries = min(ctx.window_size, ctx.valid.shape[-1])
         else:
             accumulated = all_query_column_sums(ctx)

@@ -21,6 +21,7 @@ from restkv.policies.base import Policy
 @dataclass(frozen=True)
 class L2Norm(Policy):
     name = "l2norm"
+    observes_queries = False
 
     l2norm_skip_layers: tuple[int, ...] = option((0, 1), "layers L2Norm leaves uncompressed")
     l2norm_protect_window: bool = option(False, "L2Norm also keeps the observation window")

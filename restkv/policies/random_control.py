@@ -29,6 +29,7 @@ def random_scores(ctx: ScoringContext) -> torch.Tensor:
 @dataclass(frozen=True)
 class RandomPolicy(Policy):
     name = "random"
+    observes_queries = False
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         return random_scores(ctx)

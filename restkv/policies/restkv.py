@@ -119,6 +119,16 @@ class RestKV(PooledScores):
             if self.tau != 1:
                 raise ConfigError(f"--restkv_gqa vector takes no exponent; use --tau 1 (got {self.tau})")
 
+    def check(self, config) -> None:
+        super().check(config)
+        if config.run.observation == "reconstruction" and self.indicator == "reconstruction" and (
+            self.metric_mode == "before"
+        ):
+            raise ConfigError(
+                "--metric_mode before scores each observation query's own output, which --observation "
+                "reconstruction does not keep; use --metric_mode after"
+            )
+
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         if self.indicator == "random":
             return random_scores(ctx)
@@ -130,7 +140,7 @@ class RestKV(PooledScores):
             else:
                 per_kv_head = self.reduce(ctx, reconstruction_before(ctx, self))
         else:
-            attention = aggregate_queries(ctx.window_attention(), self.temporal, self.alpha)
+            attention = ctx.observation.aggregate(self.temporal, self.alpha)
             if self.indicator == "attn_v":
                 attention = _per_query_head(_grouped(attention, ctx) * ctx.value.float().norm(dim=-1)[:, :, None])
             per_kv_head = self.reduce(ctx, attention)
@@ -221,7 +231,7 @@ def _aggregated_attention_and_output(ctx: ScoringContext, options: RestKV) -> tu
     ``ō`` uses the clamped weights so that a one-hot head keeps a finite, top-ranked score:
     ``r * ‖ō - v_j‖`` then tends to ``‖v_j - ō^(-j)‖`` instead of ``inf * 0``.
     """
-    mean_attention = aggregate_queries(ctx.window_attention(), options.temporal, options.alpha)
+    mean_attention = ctx.observation.aggregate(options.temporal, options.alpha)
     mean_attention = mean_attention.clamp(max=1.0 - ODDS_EPSILON)
     mixing = mean_attention
     if options.restkv_mean_output == "past_only":

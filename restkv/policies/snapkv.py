@@ -23,5 +23,5 @@ class SnapKV(PooledScores):
     name = "snapkv"
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
-        summed = ctx.window_attention().sum(dim=2)
+        summed = ctx.observation.total()
         return self.smooth(ctx, self.reduce(ctx, summed))

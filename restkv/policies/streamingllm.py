@@ -25,6 +25,7 @@ from restkv.policies.base import Policy
 class StreamingLLM(Policy):
     name = "streamingllm"
     ranks_by_position = True
+    observes_queries = False
 
     n_sink: int = option(4, "StreamingLLM attention sinks: the first tokens, always kept", minimum=0)
 

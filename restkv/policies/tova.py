@@ -27,7 +27,7 @@ class TOVA(GroupedScores):
         return 1
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
-        last_row = ctx.window_attention(1)[:, :, 0, :]
+        last_row = ctx.observation.last()
         if self.tova_per_head:
             return self.reduce(ctx, last_row)
         layer_mean = last_row.mean(dim=1, keepdim=True)

@@ -104,18 +104,19 @@ def validation_losses(
     residual branch through their log-sum-exps (``ResidualReadout.mix``).
     """
     num_kv_heads, visible, dim = data.keys.shape
-    length = ctx.query.shape[2]
-    count = min(options.residual_obs_queries, visible)
+    observation = ctx.observation
+    count = min(options.residual_obs_queries, visible, observation.query_count)
     groups = ctx.query.shape[1] // num_kv_heads
-    queries = ctx.query[row, :, length - count :].float().reshape(num_kv_heads, groups * count, dim)
+    queries = observation.queries(row, count).float().reshape(num_kv_heads, groups * count, dim)
     held_out = split_observations(count, options.residual_val_queries, options.residual_obs_queries,
                                   options.residual_val_split).to(queries.device)
     fit_rows = ~held_out
     if not bool(held_out.any()):  # a single observation query both fits and validates
         held_out = fit_rows
-    # Probe semantics (every query sees every visible key), or causal with --residual_val_causal.
+    # Probe semantics (every query sees every visible key), or causal with --residual_val_causal
+    # (the same for queries that come after the whole prompt, such as reconstruction queries).
     causal = None
-    if options.residual_val_causal:
+    if options.residual_val_causal and not observation.sees_everything:
         query_positions = torch.arange(visible - count, visible, device=queries.device).repeat(groups)
         causal = data.order[:, None, :] <= query_positions[None, :, None]  # [H_kv, G * count, n], ranked
     target = full_attention_output(queries, data.keys, data.values, ctx.scaling, ctx.softcap, causal)

@@ -1,0 +1,70 @@
+"""KVzip (Kim et al., NeurIPS 2025, arXiv 2505.23416): query-agnostic scores from context reconstruction.
+
+After the context's prefill the model is asked to repeat it (``--observation
+reconstruction``, the method's default; ``restkv.deferred``); a cached token's score is the
+largest attention any reconstruction query gives it, the query group pooled by its maximum
+(``--gqa_score_agg max``). The first ``--n_sink`` tokens are always kept (attention sinks)
+and no recent window is protected: the context is compressed once, for any later question.
+The budget is spread by one ranking of every (layer, KV head, token) score across the model
+(``--max_capacity_prompts`` x layers x KV heads entries in all, ragged per layer and head);
+``--kvzip_layerwise`` ranks the heads of each layer apart instead (every layer keeps the same
+total).
+
+Where this differs from the paper and from kvpress' ``KVzipPress``:
+
+* a reconstruction chunk attends to the whole uncompressed context and to everything
+  repeated before it, and its softmax runs over all of that; kvpress renormalises over the
+  sinks, the matching context chunk and the chunk itself, drops the repetition after every
+  chunk, and restarts each later chunk with "Repeat the part of the previous context
+  exactly, starting with" and the previous chunk's last 8 tokens;
+* kvpress scores 2048-token chunks; here ``--reconstruction_chunk`` (default 2048) sets the
+  chunk and the instruction joins the first one;
+* evicted entries are removed from memory (ragged per head), where kvpress masks them;
+  the paper's own code stores a head-variable cache too;
+* the paper's score also covers the system prompt and template tokens; here they are part
+  of the context like any other token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from restkv.context import ScoringContext
+from restkv.options import option, register
+from restkv.policies.base import GQA_AGGREGATIONS, GroupedScores
+
+#: the score of a sink token: above any attention weight, so sinks always rank first
+SINK_SCORE = 2.0
+
+
+@register("method")
+@dataclass(frozen=True)
+class KVzip(GroupedScores):
+    name = "kvzip"
+    allocation = "model_ranked"
+    default_observation = "reconstruction"
+
+    gqa_score_agg: str = option("max", "how a query group's scores are reduced to one per KV head",
+                                GQA_AGGREGATIONS)
+    n_sink: int = option(4, "KVzip: the first tokens, always kept (attention sinks)", minimum=0)
+    kvzip_layerwise: bool = option(
+        False, "KVzip: rank the KV heads of each layer apart (every layer keeps the same total) instead of one "
+        "ranking across all layers"
+    )
+
+    @classmethod
+    def own_allocation(cls, options) -> str:
+        return "layer_ranked" if options.get("kvzip_layerwise") else "model_ranked"
+
+    def protected_count(self, window_size: int, budget: int) -> int:
+        return 0
+
+    def score(self, ctx: ScoringContext) -> torch.Tensor:
+        scores = self.reduce(ctx, ctx.observation.maximum()).clone()
+        length = ctx.valid.shape[-1]
+        first_real = (length - ctx.plan.lengths).tolist()
+        for row, start in enumerate(first_real):
+            scores[row, :, start : start + self.n_sink] = SINK_SCORE
+        return scores

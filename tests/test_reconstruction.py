@@ -1,0 +1,164 @@
+"""Query-agnostic compression that keeps the answer: reconstruction observation, KVzip, one
+context for many questions (restkv.deferred, restkv.observation, restkv.policies.kvzip)."""
+
+import math
+
+import pytest
+import torch
+
+from restkv import CompressionConfig, ConfigError, compress_kv
+from restkv.compress import compress_layer
+from restkv.context import ScoringContext, plan_layer
+from restkv.deferred import set_reconstruction_prompt
+from restkv.generation import answer_many, generate_after_context, prefill
+from restkv.observation import ReconstructionObservation, ReconstructionStats
+from restkv.scoring import window_attention
+from tiny_models import assert_patch_reproduces_unpatched, random_prompt, random_qkv, replace_for, tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:restkv. --observation reconstruction without")
+
+
+class FakeTokenizer:
+    """Just enough of a tokenizer for set_reconstruction_prompt (no chat template)."""
+
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return type("Encoded", (), {"input_ids": [3 + (ord(c) % 200) for c in text]})()
+
+
+def decoder_layer_calls(model):
+    """Counts forwards through the first attention layer (prefill and reconstruction chunks)."""
+    calls = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(lambda module, args: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("method", ["snapkv", "restkv", "kvzip"])
+def test_a_budget_at_or_above_the_context_changes_nothing(method):
+    model = tiny_model("llama")
+    assert_patch_reproduces_unpatched(model, "llama", random_prompt(1, 120), method=method, max_capacity_prompts=200,
+                                      window_size=8, observation="reconstruction")
+
+
+@pytest.mark.parametrize("length, chunk", [(80, 32), (80, 80), (50, 2048)])
+def test_reconstruction_costs_one_extra_forward_per_chunk_and_leaves_nothing_behind(length, chunk):
+    model = tiny_model("llama")
+    set_reconstruction_prompt(model, FakeTokenizer())
+    calls = decoder_layer_calls(model)
+    replace_for("llama")(method="snapkv", max_capacity_prompts=16, window_size=4, observation="reconstruction",
+                         reconstruction_chunk=chunk)
+    cache = prefill(model, random_prompt(1, length))
+    assert len(calls) == 1 + math.ceil(length / chunk)
+    for layer in cache.layers:
+        assert layer.tokens_seen == length and layer.tail_length == 0  # positions: the context's own
+        assert layer.kept_counts.tolist() == [[16, 16]]
+
+
+def test_kvzip_scores_are_the_largest_attention_of_the_reconstruction_queries():
+    """The oracle: the unpatched model reading context + prompt + context in one pass; the
+    attention rows of the repeated part give every context token its score (group max)."""
+    model = tiny_model("llama", "eager")
+    prefix = set_reconstruction_prompt(model, FakeTokenizer())
+    context = random_prompt(1, 40)
+    with torch.no_grad():
+        whole = torch.cat([context, prefix[None], context], dim=-1)
+        attentions = model(whole, output_attentions=True).attentions
+    replace_for("llama")(method="kvzip", max_capacity_prompts=10, reconstruction_chunk=16, n_sink=0,
+                         kvzip_layerwise=True)
+    cache = prefill(model, context)
+    for index, layer in enumerate(cache.layers):
+        expected = attentions[index][0, :, 40:, :40].amax(dim=1).view(2, 2, 40).amax(dim=1)  # [H_kv, 40]
+        for head in range(2):
+            kept = [c for c in layer.kept_columns[0, head].tolist() if c >= 0]
+            dropped = [c for c in range(40) if c not in kept]
+            assert float(expected[head, kept].min()) >= float(expected[head, dropped].max()) - 1e-6
+
+
+def test_kvzip_keeps_the_token_that_takes_all_the_reconstruction_attention():
+    query, key, value = random_qkv(length=64)
+    key = key * 0.05
+    key[0, :, 20] = 40.0  # every reconstruction query below attends to token 20 alone
+    config = CompressionConfig(method="kvzip", max_capacity_prompts=6, n_sink=4, kvzip_layerwise=True)
+    plan = plan_layer(config, torch.ones(1, 64, dtype=torch.bool))
+    stats = ReconstructionStats(expected=8, shift_top=[6], sample_at=torch.arange(0))
+    reconstruction = torch.ones(1, 4, 8, 16)
+    keys = torch.cat([key, torch.zeros(1, 2, 8, 16)], dim=2)
+    weights = window_attention(reconstruction, keys, torch.ones(1, 72, dtype=torch.bool), 8, 0.25)
+    stats.add(weights[..., :64], reconstruction, plan.valid)
+    ctx = ScoringContext.of(query, key, value, plan, 0.25, observation=ReconstructionObservation(stats))
+    selection = compress_layer(config, ctx)
+    for head in range(2):
+        kept = selection.columns[0, head][selection.columns[0, head] >= 0].tolist()
+        assert 20 in kept and {0, 1, 2, 3} <= set(kept)  # the token and the sinks
+    assert int((selection.columns >= 0).sum()) == 2 * 6
+
+
+def test_kvzip_ranks_every_layer_and_head_together_and_keeps_the_model_wide_total():
+    model = tiny_model("llama", num_hidden_layers=4)
+    replace_for("llama")(method="kvzip", max_capacity_prompts=12, reconstruction_chunk=32)
+    cache = prefill(model, random_prompt(1, 70))
+    counts = torch.stack([layer.kept_counts[0] for layer in cache.layers])  # [layers, KV heads]
+    assert int(counts.sum()) == 4 * 2 * 12 and len(set(counts.flatten().tolist())) > 1
+    replace_for("llama")(method="kvzip", max_capacity_prompts=12, reconstruction_chunk=32, kvzip_layerwise=True)
+    layerwise = torch.stack([layer.kept_counts[0] for layer in prefill(model, random_prompt(1, 70)).layers])
+    assert layerwise.sum(dim=1).tolist() == [24] * 4
+
+
+def test_one_compressed_context_answers_many_questions_as_if_each_came_alone():
+    model = tiny_model("llama")
+    replace_for("llama")(method="snapkv", max_capacity_prompts=20, window_size=4, observation="reconstruction",
+                         reconstruction_chunk=32)
+    context = random_prompt(1, 70, seed=1)
+    questions = [random_prompt(1, n, seed=seed) for n, seed in ((5, 2), (9, 3), (3, 4))]
+    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    together = answer_many(model, context, questions, **settings)
+    for question, answer in zip(questions, together):
+        assert torch.equal(answer, generate_after_context(model, context, question, **settings))
+    with torch.no_grad():  # the checkpoint is the compressed context itself: nothing of a question stays
+        cache = prefill(model, context)
+    assert all(layer.tail_length == 0 for layer in cache.layers)
+
+
+def test_reconstruction_scores_follow_the_question_not_the_context_end():
+    """Window observation reads the context's last queries; reconstruction reads every token's
+    repetition, so the kept sets differ while the budget is the same."""
+    model = tiny_model("llama")
+    context = random_prompt(1, 90, seed=5)
+    kept = {}
+    for observation in ("window", "reconstruction"):
+        replace_for("llama")(method="snapkv", max_capacity_prompts=20, window_size=4, observation=observation)
+        kept[observation] = [layer.kept_columns.clone() for layer in prefill(model, context).layers]
+    assert any(not torch.equal(a, b) for a, b in zip(kept["window"], kept["reconstruction"]))
+    assert all(int((a >= 0).sum()) == int((b >= 0).sum()) for a, b in zip(kept["window"], kept["reconstruction"]))
+
+
+@pytest.mark.parametrize(
+    "options, fragment",
+    [
+        (dict(method="l2norm", observation="reconstruction"), "--method l2norm does not score with queries"),
+        (dict(method="restkv", observation="reconstruction", metric_mode="before"), "--metric_mode before"),
+        (dict(method="h2o", observation="reconstruction", h2o_queries="all"), "--h2o_queries all"),
+        (dict(method="kvzip", allocation="adakv"), "own model_ranked allocation"),
+        (dict(method="snapkv", observation="future"), "--observation 'future' is not allowed"),
+        (dict(method="snapkv", reconstruction_chunk=0), "--reconstruction_chunk must be >= 1"),
+    ],
+)
+def test_bad_reconstruction_settings_name_the_flag(options, fragment):
+    with pytest.raises(ConfigError) as error:
+        CompressionConfig(max_capacity_prompts=32, window_size=8, **options)
+    assert fragment in str(error.value)
+
+
+def test_reconstruction_compresses_one_prompt_at_a_time():
+    model = tiny_model("llama")
+    replace_for("llama")(method="snapkv", max_capacity_prompts=16, window_size=4, observation="reconstruction")
+    with pytest.raises(ValueError, match="batch size 1"):
+        prefill(model, random_prompt(2, 40))
+
+
+def test_compress_kv_with_a_model_wide_allocation_ranks_the_heads_of_its_one_layer():
+    query, key, value = random_qkv(length=80)
+    out = compress_kv(query, key, value, dict(method="kvzip", max_capacity_prompts=20, observation="window",
+                                              window_size=8))
+    assert int((out.indices >= 0).sum()) == 2 * 20
