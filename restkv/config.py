@@ -357,12 +357,28 @@ def flat_option_specs() -> dict[str, list[tuple[type, OptionSpec]]]:
 
 
 def method_spec_options(spec: str) -> dict[str, Any]:
-    """``snapkv+residual`` -> ``{"method": "snapkv", "residual": True}``: a method with boolean
-    switches, the short form the sweep and benchmark scripts take for a variant."""
-    method, *switches = spec.split("+")
-    booleans = {name for name, specs in _flat_specs().items() if any(s.kind is bool for _, s in specs)}
-    for switch in switches:
-        if switch not in booleans:
-            raise ConfigError(f"{spec!r}: {switch!r} is not a boolean option; use METHOD or METHOD+SWITCH with "
-                              f"SWITCH one of {', '.join(sorted(booleans))}")
-    return {"method": method, **{switch: True for switch in switches}}
+    """``snapkv+residual+observation=reconstruction`` -> ``{"method": "snapkv", "residual": True,
+    "observation": "reconstruction"}``: a method with boolean switches and options, the short form
+    the sweep and benchmark scripts take for a variant (values are parsed by the option's type)."""
+    method, *parts = spec.split("+")
+    table = _flat_specs()
+    options: dict[str, Any] = {"method": method}
+    for part in parts:
+        name, has_value, text = part.partition("=")
+        if name not in table:
+            switches = sorted(n for n, specs in table.items() if specs[0][1].kind is bool)
+            raise ConfigError(f"{spec!r}: {name!r} is not a boolean option; use METHOD+SWITCH (one of "
+                              f"{', '.join(switches)}) or METHOD+OPTION=VALUE")
+        kind = table[name][0][1].kind
+        if not has_value:
+            if kind is not bool:
+                raise ConfigError(f"{spec!r}: {name} is not a switch; give it a value ({name}=VALUE)")
+            options[name] = True
+        elif kind in (int, float, str):
+            try:
+                options[name] = kind(text)
+            except ValueError:
+                raise ConfigError(f"{spec!r}: {name}={text!r} is not a {kind.__name__}") from None
+        else:
+            raise ConfigError(f"{spec!r}: {name} takes a {kind.__name__}, which a method spec cannot write")
+    return options

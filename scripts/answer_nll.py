@@ -31,6 +31,7 @@ from tqdm import tqdm
 from restkv.benchmarks import ruler, ruler_data
 from restkv.benchmarks.runner import Sample, encode_prompt, format_table
 from restkv.config import method_spec_options
+from restkv.deferred import set_reconstruction_prompt
 from restkv.generation import answer_nll
 from restkv.models import load_model, load_tokenizer
 from restkv.monkeypatch import replace_for_model
@@ -71,6 +72,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.model_path)
     model = load_model(args.model_path, attn_implementation=args.attn_implementation)
+    set_reconstruction_prompt(model, tokenizer)
     samples = load_samples(args, tokenizer)
     out = Path(args.save_dir) / "answer_nll.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
