@@ -34,15 +34,28 @@ from restkv.head_scores import load_head_scores, read_head_score_file
 from restkv.options import ConfigError, Options, option, register
 
 
+def layer_shape(ctx: ScoringContext) -> LayerShape:
+    return LayerShape(ctx.layer_idx, ctx.num_layers, ctx.query.shape[1], ctx.num_kv_heads)
+
+
 def allocation_of(config) -> str:
     """The allocation a config runs: the method's own, else ``--allocation``, else
     ``--use_pyramid``'s pyramid, else uniform."""
     return config.run.allocation
 
 
+class LayerShape(NamedTuple):
+    """Where a layer sits and how many heads it has (what allocations read besides the scores)."""
+
+    layer_idx: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+
+
 class RowShape(NamedTuple):
     """One row's budget: ``budget`` = C tokens per head (window included), ``window`` = W
-    protected tokens, ``length`` = L visible tokens."""
+    protected tokens, ``length`` = L visible tokens (of its longest head, when heads differ)."""
 
     row: int
     budget: int
@@ -80,11 +93,20 @@ class Allocation(Options):
             if shape.candidate_budget >= shape.candidates:  # the row fits: keep every visible token
                 rows.append(torch.full((ctx.num_kv_heads,), shape.candidates, dtype=torch.long))
             else:
-                rows.append(self.candidate_counts(ctx, scores, shape).cpu())
+                available = torch.full((ctx.num_kv_heads,), shape.candidates, dtype=torch.long)
+                rows.append(self.candidate_counts(layer_shape(ctx), scores[row][:, ctx.candidates[row]], shape,
+                                                  available).cpu())
         return torch.stack(rows).to(ctx.budgets.device) + protected[:, None]
 
-    def candidate_counts(self, ctx: ScoringContext, scores: torch.Tensor, shape: RowShape) -> torch.Tensor:
-        """``[H_kv]`` candidate (non-protected) counts for a row that must be compressed (``B < L - W``)."""
+    def candidate_counts(self, layer: LayerShape, scores: torch.Tensor, shape: RowShape,
+                         available: torch.Tensor) -> torch.Tensor:
+        """``[H_kv]`` candidate (non-protected) counts of a row that must be compressed.
+
+        scores: ``[H_kv, n]`` the row's candidate scores per head; available: ``[H_kv]`` how many
+        candidates each head has (when heads differ, as after an earlier compression, a head's
+        row ends with ``-inf``); no count may exceed its head's. ``shape.candidate_budget`` is
+        the average share (``B = C - W``).
+        """
         raise NotImplementedError
 
     def allocate_model(self, contexts: dict[int, ScoringContext], scores: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -100,8 +122,8 @@ class Uniform(Allocation):
 
     name = "uniform"
 
-    def candidate_counts(self, ctx, scores, shape):
-        return torch.full((ctx.num_kv_heads,), shape.candidate_budget, dtype=torch.long)
+    def candidate_counts(self, layer, scores, shape, available):
+        return torch.clamp(available, max=shape.candidate_budget)
 
 
 @register("allocation")
@@ -120,17 +142,17 @@ class Pyramid(Allocation):
         False, "the original release's flag: PyramidKV's layer schedule without its middle (uniform) regime"
     )
 
-    def candidate_counts(self, ctx, scores, shape):
+    def candidate_counts(self, layer, scores, shape, available):
         schedule = pyramid_schedule(
             shape.budget,
             shape.window,
             shape.length,
-            ctx.num_layers,
+            layer.num_layers,
             beta=self.pyramid_beta,
             reference_rounding=self.pyramid_reference_rounding,
             middle_regime=not self.use_pyramid,
         )
-        return torch.full((ctx.num_kv_heads,), schedule[ctx.layer_idx], dtype=torch.long)
+        return torch.clamp(available, max=schedule[layer.layer_idx])
 
 
 @register("allocation")
@@ -149,9 +171,9 @@ class AdaKVAllocation(Allocation):
         True, "AdaKV: weight each head's scores by the share of its mass in its own top budget before ranking"
     )
 
-    def candidate_counts(self, ctx, scores, shape):
+    def candidate_counts(self, layer, scores, shape, available):
         return adakv_caps(
-            scores[shape.row][:, ctx.candidates[shape.row]],
+            scores,
             shape.candidate_budget,
             self.floor,
             normalize=self.adakv_normalize,
@@ -200,7 +222,7 @@ class HeadKVAllocation(Allocation):
                 "data/heads_score/MODEL_retrieval_reasoning_heads.json)"
             )
 
-    def candidate_counts(self, ctx, scores, shape):
+    def candidate_counts(self, layer, scores, shape, available):
         path = os.path.abspath(self.head_scores)
         # The reference runner computes capacities from C and keeps the window on top.
         budget = shape.budget if self.headkv_window_outside else shape.candidate_budget
@@ -209,13 +231,13 @@ class HeadKVAllocation(Allocation):
             os.path.getmtime(path),
             budget,
             shape.candidates,
-            ctx.num_layers,
-            ctx.query.shape[1],
-            ctx.num_kv_heads,
+            layer.num_layers,
+            layer.num_heads,
+            layer.num_kv_heads,
             self.head_beta,
             self.head_temp,
         )
-        return torch.tensor(table[ctx.layer_idx], dtype=torch.long)
+        return torch.minimum(torch.tensor(table[layer.layer_idx], dtype=torch.long), available)
 
 
 # ---------------------------------------------------------------- PyramidKV
@@ -277,9 +299,10 @@ def adakv_caps(
 
     Parameters
     ----------
-    scores: ``[H_kv, n]`` scores of the row's ``n`` candidates (``n > budget``).
+    scores: ``[H_kv, n]`` scores of the row's candidates (``H_kv * budget`` of them or more); a
+        head with fewer candidates ends its row with ``-inf``.
     budget: ``B`` candidates per head on average; the heads share ``H_kv * B``.
-    floor: safeguard ``alpha``: every head keeps at least ``floor(alpha * B)``.
+    floor: safeguard ``alpha``: every head keeps at least ``floor(alpha * B)`` (or all it has).
     normalize: weight head ``k``'s scores by (sum of its top-``B``) / (sum of all), as the
         KVCache-Factory / ReST-KV runs do, so heads with flat attention compete fairly.
     reference: the original rounding ``round((1 - alpha) n_k + floor)`` after a global top-
@@ -287,20 +310,29 @@ def adakv_caps(
         ``floor`` is reserved and the rest goes to the global top of the remaining
         candidates, so the total is exactly ``H_kv * B`` and every head gets its floor.
 
-    Returns ``[H_kv]`` long counts, each in ``[floor, n]``. Ties in the global ranking go to
-    the lower head, then the lower rank (deterministic).
+    Returns ``[H_kv]`` long counts, each between the floor and the head's candidates. Ties in
+    the global ranking go to the lower head, then the lower rank (deterministic).
     """
-    num_heads, available = scores.shape
+    num_heads, width = scores.shape
     reserved = int(floor * budget)
     ranked = torch.sort(scores.float(), dim=-1, descending=True, stable=True).values
+    finite = torch.isfinite(ranked)
+    ragged = not bool(finite.all())
     if normalize:
-        totals = ranked.sum(dim=-1, keepdim=True)
-        share = ranked[:, :budget].sum(dim=-1, keepdim=True) / totals
+        real = ranked.masked_fill(~finite, 0.0) if ragged else ranked
+        totals = real.sum(dim=-1, keepdim=True)
+        share = real[:, :budget].sum(dim=-1, keepdim=True) / totals
         ranked = ranked * torch.where(totals != 0, share, torch.ones_like(share))
+    available = finite.sum(dim=-1)
     if reference:
-        won = _global_top(ranked, num_heads * budget)
-        return torch.round(won.float() * (1.0 - floor) + reserved).long()
-    return reserved + _global_top(ranked[:, reserved:], num_heads * (budget - reserved))
+        won = _global_top(ranked, min(num_heads * budget, int(available.sum())))
+        return torch.minimum(torch.round(won.float() * (1.0 - floor) + reserved).long(), available)
+    if not ragged:
+        return reserved + _global_top(ranked[:, reserved:], num_heads * (budget - reserved))
+    held = torch.clamp(available, max=reserved)
+    pool = ranked.masked_fill(torch.arange(width, device=ranked.device) < held[:, None], float("-inf"))
+    count = min(num_heads * budget - int(held.sum()), int(torch.isfinite(pool).sum()))
+    return held + _global_top(pool, count)
 
 
 def _global_top(ranked: torch.Tensor, count: int) -> torch.Tensor:
@@ -385,9 +417,8 @@ class LayerRanked(Allocation):
 
     name = "layer_ranked"
 
-    def candidate_counts(self, ctx, scores, shape):
-        return adakv_caps(scores[shape.row][:, ctx.candidates[shape.row]], shape.candidate_budget, 0.0,
-                          normalize=False)
+    def candidate_counts(self, layer, scores, shape, available):
+        return adakv_caps(scores, shape.candidate_budget, 0.0, normalize=False)
 
 
 @register("allocation")

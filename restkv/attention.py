@@ -33,11 +33,12 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from restkv.cache import CompressedLayer, native_layer
-from restkv.compat import CACHE_ARGUMENT, output_cache
+from restkv.compat import CACHE_ARGUMENT, output_cache, with_cache
 from restkv.compress import compress_layer
 from restkv.config import CompressionConfig
 from restkv.context import LayerPlan, ScoringContext, plan_layer, valid_from_mask
 from restkv.deferred import PendingLayer, defer_layer, finish_prefill, observe_chunk, pending_of, trailing_queries
+from restkv.recompress import recompress
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ def restkv_attention_forward(
     weights = None
     if isinstance(layer, CompressedLayer) and layer.tokens_seen > 0:
         output = layer.attend(query, key, value, attention_mask, params.scaling, params.softcap)
+        if config.rescores:
+            _compress_again(self, config, cache, layer, query, params)
     elif pending is not None and pending.observing:  # a reconstruction chunk (restkv.deferred)
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
         output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
@@ -119,10 +122,12 @@ def restkv_attention_forward(
             output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
             ctx = ScoringContext.of(query, key, value, plan, params.scaling, params.softcap, self.o_proj.weight)
             residual = config.switch("residual")
-            cache.layers[self.layer_idx] = CompressedLayer.from_selection(
+            cache.layers[self.layer_idx] = compressed = CompressedLayer.from_selection(
                 compress_layer(config, ctx), query.shape[2], params.sliding_window, config,
-                readout=residual.readout() if residual is not None else None,
+                readout=residual.readout() if residual is not None else None, padding=plan.padding,
             )
+            if config.run.decode_budget is not None:
+                compressed.remember_queries(query, config.run.window_size)
     else:
         if isinstance(layer, CompressedLayer):  # a reset compressed layer serving a prompt it need not compress
             cache.layers[self.layer_idx] = native_layer(params.sliding_window)
@@ -138,7 +143,8 @@ def model_forward(original: Callable) -> Callable:
     compression of layers that waited for the whole prefill (``restkv.deferred``)."""
 
     def forward(self, *args, **kwargs):
-        output = original(self, *args, **kwargs)
+        chunk = _prefill_chunk(self, args, kwargs)
+        output = original(self, *args, **kwargs) if chunk is None else _chunked_prefill(original, self, chunk, kwargs)
         cache = kwargs.get(CACHE_ARGUMENT, kwargs.get("past_key_values")) or output_cache(output)
         pending = pending_of(cache) if cache is not None else None
         if pending is not None and not pending.observing:
@@ -149,6 +155,52 @@ def model_forward(original: Callable) -> Callable:
     return forward
 
 
+def _prefill_chunk(decoder, args, kwargs) -> int | None:
+    """``--prefill_chunk_size`` if this forward is a prefill longer than it, else None."""
+    attention = getattr(decoder.layers[0], "self_attn", None) if len(decoder.layers) else None
+    if args or attention is None or not hasattr(type(attention), "_restkv_config"):
+        return None
+    chunk = module_config(attention).run.prefill_chunk_size
+    tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    cache = kwargs.get(CACHE_ARGUMENT, kwargs.get("past_key_values"))
+    if chunk is None or tokens is None or tokens.shape[1] <= chunk or kwargs.get("use_cache") is False:
+        return None
+    if cache is not None and cache.get_seq_length() > 0:
+        return None
+    return chunk
+
+
+def _chunked_prefill(original: Callable, decoder, chunk: int, kwargs: dict):
+    """Run the prompt through ``original`` in chunks of ``chunk`` tokens on one cache; each layer
+    compresses again after every chunk (``_compress_again``). Returns the last chunk's output
+    (its hidden states are those of the prompt's last ``chunk`` tokens at most)."""
+    from transformers import DynamicCache
+
+    kwargs = dict(kwargs)
+    name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
+    tokens = kwargs.pop(name)
+    mask, positions = kwargs.pop("attention_mask", None), kwargs.pop("position_ids", None)
+    cache = kwargs.pop(CACHE_ARGUMENT, None) or kwargs.pop("past_key_values", None)
+    cache = cache if cache is not None else DynamicCache(config=decoder.config)
+    if mask is not None and mask.dim() == 2 and bool((mask[:, :chunk].sum(dim=-1) == 0).any()):
+        raise ValueError(f"--prefill_chunk_size {chunk}: a row's padding fills the whole first chunk; use a larger "
+                         "chunk or batch prompts of similar lengths")
+    output = None
+    try:
+        for start in range(0, tokens.shape[1], chunk):
+            stop = min(start + chunk, tokens.shape[1])
+            cache._restkv_chunking = start > 0
+            piece = {name: tokens[:, start:stop], **with_cache(cache)}
+            if mask is not None:
+                piece["attention_mask"] = mask[:, :stop]
+            if positions is not None:
+                piece["position_ids"] = positions[:, start:stop]
+            output = original(decoder, **kwargs, **piece)
+    finally:
+        cache._restkv_chunking = False
+    return output
+
+
 def module_config(module: torch.nn.Module) -> CompressionConfig:
     """The config a patched attention module runs: its model's own (``configure``), if set
     since its class was last patched, else the class's (``replace_*``)."""
@@ -156,6 +208,44 @@ def module_config(module: torch.nn.Module) -> CompressionConfig:
     if module.__dict__.get("_restkv_model_patch") is cls._restkv_patch:
         return module.__dict__["_restkv_model_config"]
     return cls._restkv_config
+
+
+def _compress_again(module, config, cache, layer: CompressedLayer, query, params) -> None:
+    """After a prefill chunk, or every ``--decode_interval`` generated tokens: evict again
+    (``restkv.recompress``) with the newest queries."""
+    window = config.run.window_size
+    if config.run.decode_budget is not None:
+        layer.remember_queries(query, window)
+    if getattr(cache, "_restkv_chunking", False):
+        seen = [layer.tokens_seen - int(padding) for padding in layer.prompt_padding.tolist()]
+        budgets = [_budget_above_protected(config, count) for count in seen]
+        queries = query[:, :, -window:]
+    elif config.run.decode_budget is not None and _due(layer, config.run.decode_budget, config.run.decode_interval):
+        budgets = [config.run.decode_budget] * query.shape[0]
+        queries = layer.recent_queries
+    else:
+        return
+    if layer.sliding_window is not None:
+        raise ValueError(
+            f"--prefill_chunk_size and --decode_budget compress full-attention layers again; layer {module.layer_idx} "
+            f"has a sliding window of {layer.sliding_window} and a budget below it (raise the budget to the window)"
+        )
+    recompress(layer, queries, config, budgets, params.scaling, params.softcap, module.o_proj.weight,
+               module.layer_idx, module.config.num_hidden_layers)
+
+
+def _due(layer: CompressedLayer, budget: int, interval: int) -> bool:
+    """Decode-time compression runs every ``interval`` new tokens, or sooner if the layer would
+    otherwise hold more than ``budget + interval`` entries (a prompt kept above the budget)."""
+    held = int((layer.kept_counts + layer.residual_counts).max()) + layer.tail_length
+    return layer.tail_length >= interval or held > budget + interval
+
+
+def _budget_above_protected(config, seen: int) -> int:
+    """The budget of ``seen`` tokens, or all of them while that budget does not exceed the
+    protected window (early chunks of a ratio budget)."""
+    budget = config.budget_for(seen)
+    return seen if budget <= config.policy.protected_count(config.run.window_size, budget) else budget
 
 
 # ---------------------------------------------------------------- prefill
@@ -170,7 +260,9 @@ def _plan_to_compress(module, config, cache, layer, query, attention_mask, param
         raise ValueError("restkv compresses causal attention only; this model uses bidirectional attention")
     valid = key_validity(attention_mask, query.shape[0], query.shape[2], query.device)
     plan = plan_layer(config, valid, module.layer_idx, module.config.num_hidden_layers, params.sliding_window)
-    if not plan.compress:
+    # A layer compressed again later (chunked prefill, decode budget) is held compressed from the start.
+    owned = config.rescores and params.sliding_window is None and config.policy.compresses_layer(module.layer_idx)
+    if not plan.compress and not owned:
         return None
     if not isinstance(layer, COMPRESSIBLE_LAYERS) or getattr(cache, "offloading", False):
         raise ValueError(

@@ -128,6 +128,7 @@ class CompressedLayer(CacheLayerMixin):
         residual_columns: torch.Tensor | None = None,
         residual_readout: ResidualReadout | None = None,
         config: Any = None,
+        prompt_padding: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.kept_keys = kept_keys
@@ -146,6 +147,11 @@ class CompressedLayer(CacheLayerMixin):
         self.tail_length = 0
         self.tokens_seen = tokens_seen
         self.prompt_tokens = tokens_seen
+        #: ``[B]`` left-padding columns of each row's prompt (tokens seen by a row = tokens_seen - padding)
+        self.prompt_padding = (prompt_padding if prompt_padding is not None
+                               else torch.zeros(kept_keys.shape[0], dtype=torch.long)).cpu()
+        #: ``[B, H, w, d]`` the newest tokens' queries (kept when the layer is compressed during decoding)
+        self.recent_queries: torch.Tensor | None = None
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.device = kept_keys.device
@@ -153,15 +159,16 @@ class CompressedLayer(CacheLayerMixin):
 
     @classmethod
     def from_selection(cls, selection: Selection, tokens_seen: int, sliding_window: int | None, config: Any,
-                       readout: ResidualReadout | None = None) -> "CompressedLayer":
-        """The layer that holds a compressing prefill's ``Selection`` (padded-batch columns)."""
+                       readout: ResidualReadout | None = None, padding: torch.Tensor | None = None) -> "CompressedLayer":
+        """The layer that holds a compressing prefill's ``Selection`` (padded-batch columns;
+        ``padding``: each row's left padding)."""
         residual = {}
         if selection.residual_log_counts is not None:
             residual = {"residual_log_counts": selection.residual_log_counts, "residual_readout": readout}
             if sliding_window is not None:  # entries leave the window with their oldest member
                 residual["residual_columns"] = selection.residual_columns
         return cls(selection.keys, selection.values, selection.columns, tokens_seen=tokens_seen,
-                   sliding_window=sliding_window, config=config, **residual)
+                   sliding_window=sliding_window, config=config, prompt_padding=padding, **residual)
 
     # ----------------------------------------------------------- reading
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -254,10 +261,29 @@ class CompressedLayer(CacheLayerMixin):
             self.tail_keys, self.tail_values = keys[:, :, drop:].clone(), values[:, :, drop:].clone()
             self.tail_length -= drop
 
+    def remember_queries(self, query: torch.Tensor, count: int) -> None:
+        """Keep the newest ``count`` queries ``[B, H, q, d]`` (what decode-time compression scores with)."""
+        joined = query if self.recent_queries is None else torch.cat([self.recent_queries, query], dim=2)
+        self.recent_queries = joined[:, :, -count:]
+
+    def replace_exact(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> None:
+        """Make ``keys``/``values`` ``[B, H_kv, K, d]`` (padded-batch ``columns``, -1 = unused) the
+        layer's exact entries and empty the tail (they now hold its tokens); residual entries
+        stay in the last slots. What ``restkv.recompress`` writes after a new eviction."""
+        width = self.residual_width
+        if width:
+            residual = slice(self.kept_keys.shape[2] - width, None)
+            keys = torch.cat([keys, self.kept_keys[:, :, residual]], dim=2)
+            values = torch.cat([values, self.kept_values[:, :, residual]], dim=2)
+            columns = torch.nn.functional.pad(columns, (0, width), value=-1)
+        self.kept_keys, self.kept_values = keys, values
+        self.kept_columns = columns.to(torch.int32)
+        self.tail_length = 0
+
     def nbytes(self) -> int:
         """Bytes held by every tensor of the layer (tail counted at its used length)."""
         tensors = [self.kept_keys, self.kept_values, self.kept_columns]
-        tensors += [t for t in (self.residual_log_counts, self.residual_columns) if t is not None]
+        tensors += [t for t in (self.residual_log_counts, self.residual_columns, self.recent_queries) if t is not None]
         tensors += list(self.tail) if self.tail_length else []
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -295,7 +321,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def _map_batch(self, fn) -> None:
         for name in ("kept_keys", "kept_values", "kept_columns", "residual_log_counts", "residual_columns",
-                     "tail_keys", "tail_values"):
+                     "tail_keys", "tail_values", "recent_queries", "prompt_padding"):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, fn(tensor))

@@ -74,6 +74,15 @@ class RunOptions(Options):
     reconstruction_chunk: int = option(
         2048, "--observation reconstruction: context tokens repeated per extra forward", minimum=1
     )
+    prefill_chunk_size: int | None = option(
+        None, "feed the prompt in chunks of this many tokens, compressing after each (no layer holds more than "
+        "budget + chunk entries); default: one pass", minimum=1,
+    )
+    decode_budget: int | None = option(
+        None, "compress during generation too: every --decode_interval new tokens each layer evicts back to this "
+        "many entries per KV head (prompt and generated tokens together); default: off", minimum=1,
+    )
+    decode_interval: int = option(32, "--decode_budget: generated tokens between two compressions", minimum=1)
     seed: int = option(0, "seed of the run (the random control policy's scores, Python/NumPy/torch)", minimum=0)
 
     def validate(self) -> None:
@@ -164,8 +173,12 @@ class CompressionConfig:
     def _check_budget(self) -> None:
         run = self.run
         if not self.policy.evicts:
+            for flag in ("prefill_chunk_size", "decode_budget"):
+                if getattr(run, flag) is not None:
+                    raise ConfigError(f"--{flag} compresses as tokens come; --method {run.method} evicts nothing")
             return
-        if run.max_capacity_prompts is None and run.compression_ratio is None:
+        self._check_recompression()
+        if run.max_capacity_prompts is None and run.compression_ratio is None and run.decode_budget is None:
             raise ConfigError(
                 f"--method {run.method} needs a budget: --max_capacity_prompts N (tokens per layer and KV head, "
                 "window included) or --compression_ratio R in (0, 1)"
@@ -175,6 +188,34 @@ class CompressionConfig:
     def parts(self) -> tuple[Options, ...]:
         """The active parts: policy, allocation, merge (if any), switches."""
         return (self.policy, self.allocator, *([self.merger] if self.merger else []), *self.switches)
+
+    def _check_recompression(self) -> None:
+        """Chunked prefill and decode-time compression score a layer again and again with its
+        newest queries: they need a window of them and a scorer that can rescore."""
+        run = self.run
+        # The newest tokens a scorer protects are the ones whose queries score the rest.
+        window = self.policy.protected_count(run.window_size, (run.decode_budget or 0) + run.window_size + 1)
+        if run.prefill_chunk_size is not None and self.policy.observes_queries and run.prefill_chunk_size < window:
+            raise ConfigError(
+                f"--prefill_chunk_size {run.prefill_chunk_size} must be at least --window_size {run.window_size}: "
+                "each chunk's last window_size queries score what the layer holds"
+            )
+        if run.decode_budget is not None and run.decode_budget <= window:
+            raise ConfigError(
+                f"--decode_budget {run.decode_budget} must exceed --window_size {run.window_size} (the newest "
+                "tokens are always kept)"
+            )
+        if self.rescores and self.compresses_after_prefill:
+            flags = "--prefill_chunk_size" if run.prefill_chunk_size is not None else "--decode_budget"
+            raise ConfigError(
+                f"{flags} compresses as tokens come; --observation {run.observation} / --allocation "
+                f"{run.allocation} need the whole prompt first"
+            )
+
+    @property
+    def rescores(self) -> bool:
+        """Whether layers are compressed again after their prefill (chunked prefill, decode budget)."""
+        return self.run.prefill_chunk_size is not None or self.run.decode_budget is not None
 
     @property
     def compresses_after_prefill(self) -> bool:
@@ -217,8 +258,8 @@ class CompressionConfig:
     def budget_for(self, length: int) -> int:
         """Tokens kept per KV head for a row of ``length`` real tokens (never more than the row has)."""
         run = self.run
-        if not self.policy.evicts:
-            return length
+        if not self.policy.evicts or (run.max_capacity_prompts is None and run.compression_ratio is None):
+            return length  # nothing evicted at prefill (a --decode_budget alone)
         if run.max_capacity_prompts is not None:
             return min(run.max_capacity_prompts, length)
         # Round away float noise first: 1000 * (1 - 0.9) is 99.99999999999997, which must keep 100.

@@ -69,12 +69,13 @@ class LayerPlan:
 
 
 def plan_layer(config: Any, valid: torch.Tensor, layer_idx: int = 0, num_layers: int = 1,
-               sliding_window: int | None = None) -> LayerPlan:
+               sliding_window: int | None = None, budgets: list[int] | None = None) -> LayerPlan:
     """The prefill plan of layer ``layer_idx`` for a left-padded prompt with real tokens ``valid``.
 
-    ``config`` is a ``restkv.config.CompressionConfig``. Raises ``ConfigError`` when a row
-    that must be compressed cannot keep more than its protected tokens (a ratio budget on a
-    short row).
+    ``config`` is a ``restkv.config.CompressionConfig``; ``budgets`` overrides its budget of
+    each row (a layer compressed again keeps the budget of all the tokens it has seen). Raises
+    ``ConfigError`` when a row that must be compressed cannot keep more than its protected
+    tokens (a ratio budget on a short row).
     """
     if not 0 <= layer_idx < num_layers:
         raise ValueError(f"layer_idx {layer_idx} must lie in 0..{num_layers - 1} (num_layers {num_layers})")
@@ -85,7 +86,8 @@ def plan_layer(config: Any, valid: torch.Tensor, layer_idx: int = 0, num_layers:
         visible = valid & (torch.arange(length, device=valid.device) >= length - sliding_window + 1)
     # One host transfer for every row's sizes.
     lengths, counts = valid.sum(dim=-1).tolist(), visible.sum(dim=-1).tolist()
-    budgets = [min(config.budget_for(int(n)), int(c)) for n, c in zip(lengths, counts)]
+    wanted = budgets if budgets is not None else [config.budget_for(int(n)) for n in lengths]
+    budgets = [min(int(b), int(c)) for b, c in zip(wanted, counts)]
     window = config.run.window_size
     protected_counts = [policy.protected_count(window, budget) for budget in budgets]
     compress = policy.evicts and policy.compresses_layer(layer_idx) and any(

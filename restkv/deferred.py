@@ -178,7 +178,7 @@ def _compress_pending(cache, pending: PendingPrefill) -> None:
             residual = config.switch("residual")
             cache.layers[index] = CompressedLayer.from_selection(
                 selection, layer.plan.valid.shape[-1], layer.plan.sliding_window, config,
-                readout=residual.readout() if residual is not None else None,
+                readout=residual.readout() if residual is not None else None, padding=layer.plan.padding,
             )
 
 

@@ -60,11 +60,10 @@ class FrontLoaded(Allocation):
     front_share: float = option(0.75, "share of the candidate budget the first half of the layers adds", minimum=0,
                                 maximum=1)
 
-    def candidate_counts(self, ctx, scores, shape):
+    def candidate_counts(self, layer, scores, shape, available):
         extra = int(self.front_share * shape.candidate_budget)
-        first_half = ctx.layer_idx < ctx.num_layers // 2
-        count = shape.candidate_budget + (extra if first_half else -extra)
-        return torch.full((ctx.num_kv_heads,), min(count, shape.candidates), dtype=torch.long)
+        first_half = layer.layer_idx < layer.num_layers // 2
+        return torch.clamp(available, max=shape.candidate_budget + (extra if first_half else -extra))
 '''
 
 

@@ -65,6 +65,11 @@ class Policy(Options):
         unless a method's own flag chooses, like ``--kvzip_layerwise``); None lets ``--allocation`` choose."""
         return cls.allocation
 
+    @property
+    def shares_scores_across_heads(self) -> bool:
+        """True when every KV head of a layer keeps the same tokens (one score for the layer)."""
+        return False
+
     def protected_count(self, window_size: int, budget: int) -> int:
         """Most recent tokens always kept, out of a row budget of ``budget`` tokens."""
         return window_size

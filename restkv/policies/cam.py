@@ -18,7 +18,7 @@ import torch
 
 from restkv.context import ScoringContext
 from restkv.merging import cam_merge, cam_reference_values, evicted_mask
-from restkv.options import option, register
+from restkv.options import ConfigError, option, register
 from restkv.policies.base import GroupedScores
 from restkv.selection import gather_columns
 
@@ -36,6 +36,12 @@ class CaM(GroupedScores):
     cam_expected: bool = option(False, "CaM: merge with the probability itself instead of a Bernoulli draw")
     cam_merge_tokens: int = option(32, "CaM (paper mode): kept tokens after an evicted one that share its value",
                                    minimum=1)
+
+    def check(self, config) -> None:
+        super().check(config)
+        if self.cam_mode == "reference" and config.rescores:
+            raise ConfigError("--cam_mode reference cascades over the whole prompt in one pass; with "
+                              "--prefill_chunk_size or --decode_budget use --cam_mode paper")
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         return self.reduce(ctx, ctx.observation.total())

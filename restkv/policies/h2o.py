@@ -39,10 +39,11 @@ class H2O(GroupedScores):
 
     def check(self, config) -> None:
         super().check(config)
-        if self.h2o_queries == "all" and config.compresses_after_prefill:
+        if self.h2o_queries == "all" and (config.compresses_after_prefill or config.rescores):
             raise ConfigError(
-                "--h2o_queries all accumulates the prompt's own queries as they are computed; it cannot wait for "
-                f"the whole prefill (--observation {config.run.observation}, --allocation {config.run.allocation})"
+                "--h2o_queries all accumulates the attention of every prompt query at once; it cannot wait for the "
+                f"whole prefill (--observation {config.run.observation}, --allocation {config.run.allocation}) nor "
+                "score chunk by chunk (--prefill_chunk_size, --decode_budget)"
             )
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:

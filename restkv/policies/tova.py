@@ -23,6 +23,10 @@ class TOVA(GroupedScores):
 
     tova_per_head: bool = option(False, "TOVA averages the last query's attention per query group, not per layer")
 
+    @property
+    def shares_scores_across_heads(self) -> bool:
+        return not self.tova_per_head
+
     def protected_count(self, window_size: int, budget: int) -> int:
         return 1
 
