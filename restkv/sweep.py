@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Sequence
 
 from restkv.benchmarks import ruler, ruler_data
-from restkv.benchmarks.runner import format_table, read_predictions
+from restkv.benchmarks.results import read_predictions
+from restkv.benchmarks.scoring import format_table
 from restkv.config import method_spec_options
 
 DEFAULT_TASKS = "niah_single_1,niah_single_2,niah_multikey_1"

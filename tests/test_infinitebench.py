@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from restkv.benchmarks import infinitebench as ib
-from restkv.benchmarks.runner import Sample, encode_prompt, read_predictions
+from restkv.benchmarks.benchmark import Sample
+from restkv.benchmarks.prompts import encode_prompt
+from restkv.benchmarks.results import read_predictions
 from top_level import dry_run_script, usage_exit
 
 FIXTURES = Path(__file__).resolve().parent.parent / "data" / "fixtures" / "infinitebench"
@@ -142,7 +144,7 @@ def test_runner_shards_and_eval_end_to_end(smollm2, tmp_path):
 
 
 def test_scripts_run_with_valid_flags_and_sweep(tmp_path):
-    from restkv.benchmarks.runner import parse_args, selected_datasets
+    from restkv.benchmarks.flags import parse_args, selected_datasets
 
     (run,) = dry_run_script("infinite_bench/run.sh", "0", "snapkv", "1024", "some/Llama-3.1-8B-Instruct",
                             "--generation_lengths", "release")
@@ -163,7 +165,7 @@ def test_scripts_run_with_valid_flags_and_sweep(tmp_path):
 
 
 def test_generation_lengths_official_and_release():
-    from restkv.benchmarks.runner import parse_args
+    from restkv.benchmarks.flags import parse_args
 
     for table, expected in (("official", 6), ("release", 15)):
         args = parse_args(ib.BENCHMARK, ["--data_dir", str(FIXTURES), "--generation_lengths", table,

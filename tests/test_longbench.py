@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from restkv.benchmarks import longbench
-from restkv.benchmarks.runner import DataError, encode_prompt, read_predictions
+from restkv.benchmarks.errors import DataError
+from restkv.benchmarks.prompts import encode_prompt
+from restkv.benchmarks.results import read_predictions
 from restkv.models import load_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "LongBench"

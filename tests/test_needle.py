@@ -8,7 +8,7 @@ import pytest
 
 from restkv.benchmarks import needle
 from restkv.benchmarks.haystack import HaystackText, load_essays
-from restkv.benchmarks.runner import read_predictions
+from restkv.benchmarks.results import read_predictions
 from top_level import dry_run_script, usage_exit
 
 
@@ -127,7 +127,7 @@ def test_runner_end_to_end_with_resume(smollm2, tmp_path):
 
 
 def test_scripts_run_with_valid_flags_and_sweep(tmp_path):
-    from restkv.benchmarks.runner import parse_args
+    from restkv.benchmarks.flags import parse_args
 
     (run,) = dry_run_script("needle/run.sh", "0", "restkv", "128", "smollm2-135m", "--use_wo", E_LEN="4000")
     assert run[0] == "run_needle_in_haystack.py"
@@ -147,7 +147,7 @@ def test_scripts_run_with_valid_flags_and_sweep(tmp_path):
 
 
 def test_release_flag_spellings_are_accepted():
-    from restkv.benchmarks.runner import parse_args
+    from restkv.benchmarks.flags import parse_args
 
     args = parse_args(needle.BENCHMARK, ["--model_name", "m", "--max_capacity_prompt", "96", "--method", "SnapKV",
                                          "--haystack_dir", "essays"], needle.add_flags)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from restkv.benchmarks import ruler, ruler_data
-from restkv.benchmarks.runner import read_predictions
+from restkv.benchmarks.results import read_predictions
 from top_level import dry_run_script, usage_exit
 
 
@@ -167,7 +167,7 @@ def test_run_resume_shards_and_eval(smollm2, ruler_dir, tmp_path):
 
 
 def test_run_script_generates_data_then_runs_with_valid_flags():
-    from restkv.benchmarks.runner import parse_args, selected_datasets
+    from restkv.benchmarks.flags import parse_args, selected_datasets
 
     generate, run = dry_run_script("ruler/run.sh", "cpu", "snapkv", "128", "smollm2-135m", "--query_agnostic",
                              LENGTHS="4096 8192", NUM_SAMPLES="20")

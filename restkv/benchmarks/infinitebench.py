@@ -30,16 +30,11 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from restkv.benchmarks.longbench_metrics import f1_score, normalize_answer, normalize_zh_answer
-from restkv.benchmarks.runner import (
-    Benchmark,
-    DataError,
-    Sample,
-    datasets_in,
-    format_table,
-    read_jsonl,
-    read_predictions,
-)
+from restkv.benchmarks.benchmark import Benchmark, Sample
+from restkv.benchmarks.errors import DataError
+from restkv.benchmarks.results import datasets_in, read_jsonl, read_predictions
 from restkv.benchmarks.runner import main as run_main
+from restkv.benchmarks.scoring import format_table
 
 OPTION_LETTERS = "ABCD"
 

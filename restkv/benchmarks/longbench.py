@@ -32,17 +32,11 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from restkv.benchmarks import longbench_metrics as metrics
-from restkv.benchmarks.runner import (
-    Benchmark,
-    DataError,
-    Sample,
-    datasets_in,
-    format_table,
-    prediction_files,
-    read_jsonl,
-    read_predictions,
-)
+from restkv.benchmarks.benchmark import Benchmark, Sample
+from restkv.benchmarks.errors import DataError
+from restkv.benchmarks.results import datasets_in, prediction_files, read_jsonl, read_predictions
 from restkv.benchmarks.runner import main as run_main
+from restkv.benchmarks.scoring import format_table
 
 #: The 16 English and code datasets, in the order of the papers' tables (the default set).
 ENGLISH_DATASETS = (

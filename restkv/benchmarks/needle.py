@@ -35,7 +35,10 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, load_essays
-from restkv.benchmarks.runner import Benchmark, BenchmarkRun, Sample, parse_args, read_predictions
+from restkv.benchmarks.benchmark import Benchmark, Sample
+from restkv.benchmarks.flags import parse_args
+from restkv.benchmarks.results import read_predictions
+from restkv.benchmarks.session import BenchmarkRun
 from restkv.models import load_tokenizer
 
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"

@@ -27,19 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from restkv.benchmarks.runner import (
-    Benchmark,
-    BenchmarkRun,
-    DataError,
-    Sample,
-    chat_wrap,
-    datasets_in,
-    format_table,
-    parse_args,
-    read_jsonl,
-    read_predictions,
-    selected_datasets,
-)
+from restkv.benchmarks.benchmark import Benchmark, Sample
+from restkv.benchmarks.errors import DataError
+from restkv.benchmarks.flags import parse_args, selected_datasets
+from restkv.benchmarks.prompts import chat_wrap
+from restkv.benchmarks.results import datasets_in, read_jsonl, read_predictions
+from restkv.benchmarks.scoring import format_table
+from restkv.benchmarks.session import BenchmarkRun
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from typing import Callable, Sequence
 from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, load_essays, split_sentences, wonderwords_list
 from restkv.benchmarks.haystack import wonderwords_version
 from restkv.benchmarks.ruler import FAMILIES, RulerTask, get_task, parse_task_list, SYNTHETIC_TASKS
-from restkv.benchmarks.runner import chat_wrap
+from restkv.benchmarks.prompts import chat_wrap
 
 NOISE_LINE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."

@@ -1,0 +1,60 @@
+"""What a benchmark adapter declares: its datasets and how a data file becomes samples.
+
+An adapter (``restkv.benchmarks.longbench``, ``ruler``, ``needle``, ``infinitebench``) fills
+one ``Benchmark``; the runner (``restkv.benchmarks.runner``) does the rest the same way for
+every benchmark::
+
+    BENCH = Benchmark("mybench", datasets=("a", "b"), default_datasets=("a",),
+                      load_samples=load_samples, default_data_dir="data/MyBench")
+    runner.main(BENCH)                      # parse flags, load + patch, run, write
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One prompt to answer.
+
+    id: unique within its dataset (resume and merge key).
+    context: the part compressed alone under ``--query_agnostic`` (instruction + documents).
+    question: the rest of the prompt; ``context + question`` is the full prompt.
+    max_new_tokens: the benchmark's generation length (``--max_new_tokens`` overrides it).
+    fields: copied into the output line (answers, lengths, ... whatever the scorer needs).
+    chat: wrap in the tokenizer's chat template (ignored when the tokenizer has none).
+    answer_prefix: appended after the chat wrapper, so it starts the answer (RULER).
+    stop_tokens: texts whose last token also ends generation (LongBench samsum: ``"\\n"``).
+    min_new_tokens: generate at least this many tokens before a stop token counts.
+    """
+
+    id: str
+    context: str
+    question: str
+    max_new_tokens: int
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    chat: bool = True
+    answer_prefix: str = ""
+    stop_tokens: tuple[str, ...] = ()
+    min_new_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """What a runner needs from a benchmark adapter.
+
+    load_samples(args, dataset) returns the dataset's samples in file order; it raises
+    ``DataError`` (file, line, field) on malformed input. ``prediction_flags`` name the
+    benchmark's own flags that change a prediction (a chat template, generation lengths):
+    they join the run settings, so a folder never mixes predictions made with other values.
+    """
+
+    name: str
+    datasets: tuple[str, ...]
+    default_datasets: tuple[str, ...]
+    load_samples: Callable[[argparse.Namespace, str], list[Sample]]
+    default_data_dir: str
+    prediction_flags: tuple[str, ...] = ()

@@ -1,0 +1,230 @@
+"""The command line every runner shares: its flags, their checks, sharding, the prompt limit.
+
+Every ``CompressionConfig`` field is a flag ``--<name>`` (help and choices from the field's
+metadata, default None so the config's own default applies); this module is the only one
+that reads the config's fields, here and in ``compression_config_from_args``.
+
+``parse_args`` checks the values before anything is loaded, so a typo in a sweep script stops
+with the flag's name at once: the compression options (the config's own checks), the datasets
+and the shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from typing import Any, Callable, Mapping, Sequence
+
+from restkv.benchmarks.benchmark import Benchmark
+from restkv.benchmarks.errors import DataError
+from restkv.config import CompressionConfig, ConfigError
+
+#: Prompt-token limits of the original release (ReST-KV run_*.py), keyed by a substring of the
+#: lower-cased model path, plus the embedded models and "llama-3-" (hub names of the 8K Llama 3,
+#: which matched no key there). The longest matching key wins (the original took the last match
+#: in dict order and crashed on no match).
+MODEL_MAX_LEN = {
+    "smollm2-135m": 7950,
+    "gemma3-270m": 7950,
+    "llama2": 3950,
+    "llama-2": 3950,
+    "llama3": 7950,
+    "llama-3-": 7950,
+    "llama-3-70": 7950,
+    "llama-3.1": 127000,
+    "mistral": 31500,
+    "qwen2.5": 127000,
+    "gemma": 7950,
+}
+
+#: Tokens left for the answer when the limit comes from the model's context length.
+GENERATION_ROOM = 512
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends a flag's default when it has one (None means "see the help text")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if action.default not in (None, argparse.SUPPRESS) and "%(default)" not in help_text:
+            help_text += " (default: %(default)s)"
+        return help_text
+
+
+def _str_to_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+
+
+def _method_name(text: str) -> str:
+    """The original release's scripts spell methods ``SnapKV``, ``FullKV``...; names are lower-case."""
+    return text.lower()
+
+
+def _flag_spec(name: str, annotation: Any) -> dict[str, Any]:
+    """argparse keywords for a config field of type ``annotation``."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(members) != 1:
+            raise TypeError(f"CompressionConfig.{name}: the runner cannot map the type {annotation} to a flag")
+        annotation = members[0]
+    if annotation is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(annotation) in (tuple, list):
+        return {"nargs": "*", "type": typing.get_args(annotation)[0]}
+    if annotation in (int, float, str):
+        return {"type": annotation}
+    raise TypeError(f"CompressionConfig.{name}: the runner cannot map the type {annotation} to a flag")
+
+
+def add_compression_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--<name>`` per ``CompressionConfig`` field, help and choices from its metadata.
+
+    Flags default to None (not given), so the config's own defaults apply.
+    """
+    from restkv.policies import available_methods
+
+    group = parser.add_argument_group("compression (restkv.config.CompressionConfig)")
+    hints = typing.get_type_hints(CompressionConfig)
+    for config_field in dataclasses.fields(CompressionConfig):
+        spec = _flag_spec(config_field.name, hints[config_field.name])
+        help_text = config_field.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
+        default = config_field.default
+        if config_field.name == "method":
+            spec["type"] = _method_name
+            help_text = f"{help_text}; one of {', '.join(available_methods())}"
+        if "choices" in config_field.metadata:
+            spec["choices"] = config_field.metadata["choices"]
+        if default not in (dataclasses.MISSING, None):
+            help_text = f"{help_text} (default: {default})"
+        group.add_argument(f"--{config_field.name}", default=None, help=help_text, **spec)
+
+
+def compression_config_from_args(args: argparse.Namespace) -> CompressionConfig:
+    """The config of the flags that were given; ``fullkv`` drops any budget (it keeps everything)."""
+    options = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(CompressionConfig)
+        if getattr(args, f.name, None) is not None
+    }
+    if options.get("method") == "fullkv":
+        options.pop("max_capacity_prompts", None)
+        options.pop("compression_ratio", None)
+    return CompressionConfig.from_options(**options)
+
+
+def build_parser(benchmark: Benchmark, add_flags: Callable[[argparse.ArgumentParser], None] | None = None,
+                 parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The common flags of every runner, one flag per compression option, and the benchmark's
+    own (``add_flags``)."""
+    parser = parser_class(description=f"Run {benchmark.name} with a compressed KV cache.",
+                          formatter_class=_HelpFormatter)
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model_path", default="smollm2-135m",
+        help="an embedded model (smollm2-135m, gemma3-270m), a local folder or a hub id",
+    )
+    model.add_argument("--attn_implementation", default="sdpa", choices=["eager", "sdpa", "flash_attention_2"])
+    model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"],
+                       help="default: bfloat16 on CUDA, float32 on CPU")
+    model.add_argument("--device_map", default=None,
+                       help="default: 'auto' on CUDA (this process's GPU under torchrun), CPU otherwise")
+    model.add_argument("--use_cache", type=_str_to_bool, nargs="?", const=True, default=True,
+                       help="accepted for the original release's scripts (--use_cache True); compression needs it")
+    model.add_argument("--model_max_len", type=int, default=None,
+                       help="prompt tokens kept (cut in the middle); default per model: "
+                            "restkv.benchmarks.flags.default_model_max_len")
+
+    data = parser.add_argument_group("data")
+    data.add_argument("--data_dir", default=benchmark.default_data_dir, help="folder of the benchmark's jsonl files")
+    data.add_argument("--dataset", default=None, help="one dataset (the original release's flag)")
+    data.add_argument("--datasets", nargs="+", default=None,
+                      help="datasets to run, space- or comma-separated "
+                           f"(default: {' '.join(benchmark.default_datasets)})")
+    data.add_argument("--max_num_examples", type=int, default=None, help="only the first N samples of each dataset")
+    data.add_argument("--max_new_tokens", type=int, default=None, help="override the benchmark's generation length")
+
+    run = parser.add_argument_group("run")
+    run.add_argument("--query_agnostic", action=argparse.BooleanOptionalAction, default=False,
+                     help="compress the context alone, then feed the question (off: query-aware)")
+    run.add_argument("--save_dir", default=f"results/{benchmark.name}", help="root of the results folders")
+    run.add_argument("--tag", default=None, help="suffix of the results folder, for variants of one method and budget")
+    run.add_argument("--num_shards", type=int, default=None, help="split every dataset over N processes")
+    run.add_argument("--shard_id", type=int, default=None, help="this process's shard, 0..N-1")
+
+    add_compression_flags(parser)
+    if add_flags is not None:
+        add_flags(parser)
+    return parser
+
+
+def parse_args(benchmark: Benchmark, argv: Sequence[str] | None = None,
+               add_flags: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """Parse and check a runner's command line; a bad value prints the runner's usage and the
+    message (exit status 2)."""
+    parser = build_parser(benchmark, add_flags)
+    args = parser.parse_args(argv)
+    try:
+        check_flags(args, benchmark)
+    except (ConfigError, DataError, ValueError) as error:
+        parser.error(str(error))
+    return args
+
+
+def check_flags(args: argparse.Namespace, benchmark: Benchmark) -> None:
+    """Every check that needs no model, data file or results folder."""
+    compression_config_from_args(args)
+    selected_datasets(args, benchmark)
+    shard_of(args)
+
+
+def selected_datasets(args: argparse.Namespace, benchmark: Benchmark) -> list[str]:
+    """``--dataset`` or ``--datasets`` (space- or comma-separated; default: the benchmark's default
+    set), checked by name, duplicates dropped."""
+    if args.dataset is not None and args.datasets is not None:
+        raise DataError("give either --dataset or --datasets, not both")
+    chosen = [args.dataset] if args.dataset is not None else list(args.datasets or benchmark.default_datasets)
+    # "--datasets a,b c" and "--datasets a b c" name the same datasets.
+    chosen = [name for entry in chosen for name in entry.split(",") if name]
+    unknown = [name for name in chosen if name not in benchmark.datasets]
+    if unknown:
+        raise DataError(
+            f"unknown {benchmark.name} dataset(s) {', '.join(unknown)}; known: {', '.join(benchmark.datasets)}"
+        )
+    return list(dict.fromkeys(chosen))
+
+
+def shard_of(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """(shard_id, num_shards) from the flags, else from torchrun's RANK/WORLD_SIZE, else (0, 1)."""
+    if args.num_shards is None and args.shard_id is not None:
+        raise ValueError("--shard_id needs --num_shards")
+    if args.num_shards is not None:
+        shard_id = 0 if args.shard_id is None else args.shard_id
+        num_shards = args.num_shards
+    elif int(environ.get("WORLD_SIZE", "1")) > 1:
+        shard_id, num_shards = int(environ.get("RANK", "0")), int(environ["WORLD_SIZE"])
+    else:
+        return 0, 1
+    if num_shards < 1 or not 0 <= shard_id < num_shards:
+        raise ValueError(f"--shard_id must lie in 0..{num_shards - 1} (--num_shards {num_shards}); got {shard_id}")
+    return shard_id, num_shards
+
+
+def default_model_max_len(model_path: str, model_config: Any | None = None) -> int:
+    """Prompt-token limit: the original release's value for the model family (``MODEL_MAX_LEN``),
+    else the model's context length minus ``GENERATION_ROOM``."""
+    lowered = model_path.lower()
+    matches = [key for key in MODEL_MAX_LEN if key in lowered]
+    if matches:
+        return MODEL_MAX_LEN[max(matches, key=len)]
+    context = getattr(model_config, "max_position_embeddings", None)
+    if not context:
+        raise ValueError(f"cannot tell the context length of {model_path!r}; give --model_max_len")
+    return max(1, int(context) - GENERATION_ROOM)

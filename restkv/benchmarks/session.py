@@ -1,0 +1,238 @@
+"""A benchmark run in one process: the loaded and patched model, greedy generation, the
+compression check, and the loop over a dataset's samples.
+
+**Generation.** Greedy, batch 1, stopping on the prompt's stop tokens, new tokens decoded
+without special tokens. Query-agnostic prompts (``question_ids``) compress the context alone,
+then feed the question through the compressed cache (``restkv.generation``). ``--seed`` (a
+config option) also seeds Python, NumPy and torch.
+
+**No silent no-compression.** After each sample the cache is inspected: if the compressed
+prefill was longer than the budget, every layer that the method compresses at that length must
+hold fewer entries than tokens seen, else the run stops with ``CompressionNotApplied``. Tokens
+seen / stored go in the line.
+
+**Output line.** ``id, index, pred`` (the field name of LongBench's and RULER's own tools), the
+adapter's ``fields``, then ``prompt_tokens, context_tokens, question_tokens, truncated,
+new_tokens, kv_tokens_seen, kv_tokens_stored, kv_layers_compressed, seconds``.
+
+**Sharding.** Shard ``K`` of ``N`` runs the samples whose index ``i`` has ``i % N == K``, each
+shard its own file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from restkv.benchmarks.benchmark import Benchmark, Sample
+from restkv.benchmarks.errors import CompressionNotApplied, DataError
+from restkv.benchmarks.flags import compression_config_from_args, default_model_max_len, shard_of
+from restkv.benchmarks.prompts import EncodedPrompt, encode_prompt, stop_token_ids
+from restkv.benchmarks.results import (
+    ResultWriter,
+    results_dir,
+    run_settings,
+    shard_path,
+    write_run_meta,
+    written_ids,
+)
+from restkv.compat import with_cache
+from restkv.config import CompressionConfig
+
+@dataclass(frozen=True)
+class Generation:
+    """One answer: its text and token ids, and the cache it was generated with."""
+
+    text: str
+    token_ids: list[int]
+    cache: Any
+
+
+def generate(model, tokenizer, encoded: EncodedPrompt, max_new_tokens: int,
+             stop_ids: Sequence[int], min_new_tokens: int = 0) -> Generation:
+    """Greedy generation; with ``question_ids``, the context is compressed alone first."""
+    from transformers import DynamicCache, GenerationConfig
+
+    from restkv.generation import generate_after_context
+
+    device = model.device
+    settings = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        eos_token_id=list(stop_ids),
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0],
+    )
+    context = torch.tensor([encoded.context_ids], device=device)
+    if encoded.question_ids:
+        question = torch.tensor([encoded.question_ids], device=device)
+        new_ids, cache = generate_after_context(
+            model, context, question, generation_config=settings, return_cache=True
+        )
+    else:
+        cache = DynamicCache(config=model.config)
+        output = model.generate(
+            input_ids=context, attention_mask=torch.ones_like(context), generation_config=settings, **with_cache(cache)
+        )
+        new_ids = output[:, context.shape[-1]:]
+    token_ids = new_ids[0].tolist()
+    return Generation(tokenizer.decode(token_ids, skip_special_tokens=True), token_ids, cache)
+
+
+def _attention_modules(model) -> list[torch.nn.Module]:
+    """The model's attention modules in layer order, patched or not (so an unpatched model
+    cannot pass the compression check by having no patched layers)."""
+    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+    if not modules:
+        raise CompressionNotApplied(f"found no attention layers in {type(model).__name__} to check")
+    return sorted(modules, key=lambda m: m.layer_idx)
+
+
+def layers_expected_to_compress(model, config: CompressionConfig, prefill_tokens: int) -> list[int]:
+    """Layers that must compress a prefill of ``prefill_tokens`` tokens under ``config``."""
+    from restkv.attention import LayerParams
+    from restkv.compress import needs_compression
+
+    if config.method == "fullkv":
+        return []
+    valid = torch.ones(1, prefill_tokens, dtype=torch.bool)
+    return [
+        module.layer_idx
+        for module in _attention_modules(model)
+        if needs_compression(config, valid, module.layer_idx, LayerParams.of(module).sliding_window)
+    ]
+
+
+def compression_record(model, config: CompressionConfig, cache, prefill_tokens: int) -> dict[str, Any]:
+    """Tokens seen and stored by the cache; raises ``CompressionNotApplied`` if a layer that had
+    to compress the ``prefill_tokens``-token prefill kept everything."""
+    from restkv.cache import cache_report
+
+    reports = cache_report(cache)
+    expected = layers_expected_to_compress(model, config, prefill_tokens)
+    missing = [layer for layer in expected if layer >= len(reports) or not reports[layer].compressed]
+    if missing:
+        raise CompressionNotApplied(
+            f"the prefill had {prefill_tokens} tokens, over the budget of --method {config.method}, but layers "
+            f"{missing} kept every token: restkv's attention patch is not active on this model "
+            "(unpatched, another model class, or a cache type restkv does not compress)"
+        )
+    return {
+        "kv_tokens_seen": max((r.tokens_seen for r in reports), default=0),
+        "kv_tokens_stored": round(float(np.mean([r.stored_mean + r.residual for r in reports])), 1) if reports else 0,
+        "kv_layers_compressed": sum(r.compressed for r in reports),
+    }
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _device_map(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Any:
+    if args.device_map is not None:
+        return args.device_map
+    if not torch.cuda.is_available():
+        return None
+    if int(environ.get("WORLD_SIZE", "1")) > 1:
+        return f"cuda:{int(environ.get('LOCAL_RANK', '0'))}"
+    return "auto"
+
+
+@dataclass
+class BenchmarkRun:
+    """A loaded, patched model and where its predictions go."""
+
+    benchmark: Benchmark
+    args: argparse.Namespace
+    config: CompressionConfig
+    model: Any
+    tokenizer: Any
+    folder: Path
+    model_max_len: int
+    shard_id: int = 0
+    num_shards: int = 1
+
+    @classmethod
+    def start(cls, benchmark: Benchmark, args: argparse.Namespace, model=None, tokenizer=None) -> "BenchmarkRun":
+        """Build the config, load (unless given) and patch the model, write ``run_meta.json``."""
+        from restkv.models import load_model, load_tokenizer
+        from restkv.monkeypatch import replace_for_model
+
+        if not args.use_cache:
+            raise ValueError("--use_cache False: restkv compresses the KV cache, so runs always use it")
+        config = compression_config_from_args(args)
+        shard_id, num_shards = shard_of(args)
+        set_seed(config.seed)
+        if model is None:
+            model = load_model(args.model_path, args.attn_implementation, args.dtype, _device_map(args))
+        if tokenizer is None:
+            tokenizer = load_tokenizer(args.model_path)
+        options = config.to_dict()
+        replace_for_model(model, options.pop("method"), **options)
+        model_max_len = args.model_max_len or default_model_max_len(args.model_path, model.config)
+        folder = results_dir(args.save_dir, args.model_path, config, args.query_agnostic, args.tag)
+        write_run_meta(folder, run_settings(args, benchmark, config, model, model_max_len), args, model)
+        return cls(benchmark, args, config, model, tokenizer, folder, model_max_len, shard_id, num_shards)
+
+    def answer(self, sample: Sample) -> dict[str, Any]:
+        """Generate one sample's answer; returns its output line without ``id``/``index``."""
+        started = time.perf_counter()
+        encoded = encode_prompt(self.tokenizer, sample, self.model_max_len, split=self.args.query_agnostic)
+        stop_ids = stop_token_ids(self.model, self.tokenizer, sample.stop_tokens)
+        max_new_tokens = self.args.max_new_tokens or sample.max_new_tokens
+        result = generate(self.model, self.tokenizer, encoded, max_new_tokens, stop_ids, sample.min_new_tokens)
+        kv = compression_record(self.model, self.config, result.cache, len(encoded.context_ids))
+        return {
+            "pred": result.text,
+            **sample.fields,
+            "prompt_tokens": encoded.num_tokens,
+            "context_tokens": len(encoded.context_ids),
+            "question_tokens": len(encoded.question_ids),
+            "truncated": encoded.truncated,
+            "new_tokens": len(result.token_ids),
+            **kv,
+            "seconds": round(time.perf_counter() - started, 3),
+        }
+
+    def run_dataset(self, dataset: str, samples: Sequence[Sample]) -> Path:
+        """Answer this shard's samples of ``dataset`` that no file holds yet; returns the file."""
+        _check_unique_ids(dataset, samples)
+        if self.args.max_num_examples is not None:
+            if self.args.max_num_examples < 1:
+                raise ValueError(f"--max_num_examples must be >= 1; got {self.args.max_num_examples}")
+            samples = samples[: self.args.max_num_examples]
+        path = shard_path(self.folder, dataset, self.shard_id, self.num_shards)
+        with ResultWriter(path) as writer:
+            done = writer.ids | written_ids(self.folder, dataset, path)
+            todo = [(index, sample) for index, sample in enumerate(samples)
+                    if index % self.num_shards == self.shard_id and sample.id not in done]
+            label = dataset if self.num_shards == 1 else f"{dataset} [{self.shard_id}/{self.num_shards}]"
+            with tqdm(todo, desc=label, unit="sample", dynamic_ncols=True) as progress:
+                for index, sample in progress:
+                    record = self.answer(sample)
+                    writer.write({"id": sample.id, "index": index, **record})
+                    progress.set_postfix(tokens=record["prompt_tokens"], stored=record["kv_tokens_stored"])
+        return path
+
+
+def _check_unique_ids(dataset: str, samples: Sequence[Sample]) -> None:
+    seen: set = set()
+    for sample in samples:
+        if sample.id in seen:
+            raise DataError(f"{dataset}: sample id {sample.id!r} occurs twice; ids must be unique (resume key)")
+        seen.add(sample.id)
