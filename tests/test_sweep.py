@@ -2,7 +2,7 @@
 
 import pytest
 
-from restkv import sweep
+from restkv.benchmarks import sweep
 from restkv.config import ConfigError
 
 

@@ -1,7 +1,7 @@
 """A budget sweep on needle-style RULER tasks, printed as one comparison table.
 
-    python -m restkv.sweep                      # smollm2-135m, 2K-token niah tasks, 2 budgets
-    python -m restkv.sweep --length 4096 --compression_ratios 0.9 0.8 --num_samples 20 \
+    python -m restkv.benchmarks.sweep           # smollm2-135m, 2K-token niah tasks, 2 budgets
+    python -m restkv.benchmarks.sweep --length 4096 --compression_ratios 0.9 0.8 --num_samples 20 \
         --methods streamingllm snapkv h2o restkv snapkv+residual --query_agnostic
 
 A method may carry boolean flags after ``+`` (``snapkv+residual`` runs ``--method snapkv
@@ -32,7 +32,7 @@ DEFAULT_TASKS = "niah_single_1,niah_single_2,niah_multikey_1"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m restkv.sweep", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m restkv.benchmarks.sweep", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default="smollm2-135m")
     parser.add_argument("--length", type=int, default=2048, help="RULER sequence length (prompt + answer tokens)")
