@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from restkv.benchmarks.longbench_metrics import f1_score, normalize_answer, normalize_zh_answer
 from restkv.benchmarks.benchmark import Benchmark, Sample
-from restkv.benchmarks.errors import DataError
+from restkv.benchmarks.errors import DataError, command_line
 from restkv.benchmarks.results import datasets_in, read_jsonl, read_predictions
 from restkv.benchmarks.runner import main as run_main
 from restkv.benchmarks.scoring import format_table
@@ -471,6 +471,7 @@ def score_run(run_dir: Path) -> dict[str, float]:
     return scores
 
 
+@command_line
 def evaluate(argv: Sequence[str] | None = None) -> dict[Path, dict[str, float]]:
     """``eval_infinite.py``: score every run folder under ``--results_dir``, write
     ``infinite_scores.json`` / ``.csv`` in each, print one table row per run."""

@@ -25,7 +25,6 @@ import argparse
 import csv
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -33,7 +32,7 @@ import numpy as np
 
 from restkv.benchmarks import longbench_metrics as metrics
 from restkv.benchmarks.benchmark import Benchmark, Sample
-from restkv.benchmarks.errors import DataError
+from restkv.benchmarks.errors import DataError, command_line
 from restkv.benchmarks.results import datasets_in, prediction_files, read_jsonl, read_predictions
 from restkv.benchmarks.runner import main as run_main
 from restkv.benchmarks.scoring import format_table
@@ -542,6 +541,7 @@ def format_evaluations(evaluations: Mapping[str, Mapping], buckets: bool = False
     return text
 
 
+@command_line
 def evaluate(argv: Sequence[str] | None = None) -> dict[str, dict]:
     """``eval.py``: score every run under ``--results_dir``, print the tables, write the result files."""
     parser = argparse.ArgumentParser(
@@ -553,10 +553,7 @@ def evaluate(argv: Sequence[str] | None = None) -> dict[str, dict]:
     parser.add_argument("--buckets", action="store_true",
                         help="print length buckets for every dataset (always for LongBench-E ones)")
     args = parser.parse_args(argv)
-    try:
-        evaluations = evaluate_results_dir(args.results_dir, args.datasets)
-    except DataError as error:
-        sys.exit(f"error: {error}")
+    evaluations = evaluate_results_dir(args.results_dir, args.datasets)
     print(format_evaluations(evaluations, buckets=args.buckets))
     print(f"\nwritten: {args.results_dir}/results.json, {args.results_dir}/results.csv")
     return evaluations

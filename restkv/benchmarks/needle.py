@@ -36,6 +36,7 @@ from typing import Iterable, Mapping, Sequence
 
 from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, load_essays
 from restkv.benchmarks.benchmark import Benchmark, Sample
+from restkv.benchmarks.errors import command_line
 from restkv.benchmarks.flags import parse_args
 from restkv.benchmarks.results import read_predictions
 from restkv.benchmarks.session import BenchmarkRun
@@ -263,6 +264,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                        help="alias of --max_capacity_prompts")
 
 
+@command_line
 def run(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> Path:
     """``run_needle_in_haystack.py``: run every cell not written yet, then score all written
     cells into ``needle_results.json`` beside the predictions."""

@@ -33,7 +33,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from restkv.benchmarks.benchmark import Benchmark
-from restkv.benchmarks.errors import DataError, RunMismatch
+from restkv.benchmarks.errors import DataError, RunFolderBusy, RunMismatch
 from restkv.config import CompressionConfig
 
 # --------------------------------------------------------------------------- folder
@@ -171,7 +171,7 @@ class ResultWriter:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._file.close()
-            raise RuntimeError(f"{path} is being written by another process (same dataset and shard)") from None
+            raise RunFolderBusy(f"{path} is being written by another process (same dataset and shard)") from None
         try:
             self._file.seek(0)
             numbered, complete_end, tail = _split_jsonl(path, self._file.read())

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from restkv.benchmarks.benchmark import Benchmark, Sample
-from restkv.benchmarks.errors import DataError
+from restkv.benchmarks.errors import DataError, command_line
 from restkv.benchmarks.flags import parse_args, selected_datasets
 from restkv.benchmarks.prompts import chat_wrap
 from restkv.benchmarks.results import datasets_in, read_jsonl, read_predictions
@@ -386,6 +386,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                        help="wrap input in the tokenizer's chat template (the generator counts it by default)")
 
 
+@command_line
 def run(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> Path:
     """``run_ruler.py``: parse flags, load and patch the model (unless given), run every task file."""
     args = parse_args(BENCHMARK, argv, add_flags)
@@ -444,6 +445,7 @@ def score_run(run_dir: Path) -> dict[int, dict[str, float]]:
     return scores
 
 
+@command_line
 def evaluate(argv: Sequence[str] | None = None) -> dict[Path, dict[int, dict[str, float]]]:
     """``eval_ruler.py``: score every run folder under ``--results_dir``, print and write the tables."""
     parser = argparse.ArgumentParser(description="Score RULER predictions (RULER's string-match metrics).")

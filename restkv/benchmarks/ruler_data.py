@@ -49,6 +49,7 @@ from typing import Callable, Sequence
 from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, load_essays, split_sentences, wonderwords_list
 from restkv.benchmarks.haystack import wonderwords_version
 from restkv.benchmarks.ruler import FAMILIES, RulerTask, get_task, parse_task_list, SYNTHETIC_TASKS
+from restkv.benchmarks.errors import command_line
 from restkv.benchmarks.prompts import chat_wrap
 
 NOISE_LINE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -624,6 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@command_line
 def main(argv: Sequence[str] | None = None) -> list[Path]:
     args = build_parser().parse_args(argv)
     tasks = parse_task_list(args.tasks)

@@ -14,12 +14,11 @@ generation and the compression check: ``restkv.benchmarks.session``.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
 from restkv.benchmarks.benchmark import Benchmark
-from restkv.benchmarks.errors import DataError, RunMismatch
+from restkv.benchmarks.errors import command_line
 from restkv.benchmarks.flags import parse_args, selected_datasets
 from restkv.benchmarks.session import BenchmarkRun
 
@@ -33,16 +32,11 @@ def run(benchmark: Benchmark, args: argparse.Namespace, model=None, tokenizer=No
     return session.folder
 
 
+@command_line
 def main(benchmark: Benchmark, argv: Sequence[str] | None = None,
          add_flags: Callable[[argparse.ArgumentParser], None] | None = None, model=None, tokenizer=None) -> Path:
-    """Command-line entry point of a ``run_*.py``; ``model``/``tokenizer`` skip loading (tests, notebooks).
-
-    Malformed data and a folder holding other settings end the program with their message.
-    """
+    """Command-line entry point of a ``run_*.py``; ``model``/``tokenizer`` skip loading (tests, notebooks)."""
     args = parse_args(benchmark, argv, add_flags)
-    try:
-        folder = run(benchmark, args, model=model, tokenizer=tokenizer)
-    except (DataError, RunMismatch) as error:
-        sys.exit(f"error: {error}")
+    folder = run(benchmark, args, model=model, tokenizer=tokenizer)
     print(f"predictions in {folder}")
     return folder

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from restkv.benchmarks import ruler, ruler_data
+from restkv.benchmarks.errors import command_line
 from restkv.benchmarks.results import read_predictions
 from restkv.benchmarks.scoring import format_table
 from restkv.config import method_spec_options
@@ -118,6 +119,7 @@ def summarise(folder: Path, method: str, budget: str, tasks: list[str], length: 
     return row
 
 
+@command_line
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
     rows = run_sweep(args)
