@@ -68,12 +68,25 @@ def test_the_original_release_command_line_parses():
         ("--method snapkv", "needs a budget"),
         ("--method snapkv --max_capacity_prompts 64 --dataset nosuch", "unknown toy dataset(s) nosuch"),
         ("--method snapkv --max_capacity_prompts 64 --num_shards 2 --shard_id 2", "--shard_id must lie in 0..1"),
+        ("--method fullkv --num_shards 0", "--num_shards must be >= 1; got 0"),
+        ("--method fullkv --model_max_len 1", "--model_max_len must be >= 2; got 1"),
+        ("--method fullkv --model_max_len -3", "--model_max_len must be >= 2; got -3"),
+        ("--method fullkv --max_new_tokens 0", "--max_new_tokens must be >= 1; got 0"),
+        ("--method fullkv --max_num_examples 0", "--max_num_examples must be >= 1; got 0"),
+        ("--method fullkv --use_cache False", "--use_cache False"),
+        ("--method fullkv --model_path /no/such/model", "--model_path /no/such/model: no such folder"),
+        ("--method fullkv --model_path ./models/typo", "embedded model (smollm2-135m, gemma3-270m)"),
     ],
 )
 def test_bad_flags_stop_with_a_message_naming_the_flag(command_line, message, capsys):
     with pytest.raises(SystemExit):
         flags.parse_args(TOY, command_line.split())
     assert message in capsys.readouterr().err
+
+
+def test_model_paths_that_may_be_hub_ids_or_exist_are_accepted(tmp_path):
+    for path in ("smollm2-135m", "org/new-model", str(tmp_path)):
+        assert flags.parse_args(TOY, ["--method", "fullkv", "--model_path", path]).model_path == path
 
 
 def test_dataset_selection():
@@ -119,6 +132,8 @@ def test_default_prompt_length_of_an_unknown_model_leaves_room_for_the_answer():
     assert default_model_max_len("org/new-model", argparse.Namespace(max_position_embeddings=4096)) == 4096 - 512
     with pytest.raises(ValueError, match="give --model_max_len"):
         default_model_max_len("org/new-model", None)
+    with pytest.raises(ValueError, match="give --model_max_len"):  # no room for a prompt
+        default_model_max_len("org/new-model", argparse.Namespace(max_position_embeddings=512))
 
 
 @pytest.mark.parametrize(

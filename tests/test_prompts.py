@@ -68,6 +68,15 @@ def test_long_prompts_are_cut_in_the_middle(tokenizer):
     assert tokenizer.decode(split.question_ids).startswith(sample.question)
 
 
+def test_a_limit_below_two_tokens_is_refused(tokenizer):
+    """Half of 1 is 0 tokens, and ids[-0:] would have kept the whole prompt."""
+    for limit in (1, 0, -4):
+        with pytest.raises(ValueError, match="max_tokens must be >= 2"):
+            prompts.truncate_middle(tokenizer, STORY, limit)
+    head, tail, truncated = prompts.truncate_middle(tokenizer, STORY, 2)
+    assert truncated and len(tokenizer(head + tail, add_special_tokens=False).input_ids) <= 3
+
+
 def test_a_question_longer_than_the_kept_half_is_cut_with_the_context(tokenizer):
     long_question = "Question: " + STORY
     sample = Sample(id="x", context="Intro. " + STORY, question=long_question, max_new_tokens=1, chat=False)

@@ -21,6 +21,10 @@ class BenchmarkError(Exception):
     """A problem of a command's input or of its results folder, not of the code."""
 
 
+class FlagError(BenchmarkError, ValueError):
+    """A command-line value that cannot work; the message names the flag."""
+
+
 class DataError(BenchmarkError, ValueError):
     """Malformed benchmark input; the message names the file, the line and the field."""
 

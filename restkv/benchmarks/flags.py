@@ -4,9 +4,10 @@ Every ``CompressionConfig`` field is a flag ``--<name>`` (help and choices from 
 metadata, default None so the config's own default applies); this module is the only one
 that reads the config's fields, here and in ``compression_config_from_args``.
 
-``parse_args`` checks the values before anything is loaded, so a typo in a sweep script stops
-with the flag's name at once: the compression options (the config's own checks), the datasets
-and the shard.
+``parse_args`` checks every value before anything is loaded, so a typo in a sweep script
+stops with the flag's name at once: the compression options (the config's own checks), the
+datasets, the shard, the lengths and counts, and ``--model_path`` when it can only be a local
+folder.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import dataclasses
 import os
 import types
 import typing
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from restkv.benchmarks.benchmark import Benchmark
-from restkv.benchmarks.errors import DataError
+from restkv.benchmarks.errors import DataError, FlagError
 from restkv.config import CompressionConfig, ConfigError
 
 #: Prompt-token limits of the original release (ReST-KV run_*.py), keyed by a substring of the
@@ -42,6 +44,9 @@ MODEL_MAX_LEN = {
 
 #: Tokens left for the answer when the limit comes from the model's context length.
 GENERATION_ROOM = 512
+
+#: The smallest prompt limit: the middle cut keeps ``limit // 2`` tokens at each end.
+MIN_MODEL_MAX_LEN = 2
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -139,7 +144,7 @@ def build_parser(benchmark: Benchmark, add_flags: Callable[[argparse.ArgumentPar
     model.add_argument("--use_cache", type=_str_to_bool, nargs="?", const=True, default=True,
                        help="accepted for the original release's scripts (--use_cache True); compression needs it")
     model.add_argument("--model_max_len", type=int, default=None,
-                       help="prompt tokens kept (cut in the middle); default per model: "
+                       help=f"prompt tokens kept (cut in the middle), >= {MIN_MODEL_MAX_LEN}; default per model: "
                             "restkv.benchmarks.flags.default_model_max_len")
 
     data = parser.add_argument_group("data")
@@ -173,16 +178,37 @@ def parse_args(benchmark: Benchmark, argv: Sequence[str] | None = None,
     args = parser.parse_args(argv)
     try:
         check_flags(args, benchmark)
-    except (ConfigError, DataError, ValueError) as error:
+    except (ConfigError, DataError, FlagError) as error:
         parser.error(str(error))
     return args
 
 
 def check_flags(args: argparse.Namespace, benchmark: Benchmark) -> None:
     """Every check that needs no model, data file or results folder."""
+    if not args.use_cache:
+        raise FlagError("--use_cache False: restkv compresses the KV cache, so runs always use it")
     compression_config_from_args(args)
     selected_datasets(args, benchmark)
     shard_of(args)
+    check_model_path(args.model_path)
+    for flag, minimum in (("model_max_len", MIN_MODEL_MAX_LEN), ("max_new_tokens", 1), ("max_num_examples", 1)):
+        value = getattr(args, flag)
+        if value is not None and value < minimum:
+            raise FlagError(f"--{flag} must be >= {minimum}; got {value}")
+
+
+def check_model_path(model_path: str) -> None:
+    """A ``--model_path`` that can only be a local path (absolute, starting with ``.`` or ``~``,
+    or with more than one ``/``, which no hub id has) must exist."""
+    from restkv.models import EMBEDDED_MODELS
+
+    if model_path in EMBEDDED_MODELS or Path(model_path).expanduser().exists():
+        return
+    if model_path.startswith(("/", ".", "~")) or model_path.count("/") > 1 or model_path.endswith("/"):
+        raise FlagError(
+            f"--model_path {model_path}: no such folder; give a local model folder, a hub id (org/name) or an "
+            f"embedded model ({', '.join(EMBEDDED_MODELS)})"
+        )
 
 
 def selected_datasets(args: argparse.Namespace, benchmark: Benchmark) -> list[str]:
@@ -204,7 +230,7 @@ def selected_datasets(args: argparse.Namespace, benchmark: Benchmark) -> list[st
 def shard_of(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
     """(shard_id, num_shards) from the flags, else from torchrun's RANK/WORLD_SIZE, else (0, 1)."""
     if args.num_shards is None and args.shard_id is not None:
-        raise ValueError("--shard_id needs --num_shards")
+        raise FlagError("--shard_id needs --num_shards")
     if args.num_shards is not None:
         shard_id = 0 if args.shard_id is None else args.shard_id
         num_shards = args.num_shards
@@ -212,8 +238,10 @@ def shard_of(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) 
         shard_id, num_shards = int(environ.get("RANK", "0")), int(environ["WORLD_SIZE"])
     else:
         return 0, 1
-    if num_shards < 1 or not 0 <= shard_id < num_shards:
-        raise ValueError(f"--shard_id must lie in 0..{num_shards - 1} (--num_shards {num_shards}); got {shard_id}")
+    if num_shards < 1:
+        raise FlagError(f"--num_shards must be >= 1; got {num_shards}")
+    if not 0 <= shard_id < num_shards:
+        raise FlagError(f"--shard_id must lie in 0..{num_shards - 1} (--num_shards {num_shards}); got {shard_id}")
     return shard_id, num_shards
 
 
@@ -225,6 +253,7 @@ def default_model_max_len(model_path: str, model_config: Any | None = None) -> i
     if matches:
         return MODEL_MAX_LEN[max(matches, key=len)]
     context = getattr(model_config, "max_position_embeddings", None)
-    if not context:
-        raise ValueError(f"cannot tell the context length of {model_path!r}; give --model_max_len")
-    return max(1, int(context) - GENERATION_ROOM)
+    if not context or int(context) - GENERATION_ROOM < MIN_MODEL_MAX_LEN:
+        raise FlagError(f"cannot tell a prompt limit for {model_path!r} (context length {context}); "
+                        "give --model_max_len")
+    return int(context) - GENERATION_ROOM

@@ -47,6 +47,8 @@ def truncate_middle(tokenizer, text: str, max_tokens: int) -> tuple[str, str, bo
     Returns ``(head, tail, truncated)`` with ``head + tail`` the kept text (``tail`` empty
     when nothing was cut).
     """
+    if max_tokens < 2:
+        raise ValueError(f"max_tokens must be >= 2 (one token at each end); got {max_tokens}")
     ids = tokenizer(text, add_special_tokens=True).input_ids
     if len(ids) <= max_tokens:
         return text, "", False

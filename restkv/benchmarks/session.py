@@ -173,8 +173,6 @@ class BenchmarkRun:
         from restkv.models import load_model, load_tokenizer
         from restkv.monkeypatch import replace_for_model
 
-        if not args.use_cache:
-            raise ValueError("--use_cache False: restkv compresses the KV cache, so runs always use it")
         config = compression_config_from_args(args)
         shard_id, num_shards = shard_of(args)
         set_seed(config.seed)
@@ -184,7 +182,8 @@ class BenchmarkRun:
             tokenizer = load_tokenizer(args.model_path)
         options = config.to_dict()
         replace_for_model(model, options.pop("method"), **options)
-        model_max_len = args.model_max_len or default_model_max_len(args.model_path, model.config)
+        model_max_len = (default_model_max_len(args.model_path, model.config) if args.model_max_len is None
+                         else args.model_max_len)
         folder = results_dir(args.save_dir, args.model_path, config, args.query_agnostic, args.tag)
         write_run_meta(folder, run_settings(args, benchmark, config, model, model_max_len), args, model)
         return cls(benchmark, args, config, model, tokenizer, folder, model_max_len, shard_id, num_shards)
@@ -194,7 +193,7 @@ class BenchmarkRun:
         started = time.perf_counter()
         encoded = encode_prompt(self.tokenizer, sample, self.model_max_len, split=self.args.query_agnostic)
         stop_ids = stop_token_ids(self.model, self.tokenizer, sample.stop_tokens)
-        max_new_tokens = self.args.max_new_tokens or sample.max_new_tokens
+        max_new_tokens = sample.max_new_tokens if self.args.max_new_tokens is None else self.args.max_new_tokens
         result = generate(self.model, self.tokenizer, encoded, max_new_tokens, stop_ids, sample.min_new_tokens)
         kv = compression_record(self.model, self.config, result.cache, len(encoded.context_ids))
         return {
@@ -213,8 +212,6 @@ class BenchmarkRun:
         """Answer this shard's samples of ``dataset`` that no file holds yet; returns the file."""
         _check_unique_ids(dataset, samples)
         if self.args.max_num_examples is not None:
-            if self.args.max_num_examples < 1:
-                raise ValueError(f"--max_num_examples must be >= 1; got {self.args.max_num_examples}")
             samples = samples[: self.args.max_num_examples]
         path = shard_path(self.folder, dataset, self.shard_id, self.num_shards)
         with ResultWriter(path) as writer:
