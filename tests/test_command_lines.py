@@ -1,11 +1,18 @@
 """Every runner and evaluator reports bad input the same way: one line ``error: ...`` on stderr
-and a non-zero exit, never a traceback."""
+and a non-zero exit, never a traceback; and runners find it before they load the model."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 
-from restkv.benchmarks import infinitebench, needle, ruler, ruler_data, runner
+import restkv.models
+from restkv.benchmarks import infinitebench, longbench, needle, ruler, ruler_data, runner
+from restkv.benchmarks.errors import DataError
 from restkv.benchmarks.results import ResultWriter, shard_path
 from restkv.models import load_tokenizer
 from tiny_models import tiny_model
@@ -28,6 +35,19 @@ def ruler_dir(tmp_path_factory):
     ruler_data.main(["--tokenizer", "smollm2-135m", "--lengths", "600", "--tasks", "niah_single_1",
                      "--num_samples", "1", "--out", str(out)])
     return out
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures"
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fails the test if a runner loads a model: the error must be found before."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the error was found")
+
+    monkeypatch.setattr(restkv.models, "load_model", refuse)
 
 
 def one_line_error(call) -> str:
@@ -76,14 +96,55 @@ def test_evaluators_report_a_missing_results_folder(evaluate, tmp_path):
 
 
 def test_the_toy_runner_reports_bad_data(tiny, tokenizer, tmp_path):
-    def broken(args, dataset):
-        from restkv.benchmarks.errors import DataError
-
+    def broken(args, dataset, tokenizer):
         raise DataError("toy.jsonl:3: missing field 'answers'")
-
-    import dataclasses
 
     toy = dataclasses.replace(TOY, load_samples=broken)
     argv = ["--save_dir", str(tmp_path), "--method", "fullkv"]
     message = one_line_error(lambda: runner.main(toy, argv, model=tiny, tokenizer=tokenizer))
     assert message == "error: toy.jsonl:3: missing field 'answers'"
+
+
+# ----------------------------------------------------------------------------- before the model
+
+
+def test_every_longbench_data_file_is_checked_before_the_model(no_model_loading, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(FIXTURES / "LongBench" / "samsum.jsonl", data)
+    argv = ["--data_dir", str(data), "--save_dir", str(tmp_path / "out"), "--method", "fullkv"]
+    message = one_line_error(lambda: longbench.run([*argv, "--datasets", "samsum", "hotpotqa"]))
+    assert "hotpotqa.jsonl: no such data file" in message
+    (data / "hotpotqa.jsonl").write_text('{"input": "q"}\n', encoding="utf-8")
+    message = one_line_error(lambda: longbench.run([*argv, "--datasets", "samsum", "hotpotqa"]))
+    assert "hotpotqa.jsonl:1: missing field 'context'" in message
+    assert not list((tmp_path / "out").rglob("*.jsonl"))  # samsum was not run either
+
+
+def test_a_malformed_ruler_file_is_found_before_the_model(no_model_loading, ruler_dir, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(ruler_dir, data)
+    broken = data / "600" / "vt" / "validation.jsonl"
+    broken.parent.mkdir()
+    broken.write_text(json.dumps({"input": "no outputs"}) + "\n", encoding="utf-8")
+    argv = ["--data_dir", str(data), "--context_lengths", "600", "--datasets", "niah_single_1,vt",
+            "--method", "fullkv", "--save_dir", str(tmp_path / "out")]
+    assert "vt/validation.jsonl:1: a RULER sample needs 'input' and 'outputs'" in one_line_error(lambda: ruler.run(argv))
+
+
+def test_a_missing_infinitebench_file_is_found_before_the_model(no_model_loading, tmp_path):
+    argv = ["--data_dir", str(FIXTURES / "infinitebench"), "--datasets", "passkey,nosuch_task", "--method", "fullkv",
+            "--save_dir", str(tmp_path)]
+    with pytest.raises(SystemExit):  # an unknown task is a flag error
+        infinitebench.run(argv)
+    argv = ["--data_dir", str(tmp_path / "empty"), "--datasets", "passkey", "--method", "fullkv",
+            "--save_dir", str(tmp_path)]
+    assert "no InfiniteBench data at" in one_line_error(lambda: infinitebench.run(argv))
+
+
+def test_a_busy_folder_is_found_before_the_model(no_model_loading, tokenizer, tmp_path):
+    folder = tmp_path / "smollm2-135m" / "fullkv"
+    with ResultWriter(shard_path(folder, "logs", 0, 1)):
+        message = one_line_error(lambda: runner.main(TOY, ["--save_dir", str(tmp_path), "--method", "fullkv"],
+                                                     tokenizer=tokenizer))
+    assert "is being written by another process" in message

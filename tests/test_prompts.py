@@ -26,7 +26,7 @@ def tiny(tokenizer):
 
 
 def test_query_aware_prompt_is_the_chat_wrapped_text(tokenizer):
-    sample = toy_samples(None, "logs")[0]
+    sample = toy_samples(None, "logs", None)[0]
     encoded = encode_prompt(tokenizer, sample, max_tokens=4000)
     wrapped = tokenizer.apply_chat_template(
         [{"role": "user", "content": sample.context + sample.question}], add_generation_prompt=True, tokenize=False
@@ -36,7 +36,7 @@ def test_query_aware_prompt_is_the_chat_wrapped_text(tokenizer):
 
 
 def test_query_agnostic_prompt_splits_before_the_question(tokenizer):
-    sample = toy_samples(None, "logs")[0]
+    sample = toy_samples(None, "logs", None)[0]
     aware = encode_prompt(tokenizer, sample, max_tokens=4000)
     agnostic = encode_prompt(tokenizer, sample, max_tokens=4000, split=True)
     context_text = tokenizer.decode(agnostic.context_ids)
@@ -48,7 +48,7 @@ def test_query_agnostic_prompt_splits_before_the_question(tokenizer):
 
 
 def test_raw_prompts_and_answer_prefix(tokenizer):
-    sample = dataclasses.replace(toy_samples(None, "logs")[0], chat=False, answer_prefix=" The code is")
+    sample = dataclasses.replace(toy_samples(None, "logs", None)[0], chat=False, answer_prefix=" The code is")
     text = sample.context + sample.question + sample.answer_prefix
     assert encode_prompt(tokenizer, sample, 4000).context_ids == tokenizer(text).input_ids
     chat = dataclasses.replace(sample, chat=True)
@@ -58,7 +58,7 @@ def test_raw_prompts_and_answer_prefix(tokenizer):
 
 
 def test_long_prompts_are_cut_in_the_middle(tokenizer):
-    sample = toy_samples(None, "logs")[0]
+    sample = toy_samples(None, "logs", None)[0]
     encoded = encode_prompt(tokenizer, dataclasses.replace(sample, chat=False), max_tokens=64)
     text = tokenizer.decode(encoded.context_ids)
     assert encoded.truncated and abs(encoded.num_tokens - 64) <= 2  # re-tokenising may merge at the cut

@@ -163,6 +163,25 @@ def test_run_resume_shards_and_eval(smollm2, ruler_dir, tmp_path):
     assert written["600"]["fwe"] == expected_fwe
 
 
+def test_a_resume_on_regenerated_data_is_refused(tmp_path):
+    """RULER ids are line numbers: new data under the same ids must not join the old predictions."""
+    from restkv.models import load_tokenizer
+    from tiny_models import tiny_model
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    tiny = tiny_model("llama", vocab_size=len(tokenizer))
+    generate = ["--tokenizer", "smollm2-135m", "--lengths", "400", "--tasks", "niah_single_1", "--num_samples", "2",
+                "--out", str(tmp_path / "data")]
+    argv = ["--data_dir", str(tmp_path / "data"), "--context_lengths", "400", "--datasets", "niah_single_1",
+            "--method", "snapkv", "--max_capacity_prompts", "64", "--window_size", "8", "--max_new_tokens", "2",
+            "--save_dir", str(tmp_path / "out")]
+    ruler_data.main(generate)
+    ruler.run([*argv, "--max_num_examples", "1"], model=tiny, tokenizer=tokenizer)
+    ruler_data.main([*generate, "--seed", "7"])
+    with pytest.raises(SystemExit, match="dataset 400/niah_single_1 was run on other data"):
+        ruler.run(argv, model=tiny, tokenizer=tokenizer)
+
+
 # ----------------------------------------------------------------------------- scripts
 
 

@@ -106,6 +106,52 @@ def test_a_folder_refuses_a_run_with_other_settings(tmp_path, tiny, tokenizer):
     assert len(lines_of(tmp_path / "smollm2-135m" / "snapkv_48" / "logs.jsonl")) == 2
 
 
+def test_a_folder_without_a_completed_sample_takes_new_settings(tmp_path, tiny, tokenizer, monkeypatch, capsys):
+    """A run that failed before its first sample left run_meta.json; the fixed rerun goes ahead."""
+    real_generate = session.generate
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(session, "generate", out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        toy_run(tmp_path, tiny, tokenizer)
+    folder = tmp_path / "smollm2-135m" / "snapkv_48"
+    assert json.loads((folder / "run_meta.json").read_text())["settings"]["config"]["window_size"] == 8
+    monkeypatch.setattr(session, "generate", real_generate)
+    toy_run(tmp_path, tiny, tokenizer, "--window_size", "4", "--max_num_examples", "1")
+    assert "held no completed sample; its run settings are replaced (config.window_size: 8 -> 4)" in (
+        capsys.readouterr().err)
+    assert json.loads((folder / "run_meta.json").read_text())["settings"]["config"]["window_size"] == 4
+    assert len(lines_of(folder / "logs.jsonl")) == 1
+
+
+def test_run_meta_records_each_datasets_fingerprint_and_expected_samples(tmp_path, tiny, tokenizer):
+    folder = toy_run(tmp_path, tiny, tokenizer, "--max_num_examples", "2", "--num_shards", "2", "--shard_id", "1")
+    entry = json.loads((folder / "run_meta.json").read_text())["datasets"]["logs"]
+    assert entry["samples_in_data"] == 5 and entry["samples_expected"] == 2  # both shards together
+    assert len(entry["fingerprint"]) == 64
+    again = toy_run(tmp_path / "again", tiny, tokenizer)
+    assert json.loads((again / "run_meta.json").read_text())["datasets"]["logs"]["fingerprint"] == entry["fingerprint"]
+
+
+def test_a_resume_on_other_data_is_refused_and_grown_data_continue(tmp_path, tiny, tokenizer):
+    samples = toy_samples(None, "logs", None)[:3]
+    toy = dataclasses.replace(TOY, load_samples=lambda args, dataset, tokenizer: list(samples))
+    argv = ["--save_dir", str(tmp_path), "--method", "snapkv", "--max_capacity_prompts", "48", "--window_size", "8"]
+    folder = runner.main(toy, [*argv, "--max_num_examples", "2"], model=tiny, tokenizer=tokenizer)
+    samples.append(toy_samples(None, "logs", None)[3])  # the data grew: the folder continues
+    runner.main(toy, argv, model=tiny, tokenizer=tokenizer)
+    assert [r["id"] for r in lines_of(folder / "logs.jsonl")] == ["q0", "q1", "q2", "q3"]
+    samples[1] = dataclasses.replace(samples[1], context="Read another log. The door code is 1.")
+    with pytest.raises(SystemExit, match="dataset logs was run on other data \\(the first 4 samples differ"):
+        runner.main(toy, argv, model=tiny, tokenizer=tokenizer)
+    del samples[2:]
+    with pytest.raises(SystemExit, match="dataset logs was run on other data \\(the run had 4 samples, the data "
+                                         "now hold 2\\)"):
+        runner.main(toy, argv, model=tiny, tokenizer=tokenizer)
+
+
 def test_a_benchmark_flag_that_changes_predictions_is_part_of_the_run_settings(tmp_path, tiny, tokenizer):
     toy = dataclasses.replace(TOY, prediction_flags=("answer_style",))
 
@@ -122,7 +168,7 @@ def test_a_benchmark_flag_that_changes_predictions_is_part_of_the_run_settings(t
 def test_an_unpatched_model_stops_the_run(tiny, tokenizer):
     """Silent no-compression (the patch not active) must not produce plausible numbers."""
     config = CompressionConfig(method="snapkv", max_capacity_prompts=48, window_size=8)
-    sample = toy_samples(None, "logs")[0]
+    sample = toy_samples(None, "logs", None)[0]
     encoded = encode_prompt(tokenizer, sample, 4000)
     result = session.generate(tiny, tokenizer, encoded, 2, [2])  # conftest leaves attention unpatched
     with pytest.raises(CompressionNotApplied, match="kept every token"):

@@ -11,7 +11,7 @@ from restkv.benchmarks.benchmark import Benchmark, Sample
 STORY = " ".join(f"On day {i} the keeper of the lighthouse wrote that the sea was calm." for i in range(12))
 
 
-def toy_samples(args, dataset):
+def toy_samples(args, dataset, tokenizer):
     """Five prompts of ~170 tokens whose answer is a number in the context."""
     return [
         Sample(

@@ -46,8 +46,10 @@ class Sample:
 class Benchmark:
     """What a runner needs from a benchmark adapter.
 
-    load_samples(args, dataset) returns the dataset's samples in file order; it raises
-    ``DataError`` (file, line, field) on malformed input. ``prediction_flags`` name the
+    load_samples(args, dataset, tokenizer) returns the dataset's samples in file order (only
+    prompts built from tokens, the needle's, need the tokenizer); it raises ``DataError`` (file,
+    line, field) on malformed input. Every requested dataset is loaded before the model, so bad
+    data fail early, and again when its turn comes. ``prediction_flags`` name the
     benchmark's own flags that change a prediction (a chat template, generation lengths):
     they join the run settings, so a folder never mixes predictions made with other values.
     """
@@ -55,6 +57,6 @@ class Benchmark:
     name: str
     datasets: tuple[str, ...]
     default_datasets: tuple[str, ...]
-    load_samples: Callable[[argparse.Namespace, str], list[Sample]]
+    load_samples: Callable[[argparse.Namespace, str, Any], list[Sample]]
     default_data_dir: str
     prediction_flags: tuple[str, ...] = ()

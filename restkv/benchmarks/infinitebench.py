@@ -395,7 +395,7 @@ def score_task(task: str, predictions: Sequence[str], labels: Sequence[Any]) -> 
 # ----------------------------------------------------------------------------- running
 
 
-def infinite_samples(args: argparse.Namespace, task: str) -> list[Sample]:
+def infinite_samples(args: argparse.Namespace, task: str, tokenizer=None) -> list[Sample]:
     """The samples of ``task``: official prompt split at the question, official (or release) length."""
     try:
         examples = load_task(args.data_dir, task)

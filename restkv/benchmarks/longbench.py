@@ -376,7 +376,7 @@ def to_sample(dataset: str, record: Mapping[str, Any]) -> Sample:
     )
 
 
-def load_samples(args: argparse.Namespace, dataset: str) -> list[Sample]:
+def load_samples(args: argparse.Namespace, dataset: str, tokenizer=None) -> list[Sample]:
     path = Path(args.data_dir) / f"{dataset}.jsonl"
     return [to_sample(dataset, record) for record in read_records(path)]
 

@@ -35,12 +35,11 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, load_essays
+from restkv.benchmarks import runner
 from restkv.benchmarks.benchmark import Benchmark, Sample
 from restkv.benchmarks.errors import command_line
-from restkv.benchmarks.flags import parse_args
+from restkv.benchmarks.flags import compression_config_from_args, parse_args
 from restkv.benchmarks.results import read_predictions
-from restkv.benchmarks.session import BenchmarkRun
-from restkv.models import load_tokenizer
 
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 RETRIEVAL_QUESTION = "The best thing to do in San Francisco is: "
@@ -212,7 +211,7 @@ def score_grid(rows: Iterable[Mapping]) -> tuple[list[int], list[int], list[list
 # ----------------------------------------------------------------------------- running
 
 
-def needle_samples(args: argparse.Namespace, tokenizer) -> list[Sample]:
+def needle_samples(args: argparse.Namespace, dataset: str, tokenizer) -> list[Sample]:
     """One sample per (context length, depth) cell of the flags' grid, lengths outer."""
     lengths = args.context_lengths or context_lengths(args.s_len, args.e_len, args.step)
     depths = depth_percents(args.depth_intervals)
@@ -237,7 +236,7 @@ BENCHMARK = Benchmark(
     "needle",
     datasets=("needle",),
     default_datasets=("needle",),
-    load_samples=lambda args, dataset: needle_samples(args, load_tokenizer(args.model_path)),
+    load_samples=needle_samples,
     default_data_dir=str(ESSAY_DIR),
     prediction_flags=("chat_template", "final_context_length_buffer"),
 )
@@ -269,10 +268,10 @@ def run(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> Path:
     """``run_needle_in_haystack.py``: run every cell not written yet, then score all written
     cells into ``needle_results.json`` beside the predictions."""
     args = parse_args(BENCHMARK, argv, add_flags)
-    session = BenchmarkRun.start(BENCHMARK, args, model=model, tokenizer=tokenizer)
-    session.run_dataset("needle", needle_samples(args, session.tokenizer))
-    rows = score_records(read_predictions(session.folder, "needle"))
-    results = write_results(rows, session.folder / "needle_results.json", model=args.model_path,
-                            method=session.config.method, budget=session.config.max_capacity_prompts)
-    print(f"predictions in {session.folder}; mean score {results['mean_score']:.3f} over {len(rows)} cells")
-    return session.folder
+    folder = runner.run(BENCHMARK, args, model=model, tokenizer=tokenizer)
+    config = compression_config_from_args(args)
+    rows = score_records(read_predictions(folder, "needle"))
+    results = write_results(rows, folder / "needle_results.json", model=args.model_path, method=config.method,
+                            budget=config.max_capacity_prompts)
+    print(f"predictions in {folder}; mean score {results['mean_score']:.3f} over {len(rows)} cells")
+    return folder

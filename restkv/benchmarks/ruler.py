@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from restkv.benchmarks import runner
 from restkv.benchmarks.benchmark import Benchmark, Sample
 from restkv.benchmarks.errors import DataError, command_line
 from restkv.benchmarks.flags import parse_args, selected_datasets
 from restkv.benchmarks.prompts import chat_wrap
 from restkv.benchmarks.results import datasets_in, read_jsonl, read_predictions
 from restkv.benchmarks.scoring import format_table
-from restkv.benchmarks.session import BenchmarkRun
 
 
 @dataclass(frozen=True)
@@ -344,7 +344,7 @@ def write_scores(scores: Mapping[int | str, Mapping[str, float]], out_dir: str |
 # ----------------------------------------------------------------------------- running
 
 
-def ruler_samples(args: argparse.Namespace, dataset: str) -> list[Sample]:
+def ruler_samples(args: argparse.Namespace, dataset: str, tokenizer=None) -> list[Sample]:
     """The samples of ``dataset`` = ``"<length>/<task>"``; ids are line numbers (niah's index is not unique)."""
     length, task = dataset.split("/")
     try:
@@ -394,14 +394,9 @@ def run(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> Path:
         args.model_max_len = max(args.context_lengths)
     tasks = selected_datasets(args, BENCHMARK)
     datasets = [f"{length}/{task}" for length in args.context_lengths for task in tasks]
-    for dataset in datasets:  # fail before loading the model
-        length, task = dataset.split("/")
-        find_task_file(args.data_dir, int(length), task)
-    session = BenchmarkRun.start(BENCHMARK, args, model=model, tokenizer=tokenizer)
-    for dataset in datasets:
-        session.run_dataset(dataset, ruler_samples(args, dataset))
-    print(f"predictions in {session.folder}")
-    return session.folder
+    folder = runner.run(BENCHMARK, args, model=model, tokenizer=tokenizer, datasets=datasets)
+    print(f"predictions in {folder}")
+    return folder
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -23,12 +23,14 @@ from restkv.benchmarks.flags import parse_args, selected_datasets
 from restkv.benchmarks.session import BenchmarkRun
 
 
-def run(benchmark: Benchmark, args: argparse.Namespace, model=None, tokenizer=None) -> Path:
-    """Run every selected dataset; returns the results folder."""
-    datasets = selected_datasets(args, benchmark)
-    session = BenchmarkRun.start(benchmark, args, model=model, tokenizer=tokenizer)
-    for dataset in datasets:
-        session.run_dataset(dataset, benchmark.load_samples(args, dataset))
+def run(benchmark: Benchmark, args: argparse.Namespace, model=None, tokenizer=None,
+        datasets: Sequence[str] | None = None) -> Path:
+    """Run every dataset (``datasets``: the names the benchmark's files go by, default the
+    flags' selection); returns the results folder."""
+    names = selected_datasets(args, benchmark) if datasets is None else list(datasets)
+    with BenchmarkRun.start(benchmark, args, names, model=model, tokenizer=tokenizer) as session:
+        for name in names:
+            session.run_dataset(name)
     return session.folder
 
 

@@ -22,29 +22,24 @@ shard its own file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from restkv.benchmarks.benchmark import Benchmark, Sample
-from restkv.benchmarks.errors import CompressionNotApplied, DataError
+from restkv.benchmarks.errors import CompressionNotApplied, DataError, FlagError
 from restkv.benchmarks.flags import compression_config_from_args, default_model_max_len, shard_of
 from restkv.benchmarks.prompts import EncodedPrompt, encode_prompt, stop_token_ids
-from restkv.benchmarks.results import (
-    ResultWriter,
-    results_dir,
-    run_settings,
-    shard_path,
-    write_run_meta,
-    written_ids,
-)
+from restkv.benchmarks.results import results_dir
+from restkv.benchmarks.run_folder import DatasetInput, RunFolder, run_settings
 from restkv.compat import with_cache
 from restkv.config import CompressionConfig
 
@@ -153,40 +148,96 @@ def _device_map(args: argparse.Namespace, environ: Mapping[str, str] = os.enviro
     return "auto"
 
 
+def _dtype_name(args: argparse.Namespace, model) -> str:
+    """The dtype the predictions are made in: the given model's, else ``--dtype`` (default as
+    ``restkv.models.load_model``'s; "auto" is the checkpoint's own)."""
+    if model is not None:
+        return str(model.dtype).removeprefix("torch.")
+    if args.dtype is not None:
+        return args.dtype
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+@contextlib.contextmanager
+def _model_path_errors(model_path: str) -> Iterator[None]:
+    """A model or tokenizer that cannot be loaded is a bad ``--model_path``, told in one line."""
+    try:
+        yield
+    except OSError as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise FlagError(f"--model_path {model_path}: cannot load it ({first_line})") from error
+
+
+def load_dataset_samples(benchmark: Benchmark, args: argparse.Namespace, dataset: str, tokenizer) -> list[Sample]:
+    """The dataset's samples as the adapter loads them, ids checked unique (they are the resume key)."""
+    samples = benchmark.load_samples(args, dataset, tokenizer)
+    seen: set = set()
+    for sample in samples:
+        if sample.id in seen:
+            raise DataError(f"{dataset}: sample id {sample.id!r} occurs twice; ids must be unique (resume key)")
+        seen.add(sample.id)
+    return samples
+
+
 @dataclass
 class BenchmarkRun:
-    """A loaded, patched model and where its predictions go."""
+    """A loaded, patched model, the datasets it answers and the folder they go to."""
 
     benchmark: Benchmark
     args: argparse.Namespace
     config: CompressionConfig
     model: Any
     tokenizer: Any
-    folder: Path
+    results: RunFolder
+    inputs: dict[str, DatasetInput]
     model_max_len: int
     shard_id: int = 0
     num_shards: int = 1
 
     @classmethod
-    def start(cls, benchmark: Benchmark, args: argparse.Namespace, model=None, tokenizer=None) -> "BenchmarkRun":
-        """Build the config, load (unless given) and patch the model, write ``run_meta.json``."""
-        from restkv.models import load_model, load_tokenizer
+    def start(cls, benchmark: Benchmark, args: argparse.Namespace, datasets: Sequence[str], model=None,
+              tokenizer=None) -> "BenchmarkRun":
+        """Check what needs no model first (every dataset's data, the folder's lock, settings and
+        data), then load (unless given) and patch the model and write ``run_meta.json``."""
+        from transformers import AutoConfig
+
+        from restkv.models import load_model, load_tokenizer, resolve_model_path
         from restkv.monkeypatch import replace_for_model
 
         config = compression_config_from_args(args)
         shard_id, num_shards = shard_of(args)
-        set_seed(config.seed)
-        if model is None:
-            model = load_model(args.model_path, args.attn_implementation, args.dtype, _device_map(args))
-        if tokenizer is None:
-            tokenizer = load_tokenizer(args.model_path)
-        options = config.to_dict()
-        replace_for_model(model, options.pop("method"), **options)
-        model_max_len = (default_model_max_len(args.model_path, model.config) if args.model_max_len is None
+        with _model_path_errors(args.model_path):
+            if tokenizer is None:
+                tokenizer = load_tokenizer(args.model_path)
+            model_config = model.config if model is not None else AutoConfig.from_pretrained(
+                resolve_model_path(args.model_path))
+        inputs = {
+            name: DatasetInput.of(name, load_dataset_samples(benchmark, args, name, tokenizer), args.max_num_examples)
+            for name in datasets
+        }
+        model_max_len = (default_model_max_len(args.model_path, model_config) if args.model_max_len is None
                          else args.model_max_len)
+        dtype = _dtype_name(args, model)
+        settings = run_settings(args, benchmark, config, dtype, model_max_len)
         folder = results_dir(args.save_dir, args.model_path, config, args.query_agnostic, args.tag)
-        write_run_meta(folder, run_settings(args, benchmark, config, model, model_max_len), args, model)
-        return cls(benchmark, args, config, model, tokenizer, folder, model_max_len, shard_id, num_shards)
+        results = RunFolder.open(folder, datasets, shard_id, num_shards)
+        try:
+            results.check(settings, list(inputs.values()))
+            set_seed(config.seed)
+            if model is None:
+                with _model_path_errors(args.model_path):
+                    model = load_model(args.model_path, args.attn_implementation, dtype, _device_map(args))
+            options = config.to_dict()
+            replace_for_model(model, options.pop("method"), **options)
+            results.write_meta(settings, list(inputs.values()), args, model)
+        except BaseException:
+            results.close()
+            raise
+        return cls(benchmark, args, config, model, tokenizer, results, inputs, model_max_len, shard_id, num_shards)
+
+    @property
+    def folder(self) -> Path:
+        return self.results.path
 
     def answer(self, sample: Sample) -> dict[str, Any]:
         """Generate one sample's answer; returns its output line without ``id``/``index``."""
@@ -208,28 +259,32 @@ class BenchmarkRun:
             "seconds": round(time.perf_counter() - started, 3),
         }
 
-    def run_dataset(self, dataset: str, samples: Sequence[Sample]) -> Path:
-        """Answer this shard's samples of ``dataset`` that no file holds yet; returns the file."""
-        _check_unique_ids(dataset, samples)
-        if self.args.max_num_examples is not None:
-            samples = samples[: self.args.max_num_examples]
-        path = shard_path(self.folder, dataset, self.shard_id, self.num_shards)
-        with ResultWriter(path) as writer:
-            done = writer.ids | written_ids(self.folder, dataset, path)
-            todo = [(index, sample) for index, sample in enumerate(samples)
-                    if index % self.num_shards == self.shard_id and sample.id not in done]
-            label = dataset if self.num_shards == 1 else f"{dataset} [{self.shard_id}/{self.num_shards}]"
-            with tqdm(todo, desc=label, unit="sample", dynamic_ncols=True) as progress:
-                for index, sample in progress:
-                    record = self.answer(sample)
-                    writer.write({"id": sample.id, "index": index, **record})
-                    progress.set_postfix(tokens=record["prompt_tokens"], stored=record["kv_tokens_stored"])
-        return path
+    def run_dataset(self, dataset: str) -> Path:
+        """Answer this shard's samples of ``dataset`` that no file holds yet; returns the file.
 
+        The samples are loaded again (``start`` kept only their digests, so a long benchmark's
+        texts are not all held at once) and must be the ones ``start`` checked.
+        """
+        samples = load_dataset_samples(self.benchmark, self.args, dataset, self.tokenizer)
+        if DatasetInput.of(dataset, samples, self.args.max_num_examples) != self.inputs[dataset]:
+            raise DataError(f"{dataset}: the data changed since the run started; rerun to check them again")
+        writer = self.results.writers[dataset]
+        done = self.results.done(dataset)
+        todo = [(index, sample) for index, sample in enumerate(samples[: self.inputs[dataset].expected])
+                if index % self.num_shards == self.shard_id and sample.id not in done]
+        label = dataset if self.num_shards == 1 else f"{dataset} [{self.shard_id}/{self.num_shards}]"
+        with tqdm(todo, desc=label, unit="sample", dynamic_ncols=True) as progress:
+            for index, sample in progress:
+                record = self.answer(sample)
+                writer.write({"id": sample.id, "index": index, **record})
+                progress.set_postfix(tokens=record["prompt_tokens"], stored=record["kv_tokens_stored"])
+        return writer.path
 
-def _check_unique_ids(dataset: str, samples: Sequence[Sample]) -> None:
-    seen: set = set()
-    for sample in samples:
-        if sample.id in seen:
-            raise DataError(f"{dataset}: sample id {sample.id!r} occurs twice; ids must be unique (resume key)")
-        seen.add(sample.id)
+    def close(self) -> None:
+        self.results.close()
+
+    def __enter__(self) -> "BenchmarkRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
