@@ -218,7 +218,8 @@ def _compressed_layer(module, config, query, key, value, valid, params) -> Compr
             first = kept.residual_positions
             residual["residual_columns"] = torch.where(first >= 0, first + padding, first)
     return CompressedLayer(
-        kept.keys, kept.values, columns, tokens_seen=length, sliding_window=params.sliding_window, **residual
+        kept.keys, kept.values, columns, tokens_seen=length, sliding_window=params.sliding_window, config=config,
+        **residual
     )
 
 

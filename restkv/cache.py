@@ -47,8 +47,10 @@ class CompressedLayer(CacheLayerMixin):
         residual_log_counts: torch.Tensor | None = None,
         residual_columns: torch.Tensor | None = None,
         residual_readout: ResidualReadout | None = None,
+        config=None,
     ) -> None:
         super().__init__()
+        self.config = config  # the CompressionConfig that built the layer (None: not recorded)
         self.kept_keys = kept_keys
         self.kept_values = kept_values
         # int32 column indices in the padded batch (what attention masks index); -1 = unused slot.

@@ -176,3 +176,25 @@ def test_an_unpatched_model_stops_the_run(tiny, tokenizer):
     # A prompt within the budget, or the full cache, needs no compression.
     assert session.compression_record(tiny, config, result.cache, 40)["kv_layers_compressed"] == 0
     assert session.compression_record(tiny, CompressionConfig(method="fullkv"), result.cache, 500)
+
+
+def test_a_cache_compressed_with_other_settings_than_the_runs_stops_the_run(tmp_path, tiny, tokenizer):
+    """configure() after the start leaves the model at other settings than the folder records."""
+    from restkv.benchmarks.errors import CompressionMismatch
+    from restkv.benchmarks.flags import parse_args
+    from restkv.monkeypatch import configure
+
+    args = parse_args(TOY, ["--save_dir", str(tmp_path), "--method", "h2o", "--max_capacity_prompts", "64",
+                            "--window_size", "8"])
+    with session.BenchmarkRun.start(TOY, args, ["logs"], model=tiny, tokenizer=tokenizer) as run:
+        sample = toy_samples(None, "logs", None)[0]
+        assert run.answer(sample)["kv_layers_compressed"] == tiny.config.num_hidden_layers
+        configure(tiny, method="snapkv", max_capacity_prompts=16)
+        with pytest.raises(CompressionMismatch, match="compressed with method 'snapkv', max_capacity_prompts 16"
+                                                      " .*the run's settings say method 'h2o', max_capacity_prompts 64"):
+            run.answer(sample)
+    # A model handed to a new run with a configure()d config of its own compresses with the run's.
+    with session.BenchmarkRun.start(TOY, args, ["logs"], model=tiny, tokenizer=tokenizer) as run:
+        record = run.answer(sample)
+        assert record["kv_tokens_stored"] == 64 + record["new_tokens"] - 1
+

@@ -41,6 +41,10 @@ class CompressionNotApplied(BenchmarkError, RuntimeError):
     """The prompt exceeded the budget but some layer kept everything: the patch is not active."""
 
 
+class CompressionMismatch(CompressionNotApplied):
+    """The cache was compressed with other settings than the ones the run records."""
+
+
 #: What ``command_line`` reports in one line: the errors above, a bad compression option, and
 #: a missing file or folder named on the command line.
 REPORTED = (BenchmarkError, ConfigError, FileNotFoundError)

@@ -8,8 +8,9 @@ config option) also seeds Python, NumPy and torch.
 
 **No silent no-compression.** After each sample the cache is inspected: if the compressed
 prefill was longer than the budget, every layer that the method compresses at that length must
-hold fewer entries than tokens seen, else the run stops with ``CompressionNotApplied``. Tokens
-seen / stored go in the line.
+hold fewer entries than tokens seen, else the run stops with ``CompressionNotApplied``; every
+compressed layer must have been built with the run's config, else ``CompressionMismatch``.
+Tokens seen / stored go in the line.
 
 **Output line.** ``id, index, pred`` (the field name of LongBench's and RULER's own tools), the
 adapter's ``fields``, then ``prompt_tokens, context_tokens, question_tokens, truncated,
@@ -35,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from restkv.benchmarks.benchmark import Benchmark, Sample
-from restkv.benchmarks.errors import CompressionNotApplied, DataError, FlagError
+from restkv.benchmarks.errors import CompressionMismatch, CompressionNotApplied, DataError, FlagError
 from restkv.benchmarks.flags import compression_config_from_args, default_model_max_len, shard_of
 from restkv.benchmarks.prompts import EncodedPrompt, encode_prompt, stop_token_ids
 from restkv.benchmarks.results import results_dir
@@ -93,28 +94,25 @@ def _attention_modules(model) -> list[torch.nn.Module]:
     return sorted(modules, key=lambda m: m.layer_idx)
 
 
-def layers_expected_to_compress(model, config: CompressionConfig, prefill_tokens: int) -> list[int]:
-    """Layers that must compress a prefill of ``prefill_tokens`` tokens under ``config``."""
+def compression_record(model, config: CompressionConfig, cache, prefill_tokens: int) -> dict[str, Any]:
+    """Tokens seen and stored by the cache, after checking it did what ``config`` claims.
+
+    Raises ``CompressionNotApplied`` if a layer that had to compress the ``prefill_tokens``-token
+    prefill kept everything, and ``CompressionMismatch`` if a layer was compressed with other
+    settings than ``config`` (the model re-configured behind the run's back). This is the one
+    place that reads the library's compression internals.
+    """
     from restkv.attention import LayerParams
+    from restkv.cache import CompressedLayer, cache_report
     from restkv.compress import needs_compression
 
-    if config.method == "fullkv":
-        return []
     valid = torch.ones(1, prefill_tokens, dtype=torch.bool)
-    return [
+    expected = [] if config.method == "fullkv" else [
         module.layer_idx
         for module in _attention_modules(model)
         if needs_compression(config, valid, module.layer_idx, LayerParams.of(module).sliding_window)
     ]
-
-
-def compression_record(model, config: CompressionConfig, cache, prefill_tokens: int) -> dict[str, Any]:
-    """Tokens seen and stored by the cache; raises ``CompressionNotApplied`` if a layer that had
-    to compress the ``prefill_tokens``-token prefill kept everything."""
-    from restkv.cache import cache_report
-
     reports = cache_report(cache)
-    expected = layers_expected_to_compress(model, config, prefill_tokens)
     missing = [layer for layer in expected if layer >= len(reports) or not reports[layer].compressed]
     if missing:
         raise CompressionNotApplied(
@@ -122,11 +120,24 @@ def compression_record(model, config: CompressionConfig, cache, prefill_tokens: 
             f"{missing} kept every token: restkv's attention patch is not active on this model "
             "(unpatched, another model class, or a cache type restkv does not compress)"
         )
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, CompressedLayer) and layer.config is not None and layer.config != config:
+            built, claimed = layer.config.to_dict(), config.to_dict()
+            changed = [name for name in claimed if built[name] != claimed[name]]
+            raise CompressionMismatch(
+                f"layer {index} was compressed with {_options(built, changed)} but the run's settings say "
+                f"{_options(claimed, changed)}: the model's compression was changed (configure/replace_*) after "
+                "the run started"
+            )
     return {
         "kv_tokens_seen": max((r.tokens_seen for r in reports), default=0),
         "kv_tokens_stored": round(float(np.mean([r.stored_mean + r.residual for r in reports])), 1) if reports else 0,
         "kv_layers_compressed": sum(r.compressed for r in reports),
     }
+
+
+def _options(options: Mapping[str, Any], names: Sequence[str]) -> str:
+    return ", ".join(f"{name} {options[name]!r}" for name in names)
 
 
 # --------------------------------------------------------------------------- the run
@@ -202,7 +213,7 @@ class BenchmarkRun:
         from transformers import AutoConfig
 
         from restkv.models import load_model, load_tokenizer, resolve_model_path
-        from restkv.monkeypatch import replace_for_model
+        from restkv.monkeypatch import configure, replace_for_model
 
         config = compression_config_from_args(args)
         shard_id, num_shards = shard_of(args)
@@ -227,8 +238,11 @@ class BenchmarkRun:
             if model is None:
                 with _model_path_errors(args.model_path):
                     model = load_model(args.model_path, args.attn_implementation, dtype, _device_map(args))
+            # replace_* sets the family's default; configure() overrides what an earlier
+            # configure() left on this model's layers.
             options = config.to_dict()
-            replace_for_model(model, options.pop("method"), **options)
+            replace_for_model(model, **options)
+            configure(model, **options)
             results.write_meta(settings, list(inputs.values()), args, model)
         except BaseException:
             results.close()
