@@ -198,3 +198,26 @@ def test_a_cache_compressed_with_other_settings_than_the_runs_stops_the_run(tmp_
         record = run.answer(sample)
         assert record["kv_tokens_stored"] == 64 + record["new_tokens"] - 1
 
+
+@pytest.mark.parametrize("switches", [[], ["--residual"]])
+def test_a_prompt_too_short_for_a_ratio_budget_is_answered_with_the_full_cache(tmp_path, tiny, tokenizer, switches):
+    """At --compression_ratio 0.9 a short prompt keeps no more than the window: the library refuses
+    to compress it, and such a sample must not stop the run (nor every resume)."""
+    from restkv.monkeypatch import config_of
+
+    long, short = toy_samples(None, "logs", None)[:2]
+    short = dataclasses.replace(short, context="Read the log. The door code is 4017.\n\n")
+    toy = dataclasses.replace(TOY, load_samples=lambda args, dataset, tokenizer: [long, short])
+    argv = ["--save_dir", str(tmp_path), "--method", "snapkv", "--compression_ratio", "0.9", "--window_size", "16",
+            *switches]
+    folder = runner.main(toy, argv, model=tiny, tokenizer=tokenizer)
+    first, second = lines_of(folder / "logs.jsonl")
+    assert "compressed" not in first and first["kv_layers_compressed"] == tiny.config.num_hidden_layers
+    assert second["compressed"] is False and second["kv_layers_compressed"] == 0
+    assert second["uncompressed_reason"] == (
+        f"a prompt of {second['context_tokens']} tokens keeps {second['context_tokens'] // 10} under "
+        "--compression_ratio 0.9, no more than the 16 tokens --method snapkv always keeps")
+    assert second["kv_tokens_stored"] == second["kv_tokens_seen"]
+    assert config_of(tiny) == CompressionConfig(method="snapkv", compression_ratio=0.9, window_size=16,
+                                                residual=bool(switches))
+

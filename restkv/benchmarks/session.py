@@ -12,9 +12,15 @@ hold fewer entries than tokens seen, else the run stops with ``CompressionNotApp
 compressed layer must have been built with the run's config, else ``CompressionMismatch``.
 Tokens seen / stored go in the line.
 
+**Prompts too short to compress.** Under ``--compression_ratio`` a short prompt may keep no
+more tokens than the method always keeps; the library refuses such a row, so the sample is
+answered with the full cache and its line says so (``"compressed": false`` and
+``"uncompressed_reason"``); the evaluators count such samples.
+
 **Output line.** ``id, index, pred`` (the field name of LongBench's and RULER's own tools), the
 adapter's ``fields``, then ``prompt_tokens, context_tokens, question_tokens, truncated,
-new_tokens, kv_tokens_seen, kv_tokens_stored, kv_layers_compressed, seconds``.
+new_tokens, kv_tokens_seen, kv_tokens_stored, kv_layers_compressed`` (then ``compressed,
+uncompressed_reason`` for a sample answered with the full cache) and ``seconds``.
 
 **Sharding.** Shard ``K`` of ``N`` runs the samples whose index ``i`` has ``i % N == K``, each
 shard its own file.
@@ -134,6 +140,37 @@ def compression_record(model, config: CompressionConfig, cache, prefill_tokens: 
         "kv_tokens_stored": round(float(np.mean([r.stored_mean + r.residual for r in reports])), 1) if reports else 0,
         "kv_layers_compressed": sum(r.compressed for r in reports),
     }
+
+
+def uncompressible_reason(config: CompressionConfig, prefill_tokens: int) -> str | None:
+    """Why a prefill of ``prefill_tokens`` tokens cannot be compressed under ``config``, or None.
+
+    A ratio budget can leave a short prompt no more tokens than the method always keeps (its
+    observation window), and the library refuses to compress such a row; the runner decides
+    before generating, from the same budget rule, and answers that sample with the full cache.
+    """
+    from restkv.policies import get_policy
+
+    budget = config.budget_for(prefill_tokens)
+    if budget >= prefill_tokens:
+        return None
+    protected = get_policy(config.method).protected_count(config, budget)
+    if protected < budget:
+        return None
+    return (f"a prompt of {prefill_tokens} tokens keeps {budget} under --compression_ratio {config.compression_ratio}, "
+            f"no more than the {protected} tokens --method {config.method} always keeps")
+
+
+@contextlib.contextmanager
+def full_cache(model, config: CompressionConfig) -> Iterator[CompressionConfig]:
+    """The model keeping every token (its config, fullkv, is yielded), then back at ``config``."""
+    from restkv.monkeypatch import configure
+
+    keep_all = configure(model, **CompressionConfig(method="fullkv").to_dict())
+    try:
+        yield keep_all
+    finally:
+        configure(model, **config.to_dict())
 
 
 def _options(options: Mapping[str, Any], names: Sequence[str]) -> str:
@@ -259,8 +296,11 @@ class BenchmarkRun:
         encoded = encode_prompt(self.tokenizer, sample, self.model_max_len, split=self.args.query_agnostic)
         stop_ids = stop_token_ids(self.model, self.tokenizer, sample.stop_tokens)
         max_new_tokens = sample.max_new_tokens if self.args.max_new_tokens is None else self.args.max_new_tokens
-        result = generate(self.model, self.tokenizer, encoded, max_new_tokens, stop_ids, sample.min_new_tokens)
-        kv = compression_record(self.model, self.config, result.cache, len(encoded.context_ids))
+        reason = uncompressible_reason(self.config, len(encoded.context_ids))
+        with contextlib.ExitStack() as stack:
+            config = self.config if reason is None else stack.enter_context(full_cache(self.model, self.config))
+            result = generate(self.model, self.tokenizer, encoded, max_new_tokens, stop_ids, sample.min_new_tokens)
+            kv = compression_record(self.model, config, result.cache, len(encoded.context_ids))
         return {
             "pred": result.text,
             **sample.fields,
@@ -270,6 +310,7 @@ class BenchmarkRun:
             "truncated": encoded.truncated,
             "new_tokens": len(result.token_ids),
             **kv,
+            **({} if reason is None else {"compressed": False, "uncompressed_reason": reason}),
             "seconds": round(time.perf_counter() - started, 3),
         }
 
