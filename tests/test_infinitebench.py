@@ -108,6 +108,20 @@ def test_rouge_lsum_matches_hand_computation():
     assert ib.score_task("longbook_sum_eng", ["the cat ran", "a b"], [["the cat sat\nthe dog ran"], ["a b"]]) == 83.33
 
 
+def test_eval_marks_tasks_scored_on_fewer_samples_than_expected(tmp_path, capsys):
+    run = tmp_path / "snapkv_64"
+    rows = [{"id": "0", "index": 0, "pred": "71432", "ground_truth": "71432"}]
+    run.mkdir()
+    (run / "passkey.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    expected = {"fingerprint": "0" * 64, "samples_in_data": 2, "samples_expected": 2}
+    (run / "run_meta.json").write_text(json.dumps({"settings": {"benchmark": "infinite_bench"},
+                                                   "datasets": {"passkey": expected}}))
+    assert ib.evaluate(["--results_dir", str(tmp_path)]) == {run: {"passkey": 100.0, "Avg": 100.0}}
+    output = capsys.readouterr().out.splitlines()
+    assert output[1].split() == ["snapkv_64", "100.00*", "100.00*", "1/2"]
+    assert "* snapkv_64 / passkey: 1/2 samples" in output
+
+
 def test_truncation_keeps_both_ends_of_the_prompt():
     from restkv.models import load_tokenizer
 

@@ -108,6 +108,26 @@ def test_score_table_and_files(tmp_path):
     assert table[1] == {"length": "8192", "niah_single_1": "100.0", "vt": "50.0", "cwe": "", "Avg": "75.0"}
 
 
+def test_eval_says_when_nothing_could_be_scored_and_marks_partial_tasks(tmp_path, capsys):
+    run = tmp_path / "snapkv_64"
+    (run / "600").mkdir(parents=True)
+    (run / "600" / "vt.jsonl").write_text("")  # a run that stopped before its first sample
+    expected = {"fingerprint": "0" * 64, "samples_in_data": 2, "samples_expected": 2}
+    (run / "run_meta.json").write_text(json.dumps({"settings": {"benchmark": "ruler"},
+                                                   "datasets": {"600/vt": expected, "600/cwe": expected}}))
+    with pytest.raises(SystemExit, match="nothing to score"):
+        ruler.evaluate(["--results_dir", str(tmp_path)])
+    _write_jsonl(run / "600" / "vt.jsonl", [{"id": "0", "index": 0, "pred": "A B", "outputs": ["A", "B"]}])
+    _write_jsonl(run / "600" / "cwe.jsonl", [{"id": str(i), "index": i, "pred": "x", "outputs": ["x"]}
+                                             for i in range(2)])
+    results = ruler.evaluate(["--results_dir", str(tmp_path)])
+    assert results[run] == {600: {"vt": 100.0, "cwe": 100.0}}
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["length", "vt", "cwe", "Avg", "samples"]
+    assert lines[2].split() == ["600", "100.00*", "100.00", "100.00*", "3/4"]
+    assert "* snapkv_64 / 600/vt: 1/2 samples" in lines
+
+
 # ----------------------------------------------------------------------------- end to end
 
 

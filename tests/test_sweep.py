@@ -40,3 +40,23 @@ def test_a_small_sweep_runs_every_configuration_and_reports_what_the_cache_kept(
     again = sweep.run_sweep(sweep.build_parser().parse_args(argv), model=model, tokenizer=tokenizer)
     assert again == rows
     assert {path: path.read_text() for path in written} == written
+
+
+def test_a_sharded_sweep_marks_every_score_that_stands_on_part_of_the_samples(tmp_path):
+    """Shard 0 of 2 holds 1 of each task's 2 samples: its table must not read as a full one."""
+    from restkv.models import load_tokenizer
+    from tiny_models import tiny_model
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    tiny = tiny_model("llama", vocab_size=len(tokenizer))
+    argv = ["--length", "400", "--tasks", "niah_single_1", "--num_samples", "2", "--methods", "snapkv",
+            "--budgets", "64", "--save_dir", str(tmp_path), "--num_shards", "2", "--shard_id", "0"]
+    args = sweep.build_parser().parse_args(argv)
+    rows = sweep.run_sweep(args, model=tiny, tokenizer=tokenizer)
+    assert [row["samples"] for row in rows] == ["1/2", "1/2"]
+    table = sweep.report(args, rows).splitlines()
+    assert table[0] == "RULER 400 tokens, 2 samples per task (shard 0 of 2), smollm2-135m, query-aware"
+    assert table[1].split() == ["method", "budget", "niah_single_1", "avg", "kv", "kept", "samples"]
+    assert table[2].split()[2:4] == [f"{rows[0]['niah_single_1']:.2f}*"] * 2 and table[2].split()[-1] == "1/2"
+    assert "* fullkv full / niah_single_1: 1/2 samples" in table
+

@@ -25,8 +25,13 @@ def toy_samples(args, dataset, tokenizer):
     ]
 
 
+def toy_score(dataset, records):
+    """Percent of predictions that contain their door code."""
+    return round(100 * sum(r["answers"][0] in r["pred"] for r in records) / len(records), 2)
+
+
 TOY = Benchmark("toy", datasets=("logs", "other"), default_datasets=("logs",), load_samples=toy_samples,
-                default_data_dir="data/toy")
+                score=toy_score, default_data_dir="data/toy")
 
 
 def toy_run(tmp_path, tiny, tokenizer, *flags):

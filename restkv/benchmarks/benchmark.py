@@ -1,19 +1,21 @@
-"""What a benchmark adapter declares: its datasets and how a data file becomes samples.
+"""What a benchmark adapter declares: its datasets, how a data file becomes samples, how a
+dataset's predictions are scored.
 
 An adapter (``restkv.benchmarks.longbench``, ``ruler``, ``needle``, ``infinitebench``) fills
-one ``Benchmark``; the runner (``restkv.benchmarks.runner``) does the rest the same way for
-every benchmark::
+one ``Benchmark``; the runner (``restkv.benchmarks.runner``) and the evaluator
+(``restkv.benchmarks.scoring``) do the rest the same way for every benchmark::
 
     BENCH = Benchmark("mybench", datasets=("a", "b"), default_datasets=("a",),
-                      load_samples=load_samples, default_data_dir="data/MyBench")
-    runner.main(BENCH)                      # parse flags, load + patch, run, write
+                      load_samples=load_samples, score=score, default_data_dir="data/MyBench")
+    runner.main(BENCH)                           # parse flags, check data, load + patch, run
+    scoring.evaluate(BENCH, "results/mybench")   # scores.json in every run folder
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class Sample:
 
 @dataclass(frozen=True)
 class Benchmark:
-    """What a runner needs from a benchmark adapter.
+    """What the runner and the evaluator need from a benchmark adapter.
 
     load_samples(args, dataset, tokenizer) returns the dataset's samples in file order (only
     prompts built from tokens, the needle's, need the tokenizer); it raises ``DataError`` (file,
@@ -52,11 +54,20 @@ class Benchmark:
     data fail early, and again when its turn comes. ``prediction_flags`` name the
     benchmark's own flags that change a prediction (a chat template, generation lengths):
     they join the run settings, so a folder never mixes predictions made with other values.
+
+    score(dataset, records) is the dataset's metric: its score (0-100) over its prediction
+    lines (never empty); it raises ``DataError`` for an unknown dataset or a line without the
+    fields it reads. ``prediction_glob`` says where a run folder's prediction files lie,
+    relative to it (RULER's datasets are ``<length>/<task>``); ``average_over(datasets)``
+    picks the datasets whose plain mean is a run's average (default: all).
     """
 
     name: str
     datasets: tuple[str, ...]
     default_datasets: tuple[str, ...]
     load_samples: Callable[[argparse.Namespace, str, Any], list[Sample]]
+    score: Callable[[str, Sequence[Mapping[str, Any]]], float]
     default_data_dir: str
     prediction_flags: tuple[str, ...] = ()
+    prediction_glob: str = "*.jsonl"
+    average_over: Callable[[Sequence[str]], list[str]] | None = None

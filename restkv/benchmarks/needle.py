@@ -21,7 +21,8 @@ The protocol is the ReST-KV release's (itself from gkamradt's test via KVCache-F
 Haystack: the essays in ``data/PaulGrahamEssays`` if present, else the project's synthetic
 prose (:mod:`restkv.benchmarks.haystack`); the choice is recorded with the results.
 
-``run`` is the command line of ``run_needle_in_haystack.py``.
+``run`` is the command line of ``run_needle_in_haystack.py``; it scores the cells written so far
+into ``needle_results.json`` and ``scores.json`` (``restkv.benchmarks.scoring``).
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, load_essays
-from restkv.benchmarks import runner
+from restkv.benchmarks import runner, scoring
 from restkv.benchmarks.benchmark import Benchmark, Sample
-from restkv.benchmarks.errors import command_line
+from restkv.benchmarks.errors import DataError, command_line
 from restkv.benchmarks.flags import compression_config_from_args, parse_args
 from restkv.benchmarks.results import read_predictions
 
@@ -232,11 +233,20 @@ def needle_samples(args: argparse.Namespace, dataset: str, tokenizer) -> list[Sa
     ]
 
 
+def score_dataset(dataset: str, records: Sequence[Mapping]) -> float:
+    """The grid's mean word recall, as a percentage."""
+    for number, record in enumerate(records, 1):
+        if "pred" not in record:
+            raise DataError(f"{dataset} record {number}: needs 'pred'")
+    return round(100 * statistics.fmean(score_response(record["pred"]) for record in records), 2)
+
+
 BENCHMARK = Benchmark(
     "needle",
     datasets=("needle",),
     default_datasets=("needle",),
     load_samples=needle_samples,
+    score=score_dataset,
     default_data_dir=str(ESSAY_DIR),
     prediction_flags=("chat_template", "final_context_length_buffer"),
 )
@@ -271,7 +281,7 @@ def run(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> Path:
     folder = runner.run(BENCHMARK, args, model=model, tokenizer=tokenizer)
     config = compression_config_from_args(args)
     rows = score_records(read_predictions(folder, "needle"))
-    results = write_results(rows, folder / "needle_results.json", model=args.model_path, method=config.method,
-                            budget=config.max_capacity_prompts)
-    print(f"predictions in {folder}; mean score {results['mean_score']:.3f} over {len(rows)} cells")
+    write_results(rows, folder / "needle_results.json", model=args.model_path, method=config.method,
+                  budget=config.max_capacity_prompts)
+    print(f"predictions in {folder}\n{scoring.runs_table([scoring.score_run(folder, BENCHMARK)])}")
     return folder

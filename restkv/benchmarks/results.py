@@ -68,9 +68,11 @@ def prediction_files(folder: Path, dataset: str) -> list[Path]:
     return [path for path in files if path.is_file()]
 
 
-def datasets_in(folder: Path) -> list[str]:
-    """Dataset names that have prediction files in ``folder``."""
-    names = {path.name[: -len(".jsonl")].split(SHARD_INFIX)[0] for path in folder.glob("*.jsonl")}
+def datasets_in(folder: Path, pattern: str = "*.jsonl") -> list[str]:
+    """Dataset names that have prediction files in ``folder`` (files matching ``pattern``; a
+    name is the file's path below ``folder`` without the shard part and ``.jsonl``)."""
+    names = {path.relative_to(folder).as_posix()[: -len(".jsonl")].split(SHARD_INFIX)[0]
+             for path in folder.glob(pattern)}
     return sorted(names)
 
 

@@ -12,8 +12,10 @@ The data come from the project's offline RULER generator (``restkv.benchmarks.ru
 the runs from the RULER runner (``restkv.benchmarks.ruler``: resumable, one folder per method
 and budget under ``--save_dir``), the scores from RULER's metrics. The model is loaded once;
 the full cache runs first, then every method at every budget. The table gives each task's
-score, the average, and the fraction of prompt tokens the cache kept (from the runs' own
-cache reports, so a run in which nothing was compressed would show 1.00).
+score, the average, the fraction of prompt tokens the cache kept (from the runs' own cache
+reports, so a run in which nothing was compressed would show 1.00) and the samples scored of
+those expected; a score that stands on fewer samples than expected (one shard of several, an
+interrupted run) is marked ``*``.
 """
 
 from __future__ import annotations
@@ -23,10 +25,9 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from restkv.benchmarks import ruler, ruler_data
+from restkv.benchmarks import ruler, ruler_data, scoring
 from restkv.benchmarks.errors import command_line
 from restkv.benchmarks.results import read_predictions
-from restkv.benchmarks.scoring import format_table
 from restkv.config import method_spec_options
 
 DEFAULT_TASKS = "niah_single_1,niah_single_2,niah_multikey_1"
@@ -104,29 +105,41 @@ def run_sweep(args: argparse.Namespace, model=None, tokenizer=None) -> list[dict
 
 
 def summarise(folder: Path, method: str, budget: str, tasks: list[str], length: int) -> dict:
-    """One table row: scores per task, their average, and the kept fraction of the cache."""
-    row: dict = {"method": method, "budget": budget}
-    seen = stored = 0
-    scores = []
-    for task in tasks:
-        records = read_predictions(folder / str(length), task)
-        row[task] = ruler.score_task(task, [r["pred"] for r in records], [r["outputs"] for r in records])
-        scores.append(row[task])
-        seen += sum(r["kv_tokens_seen"] for r in records)
-        stored += sum(r["kv_tokens_stored"] for r in records)
-    row["avg"] = round(sum(scores) / len(scores), 2)
-    row["kv kept"] = f"{stored / seen:.2f}"
+    """One table row: scores per task, their average, the kept fraction of the cache, the samples
+    scored, the tasks scored on fewer samples than expected, and the table's footnotes for them."""
+    run = scoring.score_run(folder, ruler.BENCHMARK, label=f"{method} {budget}")
+    scores = {task: run.datasets[f"{length}/{task}"] for task in tasks}
+    row: dict = {"method": method, "budget": budget, **{task: score.score for task, score in scores.items()}}
+    scored = [score.score for score in scores.values() if score.score is not None]
+    row["avg"] = round(sum(scored) / len(scored), 2) if scored else None
+    records = [record for task in tasks for record in read_predictions(folder / str(length), task)]
+    seen = sum(record["kv_tokens_seen"] for record in records)
+    row["kv kept"] = f"{sum(record['kv_tokens_stored'] for record in records) / seen:.2f}" if seen else None
+    row["samples"] = scoring.samples_cell(scores.values())
+    row["incomplete"] = [task for task, score in scores.items() if score.complete is False]
+    row["notes"] = scoring.footnotes(run.label, scores)
     return row
+
+
+def report(args: argparse.Namespace, rows: Sequence[dict]) -> str:
+    """The sweep's table: a header line, one row per configuration, incomplete cells marked."""
+    tasks = ruler.parse_task_list(args.tasks)
+    mode = "query-agnostic" if args.query_agnostic else "query-aware"
+    shard = f" (shard {args.shard_id} of {args.num_shards})" if args.num_shards > 1 else ""
+    shown = [{**row, **{task: scoring.mark(row[task], task in row["incomplete"]) for task in tasks},
+              "avg": scoring.mark(row["avg"], bool(row["incomplete"]))} for row in rows]
+    return "\n".join([
+        f"RULER {args.length} tokens, {args.num_samples} samples per task{shard}, {args.model_path}, {mode}",
+        scoring.format_table(shown, ["budget", *tasks, "avg", "kv kept", "samples"], first="method"),
+        *(note for row in rows for note in row["notes"]),
+    ])
 
 
 @command_line
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
     rows = run_sweep(args)
-    tasks = ruler.parse_task_list(args.tasks)
-    mode = "query-agnostic" if args.query_agnostic else "query-aware"
-    print(f"\nRULER {args.length} tokens, {args.num_samples} samples per task, {args.model_path}, {mode}")
-    print(format_table(rows, ["budget", *tasks, "avg", "kv kept"], first="method"))
+    print("\n" + report(args, rows))
     out = Path(args.save_dir) / f"sweep_{args.length}{'_agnostic' if args.query_agnostic else ''}.json"
     out.write_text(json.dumps(rows, indent=1))
     print(f"(rows written to {out})")
