@@ -50,3 +50,15 @@ def smollm2():
     from restkv.models import load_model, load_tokenizer
 
     return load_model("smollm2-135m", attn_implementation="sdpa"), load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fails the test if a runner loads a model: the error under test must be found before."""
+    import restkv.models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the error was found")
+
+    monkeypatch.setattr(restkv.models, "load_model", refuse)
+

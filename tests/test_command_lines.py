@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-import restkv.models
 from restkv.benchmarks import infinitebench, longbench, needle, ruler, ruler_data, runner
 from restkv.benchmarks.errors import DataError
 from restkv.benchmarks.results import ResultWriter, shard_path
@@ -38,16 +37,6 @@ def ruler_dir(tmp_path_factory):
 
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures"
-
-
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    """Fails the test if a runner loads a model: the error must be found before."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the error was found")
-
-    monkeypatch.setattr(restkv.models, "load_model", refuse)
 
 
 def one_line_error(call) -> str:
@@ -129,7 +118,8 @@ def test_a_malformed_ruler_file_is_found_before_the_model(no_model_loading, rule
     broken.write_text(json.dumps({"input": "no outputs"}) + "\n", encoding="utf-8")
     argv = ["--data_dir", str(data), "--context_lengths", "600", "--datasets", "niah_single_1,vt",
             "--method", "fullkv", "--save_dir", str(tmp_path / "out")]
-    assert "vt/validation.jsonl:1: a RULER sample needs 'input' and 'outputs'" in one_line_error(lambda: ruler.run(argv))
+    message = one_line_error(lambda: ruler.run(argv))
+    assert "vt/validation.jsonl:1: a RULER sample needs 'input' and 'outputs'" in message
 
 
 def test_a_missing_infinitebench_file_is_found_before_the_model(no_model_loading, tmp_path):

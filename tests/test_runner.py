@@ -190,8 +190,9 @@ def test_a_cache_compressed_with_other_settings_than_the_runs_stops_the_run(tmp_
         sample = toy_samples(None, "logs", None)[0]
         assert run.answer(sample)["kv_layers_compressed"] == tiny.config.num_hidden_layers
         configure(tiny, method="snapkv", max_capacity_prompts=16)
-        with pytest.raises(CompressionMismatch, match="compressed with method 'snapkv', max_capacity_prompts 16"
-                                                      " .*the run's settings say method 'h2o', max_capacity_prompts 64"):
+        mismatch = ("compressed with method 'snapkv', max_capacity_prompts 16 .*the run's settings say method "
+                    "'h2o', max_capacity_prompts 64")
+        with pytest.raises(CompressionMismatch, match=mismatch):
             run.answer(sample)
     # A model handed to a new run with a configure()d config of its own compresses with the run's.
     with session.BenchmarkRun.start(TOY, args, ["logs"], model=tiny, tokenizer=tokenizer) as run:

@@ -22,6 +22,30 @@ def test_budget_labels():
     assert sweep.budget_label([]) == "full"
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--methods", "snapkv", "nosuch"], "--method 'nosuch' is not a known method"),
+        (["--methods", "snapkv+bogus"], "'bogus' is not a boolean option"),
+        (["--budgets", "256", "0"], "--max_capacity_prompts must be >= 1; got 0"),
+        (["--budgets", "16"], "--max_capacity_prompts"),  # no more than snapkv's 32-token window
+        (["--compression_ratios", "0.9", "1.5"], "--compression_ratio must lie in the open interval (0, 1)"),
+        (["--num_shards", "0"], "--num_shards must be >= 1; got 0"),
+        (["--num_samples", "0"], "--num_samples must be >= 1; got 0"),
+        (["--tasks", "nosuch"], "unknown RULER task 'nosuch'"),
+        (["--length", "100"], "--length 100 leaves no room for niah_single_1's 128 generated tokens"),
+        (["--attn_implementation", "fast"], "invalid choice: 'fast'"),
+    ],
+)
+def test_every_configuration_is_checked_before_the_first_runs(flags, message, tmp_path, capsys, no_model_loading):
+    with pytest.raises(SystemExit) as stop:
+        sweep.main(["--save_dir", str(tmp_path), *flags])
+    error = capsys.readouterr().err
+    assert stop.value.code == 2 and message in error
+    assert error.startswith("usage: python -m restkv.benchmarks.sweep")
+    assert not any(tmp_path.iterdir())  # no data generated, nothing run
+
+
 @pytest.mark.embedded
 def test_a_small_sweep_runs_every_configuration_and_reports_what_the_cache_kept(smollm2, tmp_path, capsys):
     model, tokenizer = smollm2

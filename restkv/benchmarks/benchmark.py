@@ -59,7 +59,8 @@ class Benchmark:
     lines (never empty); it raises ``DataError`` for an unknown dataset or a line without the
     fields it reads. ``prediction_glob`` says where a run folder's prediction files lie,
     relative to it (RULER's datasets are ``<length>/<task>``); ``average_over(datasets)``
-    picks the datasets whose plain mean is a run's average (default: all).
+    picks the datasets whose plain mean is a run's average (default: all). ``check_flags(args)``
+    raises ``FlagError`` for a bad value of the benchmark's own flags (run when they are parsed).
     """
 
     name: str
@@ -67,7 +68,8 @@ class Benchmark:
     default_datasets: tuple[str, ...]
     load_samples: Callable[[argparse.Namespace, str, Any], list[Sample]]
     score: Callable[[str, Sequence[Mapping[str, Any]]], float]
-    default_data_dir: str
+    default_data_dir: str | None
     prediction_flags: tuple[str, ...] = ()
     prediction_glob: str = "*.jsonl"
     average_over: Callable[[Sequence[str]], list[str]] | None = None
+    check_flags: Callable[[argparse.Namespace], None] | None = None

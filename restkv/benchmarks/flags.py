@@ -6,8 +6,8 @@ that reads the config's fields, here and in ``compression_config_from_args``.
 
 ``parse_args`` checks every value before anything is loaded, so a typo in a sweep script
 stops with the flag's name at once: the compression options (the config's own checks), the
-datasets, the shard, the lengths and counts, and ``--model_path`` when it can only be a local
-folder.
+datasets, the shard, the lengths and counts, ``--model_path`` when it can only be a local
+folder, and the benchmark's own flags (``Benchmark.check_flags``).
 """
 
 from __future__ import annotations
@@ -47,6 +47,14 @@ GENERATION_ROOM = 512
 
 #: The smallest prompt limit: the middle cut keeps ``limit // 2`` tokens at each end.
 MIN_MODEL_MAX_LEN = 2
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """Raises ``FlagError`` instead of printing this runner's usage, for callers that build a
+    runner's command line themselves and report errors under their own usage (the sweep)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise FlagError(message)
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -171,10 +179,11 @@ def build_parser(benchmark: Benchmark, add_flags: Callable[[argparse.ArgumentPar
 
 
 def parse_args(benchmark: Benchmark, argv: Sequence[str] | None = None,
-               add_flags: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+               add_flags: Callable[[argparse.ArgumentParser], None] | None = None,
+               raising: bool = False) -> argparse.Namespace:
     """Parse and check a runner's command line; a bad value prints the runner's usage and the
-    message (exit status 2)."""
-    parser = build_parser(benchmark, add_flags)
+    message (exit status 2), or with ``raising`` raises ``FlagError``."""
+    parser = build_parser(benchmark, add_flags, _RaisingParser if raising else argparse.ArgumentParser)
     args = parser.parse_args(argv)
     try:
         check_flags(args, benchmark)
@@ -195,6 +204,8 @@ def check_flags(args: argparse.Namespace, benchmark: Benchmark) -> None:
         value = getattr(args, flag)
         if value is not None and value < minimum:
             raise FlagError(f"--{flag} must be >= {minimum}; got {value}")
+    if benchmark.check_flags is not None:
+        benchmark.check_flags(args)
 
 
 def check_model_path(model_path: str) -> None:

@@ -405,7 +405,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 @command_line
 def run(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> Path:
     """``run_ruler.py``: parse flags, load and patch the model (unless given), run every task file."""
-    args = parse_args(BENCHMARK, argv, add_flags)
+    return run_args(parse_args(BENCHMARK, argv, add_flags), model=model, tokenizer=tokenizer)
+
+
+def run_args(args: argparse.Namespace, model=None, tokenizer=None) -> Path:
+    """``run`` on flags already parsed and checked (the sweep builds its runs' flags itself)."""
     if args.model_max_len is None:  # RULER samples are built to fit their length: never cut them
         args.model_max_len = max(args.context_lengths)
     tasks = selected_datasets(args, BENCHMARK)
@@ -437,7 +441,7 @@ def run_table(run: RunScores) -> str:
         in_row = {name: score for name, score in run.datasets.items() if name.split("/")[0] in lengths}
         for column in columns:
             if column in row:
-                under = in_row.values() if column == "Avg" else [s for n, s in in_row.items() if n.endswith(f"/{column}")]
+                under = [score for name, score in in_row.items() if column == "Avg" or name.endswith(f"/{column}")]
                 row[column] = marked(row[column], under)
         row["samples"] = samples_cell(in_row.values())
     return "\n".join([format_table(rows, [*columns, "samples"], first="length"),

@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Sequence
 
 from restkv.benchmarks import ruler, ruler_data, scoring
-from restkv.benchmarks.errors import command_line
+from restkv.benchmarks.errors import FlagError, command_line
+from restkv.benchmarks.flags import parse_args as parse_runner_args
 from restkv.benchmarks.results import read_predictions
-from restkv.config import method_spec_options
+from restkv.config import ConfigError, method_spec_options
 
 DEFAULT_TASKS = "niah_single_1,niah_single_2,niah_multikey_1"
 
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     budgets.add_argument("--compression_ratios", type=float, nargs="+",
                          help="fractions of each prompt removed, instead of --budgets")
     parser.add_argument("--query_agnostic", action="store_true", help="compress the context before the question")
-    parser.add_argument("--attn_implementation", default="sdpa")
+    parser.add_argument("--attn_implementation", default="sdpa", choices=["eager", "sdpa", "flash_attention_2"])
     parser.add_argument("--save_dir", default="results/sweep")
     parser.add_argument("--num_shards", type=int, default=1)
     parser.add_argument("--shard_id", type=int, default=0)
@@ -79,27 +80,51 @@ def budget_label(flags: list[str]) -> str:
     return flags[1]
 
 
+def configurations(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(method spec, budget flags) of every run: the full cache first, then every method at every budget."""
+    return [("fullkv", [])] + [(spec, budget) for budget in budget_flags(args) for spec in args.methods]
+
+
+def runner_args(args: argparse.Namespace, spec: str, budget: list[str]) -> argparse.Namespace:
+    """The RULER runner's flags of one configuration, checked (raises ``FlagError`` or ``ConfigError``)."""
+    argv = [*method_flags(spec), *budget, "--model_path", args.model_path,
+            "--data_dir", str(Path(args.save_dir) / "data"), "--context_lengths", str(args.length), "--datasets", ",".join(ruler.parse_task_list(args.tasks)),
+            "--save_dir", str(args.save_dir), "--attn_implementation", args.attn_implementation,
+            "--num_shards", str(args.num_shards), "--shard_id", str(args.shard_id),
+            *(["--query_agnostic"] if args.query_agnostic else [])]
+    return parse_runner_args(ruler.BENCHMARK, argv, ruler.add_flags, raising=True)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The sweep's flags, with every configuration's runner flags checked before anything runs; a
+    bad value prints the sweep's usage."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        tasks = ruler.parse_task_list(args.tasks)
+        if args.num_samples < 1:
+            raise FlagError(f"--num_samples must be >= 1; got {args.num_samples}")
+        ruler_data.check_lengths(tasks, [args.length], flag="--length")
+        for spec, budget in configurations(args):
+            runner_args(args, spec, budget)
+    except (ConfigError, ValueError) as error:  # FlagError and DataError are ValueErrors
+        parser.error(str(error))
+    return args
+
+
 def run_sweep(args: argparse.Namespace, model=None, tokenizer=None) -> list[dict]:
     """Generate the data, run every configuration, return one table row per configuration."""
     from restkv.models import load_model, load_tokenizer
 
     tasks = ruler.parse_task_list(args.tasks)
-    data_dir = Path(args.save_dir) / "data"
     tokenizer = tokenizer or load_tokenizer(args.model_path)
     for task in tasks:
-        ruler_data.write_task(data_dir, task, args.length, args.num_samples, tokenizer, args.model_path)
+        ruler_data.write_task(Path(args.save_dir) / "data", task, args.length, args.num_samples, tokenizer,
+                              args.model_path)
     model = model or load_model(args.model_path, attn_implementation=args.attn_implementation)
-
-    runs = [("fullkv", [])] + [(spec, budget) for budget in budget_flags(args) for spec in args.methods]
     rows = []
-    for spec, budget in runs:
-        argv = [*method_flags(spec), *budget, "--model_path", args.model_path, "--data_dir", str(data_dir),
-                "--context_lengths", str(args.length), "--datasets", ",".join(tasks),
-                "--save_dir", str(args.save_dir), "--attn_implementation", args.attn_implementation,
-                "--num_shards", str(args.num_shards), "--shard_id", str(args.shard_id)]
-        if args.query_agnostic:
-            argv.append("--query_agnostic")
-        folder = ruler.run(argv, model=model, tokenizer=tokenizer)
+    for spec, budget in configurations(args):
+        folder = ruler.run_args(runner_args(args, spec, budget), model=model, tokenizer=tokenizer)
         rows.append(summarise(folder, spec, budget_label(budget), tasks, args.length))
     return rows
 
@@ -137,7 +162,7 @@ def report(args: argparse.Namespace, rows: Sequence[dict]) -> str:
 
 @command_line
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     rows = run_sweep(args)
     print("\n" + report(args, rows))
     out = Path(args.save_dir) / f"sweep_{args.length}{'_agnostic' if args.query_agnostic else ''}.json"
