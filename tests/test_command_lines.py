@@ -10,30 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from restkv.benchmarks import infinitebench, longbench, needle, ruler, ruler_data, runner
+from restkv.benchmarks import infinitebench, longbench, needle, ruler, runner
 from restkv.benchmarks.errors import DataError
 from restkv.benchmarks.results import ResultWriter, shard_path
-from restkv.models import load_tokenizer
-from tiny_models import tiny_model
 from toy_benchmark import TOY, toy_run
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def tiny(tokenizer):
-    return tiny_model("llama", vocab_size=len(tokenizer))
-
-
-@pytest.fixture(scope="module")
-def ruler_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ruler_data")
-    ruler_data.main(["--tokenizer", "smollm2-135m", "--lengths", "600", "--tasks", "niah_single_1",
-                     "--num_samples", "1", "--out", str(out)])
-    return out
 
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures"

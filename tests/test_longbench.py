@@ -15,18 +15,12 @@ from restkv.benchmarks import longbench
 from restkv.benchmarks.errors import DataError
 from restkv.benchmarks.prompts import encode_prompt
 from restkv.benchmarks.results import read_predictions
-from restkv.models import load_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "LongBench"
 
 
 def fixture_records(dataset):
     return longbench.read_records(FIXTURES / f"{dataset}.jsonl")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("smollm2-135m")
 
 
 # ------------------------------------------------------------------------------- benchmark facts

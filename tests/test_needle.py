@@ -12,13 +12,6 @@ from restkv.benchmarks.results import read_predictions
 from top_level import dry_run_script, usage_exit
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from restkv.models import load_tokenizer
-
-    return load_tokenizer("smollm2-135m")
-
-
 def test_grid_matches_the_release():
     assert needle.depth_percents(10) == [0, 11, 22, 33, 44, 56, 67, 78, 89, 100]
     assert needle.depth_percents(1) == [0]

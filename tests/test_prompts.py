@@ -9,20 +9,7 @@ import pytest
 from restkv.benchmarks import prompts
 from restkv.benchmarks.benchmark import Sample
 from restkv.benchmarks.prompts import encode_prompt
-from restkv.models import load_tokenizer
-from tiny_models import tiny_model
 from toy_benchmark import STORY, toy_samples
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def tiny(tokenizer):
-    """A tiny random Llama over SmolLM2's vocabulary: real prompts, fast deterministic answers."""
-    return tiny_model("llama", vocab_size=len(tokenizer))
 
 
 def test_query_aware_prompt_is_the_chat_wrapped_text(tokenizer):

@@ -131,14 +131,6 @@ def test_eval_says_when_nothing_could_be_scored_and_marks_partial_tasks(tmp_path
 # ----------------------------------------------------------------------------- end to end
 
 
-@pytest.fixture(scope="module")
-def ruler_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ruler_data")
-    ruler_data.main(["--tokenizer", "smollm2-135m", "--lengths", "600", "--tasks", "niah_single_1,fwe",
-                     "--num_samples", "2", "--out", str(out)])
-    return out
-
-
 def _run(smollm2, ruler_dir, save_dir, *extra, datasets="niah_single_1,fwe"):
     model, tokenizer = smollm2
     argv = ["--model_path", "smollm2-135m", "--data_dir", str(ruler_dir), "--context_lengths", "600",
@@ -183,13 +175,8 @@ def test_run_resume_shards_and_eval(smollm2, ruler_dir, tmp_path):
     assert written["600"]["fwe"] == expected_fwe
 
 
-def test_a_resume_on_regenerated_data_is_refused(tmp_path):
+def test_a_resume_on_regenerated_data_is_refused(tmp_path, tiny, tokenizer):
     """RULER ids are line numbers: new data under the same ids must not join the old predictions."""
-    from restkv.models import load_tokenizer
-    from tiny_models import tiny_model
-
-    tokenizer = load_tokenizer("smollm2-135m")
-    tiny = tiny_model("llama", vocab_size=len(tokenizer))
     generate = ["--tokenizer", "smollm2-135m", "--lengths", "400", "--tasks", "niah_single_1", "--num_samples", "2",
                 "--out", str(tmp_path / "data")]
     argv = ["--data_dir", str(tmp_path / "data"), "--context_lengths", "400", "--datasets", "niah_single_1",

@@ -3,6 +3,7 @@ folder's settings, the compression check."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -14,20 +15,7 @@ from restkv.benchmarks.errors import CompressionNotApplied
 from restkv.benchmarks.prompts import encode_prompt
 from restkv.benchmarks.results import read_predictions
 from restkv.config import CompressionConfig
-from restkv.models import load_tokenizer
-from tiny_models import tiny_model
 from toy_benchmark import TOY, lines_of, toy_run, toy_samples
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def tiny(tokenizer):
-    """A tiny random Llama over SmolLM2's vocabulary: real prompts, fast deterministic answers."""
-    return tiny_model("llama", vocab_size=len(tokenizer))
 
 
 def test_a_run_writes_one_line_per_sample_with_its_cache_record(tmp_path, tiny, tokenizer):
@@ -186,7 +174,7 @@ def test_a_cache_compressed_with_other_settings_than_the_runs_stops_the_run(tmp_
 
     args = parse_args(TOY, ["--save_dir", str(tmp_path), "--method", "h2o", "--max_capacity_prompts", "64",
                             "--window_size", "8"])
-    with session.BenchmarkRun.start(TOY, args, ["logs"], model=tiny, tokenizer=tokenizer) as run:
+    with contextlib.closing(session.BenchmarkRun.start(TOY, args, ["logs"], model=tiny, tokenizer=tokenizer)) as run:
         sample = toy_samples(None, "logs", None)[0]
         assert run.answer(sample)["kv_layers_compressed"] == tiny.config.num_hidden_layers
         configure(tiny, method="snapkv", max_capacity_prompts=16)
@@ -195,7 +183,7 @@ def test_a_cache_compressed_with_other_settings_than_the_runs_stops_the_run(tmp_
         with pytest.raises(CompressionMismatch, match=mismatch):
             run.answer(sample)
     # A model handed to a new run with a configure()d config of its own compresses with the run's.
-    with session.BenchmarkRun.start(TOY, args, ["logs"], model=tiny, tokenizer=tokenizer) as run:
+    with contextlib.closing(session.BenchmarkRun.start(TOY, args, ["logs"], model=tiny, tokenizer=tokenizer)) as run:
         record = run.answer(sample)
         assert record["kv_tokens_stored"] == 64 + record["new_tokens"] - 1
 

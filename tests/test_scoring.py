@@ -10,19 +10,7 @@ import pytest
 from restkv.benchmarks import scoring
 from restkv.benchmarks.errors import DataError
 from restkv.benchmarks.scoring import DatasetScore
-from restkv.models import load_tokenizer
-from tiny_models import tiny_model
 from toy_benchmark import TOY, lines_of, toy_run
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def tiny(tokenizer):
-    return tiny_model("llama", vocab_size=len(tokenizer))
 
 
 def write_lines(path, records):

@@ -66,13 +66,8 @@ def test_a_small_sweep_runs_every_configuration_and_reports_what_the_cache_kept(
     assert {path: path.read_text() for path in written} == written
 
 
-def test_a_sharded_sweep_marks_every_score_that_stands_on_part_of_the_samples(tmp_path):
+def test_a_sharded_sweep_marks_every_score_that_stands_on_part_of_the_samples(tmp_path, tiny, tokenizer):
     """Shard 0 of 2 holds 1 of each task's 2 samples: its table must not read as a full one."""
-    from restkv.models import load_tokenizer
-    from tiny_models import tiny_model
-
-    tokenizer = load_tokenizer("smollm2-135m")
-    tiny = tiny_model("llama", vocab_size=len(tokenizer))
     argv = ["--length", "400", "--tasks", "niah_single_1", "--num_samples", "2", "--methods", "snapkv",
             "--budgets", "64", "--save_dir", str(tmp_path), "--num_shards", "2", "--shard_id", "0"]
     args = sweep.build_parser().parse_args(argv)

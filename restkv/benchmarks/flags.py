@@ -2,7 +2,8 @@
 
 Every ``CompressionConfig`` field is a flag ``--<name>`` (help and choices from the field's
 metadata, default None so the config's own default applies); this module is the only one
-that reads the config's fields, here and in ``compression_config_from_args``.
+that reads the config's fields and builds configs (``compression_config_from_args``,
+``full_cache_config``).
 
 ``parse_args`` checks every value before anything is loaded, so a typo in a sweep script
 stops with the flag's name at once: the compression options (the config's own checks), the
@@ -131,6 +132,11 @@ def compression_config_from_args(args: argparse.Namespace) -> CompressionConfig:
         options.pop("max_capacity_prompts", None)
         options.pop("compression_ratio", None)
     return CompressionConfig.from_options(**options)
+
+
+def full_cache_config() -> CompressionConfig:
+    """The config that keeps every token (for a sample too short to compress under a ratio)."""
+    return CompressionConfig(method="fullkv")
 
 
 def build_parser(benchmark: Benchmark, add_flags: Callable[[argparse.ArgumentParser], None] | None = None,

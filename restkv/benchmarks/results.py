@@ -193,15 +193,6 @@ class ResultWriter:
         self.close()
 
 
-def written_ids(folder: Path, dataset: str, own: Path) -> set:
-    """Ids already written by other files of the dataset (other shards, an earlier layout)."""
-    ids = set()
-    for path in prediction_files(folder, dataset):
-        if path != own:
-            ids.update(record.get("id") for record in read_prediction_file(path))
-    return ids
-
-
 def holds_predictions(folder: Path) -> bool:
     """Whether any prediction file in ``folder`` (or its dataset subfolders) holds a complete line."""
     return any(read_prediction_file(path) for path in folder.rglob("*.jsonl"))

@@ -15,9 +15,9 @@ data that hold other samples (a regenerated RULER file, whose ids are line numbe
 haystack) stops with ``RunMismatch`` naming the dataset; data that only grew (samples
 appended, a longer needle grid) continue the folder.
 
-**One process per dataset and shard.** ``RunFolder.open`` takes the lock of every prediction
-file the run will write before anything else is loaded, so a second process on the same
-folder, dataset and shard stops at once (``RunFolderBusy``).
+**One process per dataset and shard.** ``RunFolder.claim`` takes the lock of every prediction
+file the run will write before the model is loaded, so a second process on the same folder,
+dataset and shard stops at once (``RunFolderBusy``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,13 @@ import torch
 
 from restkv.benchmarks.benchmark import Benchmark, Sample
 from restkv.benchmarks.errors import RunMismatch
-from restkv.benchmarks.results import ResultWriter, holds_predictions, shard_path, written_ids
+from restkv.benchmarks.results import (
+    ResultWriter,
+    holds_predictions,
+    prediction_files,
+    read_prediction_file,
+    shard_path,
+)
 from restkv.config import CompressionConfig
 
 META_FILE = "run_meta.json"
@@ -105,30 +111,26 @@ def sample_digest(sample: Sample) -> bytes:
 
 
 class RunFolder:
-    """A results folder claimed by this process: the locked writer of each dataset's shard file,
-    and its ``run_meta.json``."""
+    """A results folder: its ``run_meta.json``, and once claimed, the locked writer of each
+    dataset's shard file."""
 
-    def __init__(self, path: Path, writers: Mapping[str, ResultWriter]) -> None:
+    def __init__(self, path: Path) -> None:
         self.path = path
-        self.writers = dict(writers)
+        self.writers: dict[str, ResultWriter] = {}
 
-    @classmethod
-    def open(cls, path: Path, datasets: Sequence[str], shard_id: int, num_shards: int) -> "RunFolder":
+    def claim(self, datasets: Sequence[str], shard_id: int, num_shards: int) -> None:
         """Lock every dataset's file of this shard (``RunFolderBusy`` if another process holds one)."""
-        writers: dict[str, ResultWriter] = {}
         try:
             for name in datasets:
-                writers[name] = ResultWriter(shard_path(path, name, shard_id, num_shards))
+                self.writers[name] = ResultWriter(shard_path(self.path, name, shard_id, num_shards))
         except BaseException:
-            for writer in writers.values():
-                writer.close()
+            self.close()
             raise
-        return cls(path, writers)
 
     def done(self, dataset: str) -> set:
         """Ids of ``dataset`` already written by any file of the folder."""
-        writer = self.writers[dataset]
-        return writer.ids | written_ids(self.path, dataset, writer.path)
+        return {record.get("id") for path in prediction_files(self.path, dataset)
+                for record in read_prediction_file(path)}
 
     def check(self, settings: Mapping[str, Any], inputs: Sequence[DatasetInput]) -> None:
         """Stop with ``RunMismatch`` if the folder holds predictions of other settings or data."""
@@ -179,7 +181,7 @@ class RunFolder:
             return fresh, f"note: {self.path} held no completed sample; its run settings are replaced ({changed})"
         recorded = dict(previous.get("datasets", {}))
         for item in inputs:
-            reason = item.mismatch(recorded[item.name]) if item.name in recorded else None
+            reason = item.mismatch(recorded[item.name]) if "fingerprint" in recorded.get(item.name, {}) else None
             if reason and self.done(item.name):
                 raise RunMismatch(
                     f"{self.path}: dataset {item.name} was run on other data ({reason}); use the same data, "
@@ -198,12 +200,6 @@ class RunFolder:
     def close(self) -> None:
         for writer in self.writers.values():
             writer.close()
-
-    def __enter__(self) -> "RunFolder":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def read_run_meta(folder: Path) -> dict | None:

@@ -6,14 +6,16 @@
     runner.main(BENCHMARK)                   # parse flags, load + patch, run, write
 
 ``main(benchmark, argv, add_flags=...)`` is ``flags.parse_args`` + ``run``; adapters with
-extra flags pass ``add_flags(parser)``. Flags: ``restkv.benchmarks.flags``; the folder, its
-files and resume: ``restkv.benchmarks.results``; prompts: ``restkv.benchmarks.prompts``;
-generation and the compression check: ``restkv.benchmarks.session``.
+extra flags pass ``add_flags(parser)``. Flags: ``restkv.benchmarks.flags``; the folder's name
+and files: ``restkv.benchmarks.results``; its settings, data checks and locks:
+``restkv.benchmarks.run_folder``; prompts: ``restkv.benchmarks.prompts``; generation and the
+compression check: ``restkv.benchmarks.session``; scores: ``restkv.benchmarks.scoring``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -28,7 +30,7 @@ def run(benchmark: Benchmark, args: argparse.Namespace, model=None, tokenizer=No
     """Run every dataset (``datasets``: the names the benchmark's files go by, default the
     flags' selection); returns the results folder."""
     names = selected_datasets(args, benchmark) if datasets is None else list(datasets)
-    with BenchmarkRun.start(benchmark, args, names, model=model, tokenizer=tokenizer) as session:
+    with contextlib.closing(BenchmarkRun.start(benchmark, args, names, model=model, tokenizer=tokenizer)) as session:
         for name in names:
             session.run_dataset(name)
     return session.folder

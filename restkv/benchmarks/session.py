@@ -43,12 +43,15 @@ from tqdm import tqdm
 
 from restkv.benchmarks.benchmark import Benchmark, Sample
 from restkv.benchmarks.errors import CompressionMismatch, CompressionNotApplied, DataError, FlagError
-from restkv.benchmarks.flags import compression_config_from_args, default_model_max_len, shard_of
+from restkv.benchmarks.flags import compression_config_from_args, default_model_max_len, full_cache_config, shard_of
 from restkv.benchmarks.prompts import EncodedPrompt, encode_prompt, stop_token_ids
 from restkv.benchmarks.results import results_dir
 from restkv.benchmarks.run_folder import DatasetInput, RunFolder, run_settings
 from restkv.compat import with_cache
 from restkv.config import CompressionConfig
+
+# --------------------------------------------------------------------------- generation
+
 
 @dataclass(frozen=True)
 class Generation:
@@ -166,7 +169,7 @@ def full_cache(model, config: CompressionConfig) -> Iterator[CompressionConfig]:
     """The model keeping every token (its config, fullkv, is yielded), then back at ``config``."""
     from restkv.monkeypatch import configure
 
-    keep_all = configure(model, **CompressionConfig(method="fullkv").to_dict())
+    keep_all = configure(model, **full_cache_config().to_dict())
     try:
         yield keep_all
     finally:
@@ -268,9 +271,10 @@ class BenchmarkRun:
         dtype = _dtype_name(args, model)
         settings = run_settings(args, benchmark, config, dtype, model_max_len)
         folder = results_dir(args.save_dir, args.model_path, config, args.query_agnostic, args.tag)
-        results = RunFolder.open(folder, datasets, shard_id, num_shards)
+        results = RunFolder(folder)
         try:
             results.check(settings, list(inputs.values()))
+            results.claim(datasets, shard_id, num_shards)
             set_seed(config.seed)
             if model is None:
                 with _model_path_errors(args.model_path):
@@ -336,10 +340,5 @@ class BenchmarkRun:
         return writer.path
 
     def close(self) -> None:
+        """Release the folder's files (``contextlib.closing`` a run)."""
         self.results.close()
-
-    def __enter__(self) -> "BenchmarkRun":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -88,7 +88,8 @@ def configurations(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
 def runner_args(args: argparse.Namespace, spec: str, budget: list[str]) -> argparse.Namespace:
     """The RULER runner's flags of one configuration, checked (raises ``FlagError`` or ``ConfigError``)."""
     argv = [*method_flags(spec), *budget, "--model_path", args.model_path,
-            "--data_dir", str(Path(args.save_dir) / "data"), "--context_lengths", str(args.length), "--datasets", ",".join(ruler.parse_task_list(args.tasks)),
+            "--data_dir", str(Path(args.save_dir) / "data"), "--context_lengths", str(args.length),
+            "--datasets", ",".join(ruler.parse_task_list(args.tasks)),
             "--save_dir", str(args.save_dir), "--attn_implementation", args.attn_implementation,
             "--num_shards", str(args.num_shards), "--shard_id", str(args.shard_id),
             *(["--query_agnostic"] if args.query_agnostic else [])]
