@@ -74,7 +74,10 @@ def test_run_folders_are_found_by_their_benchmark_and_layout(tmp_path):
         (tmp_path / name / "run_meta.json").write_text(json.dumps({"settings": {"benchmark": benchmark}}))
         write_lines(tmp_path / name / "600" / "logs.jsonl", [{"id": "a", "pred": "1", "answers": ["1"]}])
     write_lines(tmp_path / "plain" / "logs.jsonl", [{"pred": "1", "answers": ["1"]}])
+    write_lines(tmp_path / "foreign" / "hotpotqa.jsonl", [{"pred": "1", "answers": ["1"]}])
     assert scoring.find_run_folders(tmp_path, TOY) == [tmp_path / "plain", tmp_path / "toy_run"]
+    # Files of no known dataset are another benchmark's, unless the folder is the one asked for.
+    assert scoring.find_run_folders(tmp_path / "foreign", TOY) == [tmp_path / "foreign"]
     nested = dataclasses.replace(TOY, prediction_glob="[0-9]*/*.jsonl")
     assert scoring.find_run_folders(tmp_path, nested) == [tmp_path / "toy_run"]
     assert scoring.score_run(tmp_path / "toy_run", nested).datasets == {"600/logs": DatasetScore(100.0, 1, None)}
@@ -99,3 +102,13 @@ def test_marks_and_sample_counts():
     assert scoring.marked(None, [DatasetScore(None, 0, 4)]) == "-*"
     assert scoring.samples_cell([complete, partial]) == "7/8"
     assert scoring.samples_cell([complete, unknown]) == "6/?"
+
+
+def test_a_line_the_metric_cannot_read_is_reported_with_its_folder(tmp_path):
+    def strict(dataset, records):
+        raise DataError(f"{dataset}: the prediction of id 'a' lacks field 'answers'")
+
+    write_lines(tmp_path / "run" / "logs.jsonl", [{"id": "a", "pred": "1"}])
+    with pytest.raises(DataError, match=f"^{tmp_path / 'run'}: logs: the prediction of id 'a' lacks field"):
+        scoring.evaluate(dataclasses.replace(TOY, score=strict), tmp_path)
+

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from restkv.benchmarks.benchmark import Benchmark
 from restkv.benchmarks.errors import DataError
-from restkv.benchmarks.results import datasets_in, read_predictions
+from restkv.benchmarks.results import SHARD_INFIX, datasets_in, read_predictions
 from restkv.benchmarks.run_folder import META_FILE, read_run_meta
 
 SCORES_FILE = "scores.json"
@@ -82,7 +82,8 @@ def find_run_folders(results_dir: str | Path, benchmark: Benchmark) -> list[Path
 
     A run folder is one whose ``run_meta.json`` names the benchmark, or, for prediction files
     that no runner wrote (LongBench's own pred.py output), a folder outside every run folder
-    whose files lie as ``benchmark.prediction_glob`` says.
+    whose files lie as ``benchmark.prediction_glob`` says and name one of the benchmark's
+    datasets (any name when the folder is ``results_dir`` itself).
     """
     root = Path(results_dir)
     if not root.is_dir():
@@ -95,7 +96,9 @@ def find_run_folders(results_dir: str | Path, benchmark: Benchmark) -> list[Path
         if len(path.relative_to(root).parts) < depth or claimed & {path.parent, *path.parents}:
             continue
         folder = path.parents[depth - 1]
-        if path.relative_to(folder).match(benchmark.prediction_glob):
+        base = path.name[: -len(".jsonl")].split(SHARD_INFIX)[0]
+        if path.relative_to(folder).match(benchmark.prediction_glob) and (
+                folder == root or base in benchmark.datasets):
             runs.add(folder)
     return sorted(runs)
 
@@ -111,8 +114,12 @@ def score_run(folder: Path, benchmark: Benchmark, datasets: Sequence[str] | None
     scores = {}
     for name in sorted(names, key=lambda name: _dataset_order(benchmark, name)):
         records = read_predictions(folder, name)
+        try:
+            score = benchmark.score(name, records) if records else None
+        except DataError as error:
+            raise DataError(f"{folder}: {error}") from None
         scores[name] = DatasetScore(
-            score=benchmark.score(name, records) if records else None,
+            score=score,
             scored=len(records),
             expected=recorded.get(name, {}).get("samples_expected"),
             uncompressed=sum(record.get("compressed") is False for record in records),
