@@ -3,9 +3,11 @@
     python eval.py --results_dir results/longbench/smollm2-135m
 
 ``--results_dir`` is one run folder (``<method>_<budget>``) or a folder above several; each
-run gets a row. Writes ``metrics.json`` in every run folder and ``results.json`` and
-``results.csv`` in ``--results_dir``. Official-format prediction files (``pred``,
-``answers``, ``all_classes``, ``length`` per line) are scored the same way.
+run gets a row. Writes ``metrics.json`` and ``scores.json`` (every benchmark's common layout:
+samples scored and expected per dataset) in every run folder, and ``results.json`` and
+``results.csv`` in ``--results_dir``; a score on fewer samples than the run expects is marked
+``*``. Official-format prediction files (``pred``, ``answers``, ``all_classes``, ``length`` per
+line) are scored the same way.
 """
 
 from restkv.benchmarks.longbench import evaluate

@@ -4,7 +4,9 @@
 
 ``--results_dir`` is a run folder of ``run_infinite_bench.py`` (``<task>.jsonl`` files, shards
 merged) or any folder above several of them. Each run gets ``infinite_scores.json``
-({task: score, "Avg": mean}) and ``infinite_scores.csv``; one table row per run is printed.
+({task: score, "Avg": mean}), ``infinite_scores.csv`` and ``scores.json`` (samples scored and
+expected per task); one table row per run is printed, a score on fewer samples than the run
+expects marked ``*``.
 """
 
 from restkv.benchmarks.infinitebench import evaluate

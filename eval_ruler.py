@@ -4,9 +4,11 @@
 
 ``--results_dir`` is a run folder of ``run_ruler.py`` (``<length>/<task>.jsonl`` files, shards
 merged) or any folder above several of them; each run gets ``ruler_scores.json``
-({length: {task: score}}) and ``ruler_scores.csv`` (tasks by length, with averages), and its
-table is printed. Predictions are post-processed as RULER does (strip, control characters to
-newlines); niah/vt/cwe/fwe use string_match_all and qa string_match_part.
+({length: {task: score}}), ``ruler_scores.csv`` (tasks by length, with averages) and
+``scores.json`` (samples scored and expected per task), and its table is printed, a score on
+fewer samples than the run expects marked ``*``. Predictions are post-processed as RULER does
+(strip, control characters to newlines); niah/vt/cwe/fwe use string_match_all and qa
+string_match_part.
 """
 
 from restkv.benchmarks.ruler import evaluate

@@ -9,7 +9,7 @@ the official yarn-mistral templates without chat template (``--chat_template`` w
 middle-truncated to ``--model_max_len``; each task generates its official number of tokens
 (``--generation_lengths release``: the ReST-KV release's). Predictions, with the gold label
 as ``ground_truth``, go to ``<save_dir>/<model>/<method>_<budget>/<task>.jsonl``. Common flags
-(model, compression, sharding, resume): ``restkv.benchmarks.runner``.
+(model, compression, sharding): ``restkv.benchmarks.flags``; resume: ``restkv.benchmarks.results``.
 """
 
 from restkv.benchmarks.infinitebench import run

@@ -4,7 +4,7 @@
     python run_longbench.py --method restkv --max_capacity_prompts 128 --datasets qasper hotpotqa --query_agnostic
 
 Data: ``--data_dir`` (default data/LongBench) holds the official ``<dataset>.jsonl`` files.
-Flags and output layout: ``python run_longbench.py --help`` and restkv/benchmarks/runner.py.
+Flags: ``python run_longbench.py --help``; output layout: restkv/benchmarks/results.py.
 Score the predictions with ``python eval.py --results_dir <save_dir>/<model>``.
 """
 

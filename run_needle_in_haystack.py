@@ -6,7 +6,7 @@
 
 Each (context length, depth) cell is one sample (see ``restkv.benchmarks.needle`` for the
 protocol and the scorer). Predictions go to ``<save_dir>/<model>/<method>_<budget>/needle.jsonl``
-(resumable, shardable: ``restkv.benchmarks.runner``); at the end every cell written so far is
+(resumable, shardable: ``restkv.benchmarks.results``); at the end every cell written so far is
 scored into ``needle_results.json`` beside them.
 """
 

@@ -36,7 +36,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from restkv.observation import OBSERVATIONS
+from restkv.observation import OBSERVATIONS, RECONSTRUCTION_REDUCTIONS
 from restkv.options import (
     ConfigError, Options, OptionSpec, lookup, option, option_specs, registered, registry_version,
 )
@@ -73,6 +73,13 @@ class RunOptions(Options):
     )
     reconstruction_chunk: int = option(
         2048, "--observation reconstruction: context tokens repeated per extra forward", minimum=1
+    )
+    reconstruction_reduce: str = option(
+        "max",
+        "--observation reconstruction: how a scorer's aggregation over its observation queries (SnapKV's sum, "
+        "AdaKV's mean, ReST-KV's temporal aggregate) reads the reconstruction queries: the largest attention any of "
+        "them gives a token (KVzip's: a token matters if some part of the context needs it) or their mean",
+        RECONSTRUCTION_REDUCTIONS,
     )
     prefill_chunk_size: int | None = option(
         None, "feed the prompt in chunks of this many tokens, compressing after each (no layer holds more than "

@@ -183,7 +183,8 @@ def _compress_pending(cache, pending: PendingPrefill) -> None:
 
 
 def _scoring_context(layer: PendingLayer) -> ScoringContext:
-    observation = ReconstructionObservation(layer.stats) if layer.reconstructed else None
+    observation = (ReconstructionObservation(layer.stats, layer.config.run.reconstruction_reduce)
+                   if layer.reconstructed else None)
     return ScoringContext.of(layer.queries, layer.key, layer.value, layer.plan, layer.scaling, layer.softcap,
                              layer.o_proj_weight, observation)
 

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from restkv.context import ScoringContext
 
 OBSERVATIONS = ("window", "reconstruction")
+RECONSTRUCTION_REDUCTIONS = ("max", "mean")
 
 
 class WindowObservation:
@@ -164,12 +165,19 @@ class ReconstructionStats:
 
 
 class ReconstructionObservation:
-    """The reductions of a layer's ``ReconstructionStats`` (see the module docstring)."""
+    """The reductions of a layer's ``ReconstructionStats`` (see the module docstring).
 
-    def __init__(self, stats: ReconstructionStats) -> None:
+    A scorer's aggregation over its queries (``total``, ``mean``, ``aggregate``) reads them
+    through ``reduce``: ``max``, the largest attention any reconstruction query gives a token
+    (each query repeats one part of the context, so a token matters if some part needs it;
+    their sum would favour tokens that every query attends to a little), or ``mean``.
+    """
+
+    def __init__(self, stats: ReconstructionStats, reduce: str = "max") -> None:
         if stats.total is None:
             raise ValueError("the reconstruction pass saw no query; nothing observes the context")
         self.stats = stats
+        self.reduce = reduce
 
     def attention(self, num_queries: int | None = None) -> torch.Tensor:
         raise ValueError(
@@ -178,16 +186,17 @@ class ReconstructionObservation:
         )
 
     def total(self) -> torch.Tensor:
-        return self.stats.total
+        return self.stats.maximum if self.reduce == "max" else self.stats.total
 
     def mean(self) -> torch.Tensor:
-        return self.stats.total / self.stats.count
+        return self.stats.maximum if self.reduce == "max" else self.stats.total / self.stats.count
 
     def maximum(self) -> torch.Tensor:
         return self.stats.maximum
 
     def aggregate(self, mode: str, alpha: float) -> torch.Tensor:
-        """The mean: reconstruction queries have no recency order relative to a question."""
+        """``mean`` (or ``max``) whatever ``mode``: reconstruction queries have no recency order
+        relative to a question."""
         return self.mean()
 
     def last(self) -> torch.Tensor:

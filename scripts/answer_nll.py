@@ -29,7 +29,9 @@ import torch
 from tqdm import tqdm
 
 from restkv.benchmarks import ruler, ruler_data
-from restkv.benchmarks.runner import Sample, encode_prompt, format_table
+from restkv.benchmarks.benchmark import Sample
+from restkv.benchmarks.prompts import encode_prompt
+from restkv.benchmarks.scoring import format_table
 from restkv.config import method_spec_options
 from restkv.deferred import set_reconstruction_prompt
 from restkv.generation import answer_nll

@@ -50,3 +50,43 @@ def smollm2():
     from restkv.models import load_model, load_tokenizer
 
     return load_model("smollm2-135m", attn_implementation="sdpa"), load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fails the test if a runner loads a model: the error under test must be found before."""
+    import restkv.models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the error was found")
+
+    monkeypatch.setattr(restkv.models, "load_model", refuse)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The embedded SmolLM2-135M-Instruct tokenizer."""
+    from restkv.models import load_tokenizer
+
+    return load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer):
+    """A tiny random Llama over SmolLM2's vocabulary: real prompts, fast deterministic answers
+    (one per test module, so what a module configures on it stays there)."""
+    from tiny_models import tiny_model
+
+    return tiny_model("llama", vocab_size=len(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def ruler_dir(tmp_path_factory):
+    """RULER data at 600 tokens for SmolLM2: niah_single_1 and fwe, two samples each."""
+    from restkv.benchmarks import ruler_data
+
+    out = tmp_path_factory.mktemp("ruler_data")
+    ruler_data.main(["--tokenizer", "smollm2-135m", "--lengths", "600", "--tasks", "niah_single_1,fwe",
+                     "--num_samples", "2", "--out", str(out)])
+    return out
+

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from restkv.benchmarks import infinitebench as ib
-from restkv.benchmarks.runner import Sample, encode_prompt, read_predictions
+from restkv.benchmarks.benchmark import Sample
+from restkv.benchmarks.prompts import encode_prompt
+from restkv.benchmarks.results import read_predictions
 from top_level import dry_run_script, usage_exit
 
 FIXTURES = Path(__file__).resolve().parent.parent / "data" / "fixtures" / "infinitebench"
@@ -106,6 +108,20 @@ def test_rouge_lsum_matches_hand_computation():
     assert ib.score_task("longbook_sum_eng", ["the cat ran", "a b"], [["the cat sat\nthe dog ran"], ["a b"]]) == 83.33
 
 
+def test_eval_marks_tasks_scored_on_fewer_samples_than_expected(tmp_path, capsys):
+    run = tmp_path / "snapkv_64"
+    rows = [{"id": "0", "index": 0, "pred": "71432", "ground_truth": "71432"}]
+    run.mkdir()
+    (run / "passkey.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    expected = {"fingerprint": "0" * 64, "samples_in_data": 2, "samples_expected": 2}
+    (run / "run_meta.json").write_text(json.dumps({"settings": {"benchmark": "infinite_bench"},
+                                                   "datasets": {"passkey": expected}}))
+    assert ib.evaluate(["--results_dir", str(tmp_path)]) == {run: {"passkey": 100.0, "Avg": 100.0}}
+    output = capsys.readouterr().out.splitlines()
+    assert output[1].split() == ["snapkv_64", "100.00*", "100.00*", "1/2"]
+    assert "* snapkv_64 / passkey: 1/2 samples" in output
+
+
 def test_truncation_keeps_both_ends_of_the_prompt():
     from restkv.models import load_tokenizer
 
@@ -142,7 +158,7 @@ def test_runner_shards_and_eval_end_to_end(smollm2, tmp_path):
 
 
 def test_scripts_run_with_valid_flags_and_sweep(tmp_path):
-    from restkv.benchmarks.runner import parse_args, selected_datasets
+    from restkv.benchmarks.flags import parse_args, selected_datasets
 
     (run,) = dry_run_script("infinite_bench/run.sh", "0", "snapkv", "1024", "some/Llama-3.1-8B-Instruct",
                             "--generation_lengths", "release")
@@ -163,7 +179,7 @@ def test_scripts_run_with_valid_flags_and_sweep(tmp_path):
 
 
 def test_generation_lengths_official_and_release():
-    from restkv.benchmarks.runner import parse_args
+    from restkv.benchmarks.flags import parse_args
 
     for table, expected in (("official", 6), ("release", 15)):
         args = parse_args(ib.BENCHMARK, ["--data_dir", str(FIXTURES), "--generation_lengths", table,

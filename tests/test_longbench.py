@@ -12,19 +12,15 @@ from pathlib import Path
 import pytest
 
 from restkv.benchmarks import longbench
-from restkv.benchmarks.runner import DataError, encode_prompt, read_predictions
-from restkv.models import load_tokenizer
+from restkv.benchmarks.errors import DataError
+from restkv.benchmarks.prompts import encode_prompt
+from restkv.benchmarks.results import read_predictions
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "LongBench"
 
 
 def fixture_records(dataset):
     return longbench.read_records(FIXTURES / f"{dataset}.jsonl")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("smollm2-135m")
 
 
 # ------------------------------------------------------------------------------- benchmark facts
@@ -159,6 +155,22 @@ def test_eval_scores_every_run_and_merges_shards(tmp_path, capsys):
     assert ["snapkv_64", "55.56", "50.0", "52.78"] in rows and ["fullkv", "55.56", "", ""] in rows
     assert json.loads((root / "snapkv_64" / "metrics.json").read_text())["average"] == 52.78
     assert set(json.loads((root / "results.json").read_text())) == {"fullkv", "snapkv_64"}
+
+
+def test_eval_marks_a_dataset_scored_on_fewer_samples_than_expected(tmp_path, capsys):
+    """A run that stopped after 3 of its 6 samples must not pass for a complete one."""
+    run = tmp_path / "smollm2-135m" / "snapkv_64"
+    write_predictions(run / "hotpotqa.jsonl", [prediction(i, "Vienna", ["Vienna"]) for i in range(3)])
+    expected = {"fingerprint": "0" * 64, "samples_in_data": 6, "samples_expected": 6}
+    (run / "run_meta.json").write_text(json.dumps({"settings": {"benchmark": "longbench"},
+                                                   "datasets": {"hotpotqa": expected}}))
+    evaluations = longbench.evaluate(["--results_dir", str(tmp_path / "smollm2-135m")])
+    output = capsys.readouterr().out
+    assert output.splitlines()[1].split() == ["snapkv_64", "100.00*", "100.00*", "3/6"]
+    assert "* snapkv_64 / hotpotqa: 3/6 samples" in output
+    assert evaluations["snapkv_64"]["datasets"]["hotpotqa"]["samples"] == 3
+    scores = json.loads((run / "scores.json").read_text())
+    assert scores["datasets"]["hotpotqa"]["samples_scored"] == 3 and scores["complete"] is False
 
 
 def test_eval_reads_official_prediction_files(tmp_path):

@@ -8,15 +8,8 @@ import pytest
 
 from restkv.benchmarks import needle
 from restkv.benchmarks.haystack import HaystackText, load_essays
-from restkv.benchmarks.runner import read_predictions
+from restkv.benchmarks.results import read_predictions
 from top_level import dry_run_script, usage_exit
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from restkv.models import load_tokenizer
-
-    return load_tokenizer("smollm2-135m")
 
 
 def test_grid_matches_the_release():
@@ -111,7 +104,7 @@ def test_results_file_and_grid(tmp_path):
 def test_runner_end_to_end_with_resume(smollm2, tmp_path):
     model, tokenizer = smollm2
     argv = ["--model_path", "smollm2-135m", "--method", "fullkv", "--context_lengths", "700",
-            "--depth_intervals", "2", "--save_dir", str(tmp_path), "--data_dir", str(tmp_path / "no_essays")]
+            "--depth_intervals", "2", "--save_dir", str(tmp_path)]
     folder = needle.run(argv + ["--max_num_examples", "1"], model=model, tokenizer=tokenizer)
     assert [r["id"] for r in read_predictions(folder, "needle")] == ["len_700_depth_0"]
     with open(folder / "needle.jsonl", "a") as handle:  # killed while writing the second cell
@@ -127,7 +120,7 @@ def test_runner_end_to_end_with_resume(smollm2, tmp_path):
 
 
 def test_scripts_run_with_valid_flags_and_sweep(tmp_path):
-    from restkv.benchmarks.runner import parse_args
+    from restkv.benchmarks.flags import parse_args
 
     (run,) = dry_run_script("needle/run.sh", "0", "restkv", "128", "smollm2-135m", "--use_wo", E_LEN="4000")
     assert run[0] == "run_needle_in_haystack.py"
@@ -147,8 +140,39 @@ def test_scripts_run_with_valid_flags_and_sweep(tmp_path):
 
 
 def test_release_flag_spellings_are_accepted():
-    from restkv.benchmarks.runner import parse_args
+    from restkv.benchmarks.flags import parse_args
 
     args = parse_args(needle.BENCHMARK, ["--model_name", "m", "--max_capacity_prompt", "96", "--method", "SnapKV",
                                          "--haystack_dir", "essays"], needle.add_flags)
     assert (args.model_path, args.max_capacity_prompts, args.method, args.data_dir) == ("m", 96, "snapkv", "essays")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--s_len", "2000", "--e_len", "1000"], "context lengths need 1 <= --s_len <= --e_len and --step >= 1"),
+        (["--step", "0"], "--step >= 1"),
+        (["--depth_intervals", "0"], "depths need intervals >= 1"),
+        (["--context_lengths", "150", "900"], "--final_context_length_buffer 200 leaves no room for the haystack "
+                                               "at context length 150"),
+        (["--final_context_length_buffer", "-1"], "--final_context_length_buffer must be >= 0"),
+    ],
+)
+def test_bad_grid_flags_stop_when_parsed(flags, message, capsys):
+    from restkv.benchmarks.flags import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(needle.BENCHMARK, ["--method", "fullkv", *flags], needle.add_flags)
+    assert message in capsys.readouterr().err
+
+
+def test_a_given_haystack_folder_must_hold_essays(no_model_loading, tmp_path):
+    """A typo in --haystack_dir fell back to synthetic prose without a word."""
+    argv = ["--method", "fullkv", "--context_lengths", "700", "--save_dir", str(tmp_path)]
+    with pytest.raises(SystemExit, match=f"error: --haystack_dir {tmp_path / 'typo'}: no such folder"):
+        needle.run([*argv, "--haystack_dir", str(tmp_path / "typo")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="holds no essays"):
+        needle.run([*argv, "--data_dir", str(tmp_path / "empty")])
+    assert not (tmp_path / "smollm2-135m").exists()
+

@@ -566,7 +566,7 @@ def test_residual_defaults_are_the_papers_and_every_flag_reaches_the_runners():
     assert (config.residual_gate_tau, config.residual_gate_alpha, config.residual_gate_min) == (0.25, 12.0, 0.0)
     import argparse
 
-    from restkv.benchmarks.runner import add_compression_flags
+    from restkv.benchmarks.flags import add_compression_flags
 
     parser = argparse.ArgumentParser()
     add_compression_flags(parser)

@@ -134,7 +134,7 @@ def test_replace_derives_defaults_again_but_keeps_explicit_values():
 
 def test_the_release_flags_parse_to_the_restkv_config():
     """The paper scripts' flags, and ``--no-`` to turn a default-on boolean off."""
-    from restkv.benchmarks.runner import add_compression_flags, compression_config_from_args
+    from restkv.benchmarks.flags import add_compression_flags, compression_config_from_args
 
     parser = argparse.ArgumentParser()
     add_compression_flags(parser)

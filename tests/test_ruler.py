@@ -8,7 +8,7 @@ import json
 import pytest
 
 from restkv.benchmarks import ruler, ruler_data
-from restkv.benchmarks.runner import read_predictions
+from restkv.benchmarks.results import read_predictions
 from top_level import dry_run_script, usage_exit
 
 
@@ -108,15 +108,27 @@ def test_score_table_and_files(tmp_path):
     assert table[1] == {"length": "8192", "niah_single_1": "100.0", "vt": "50.0", "cwe": "", "Avg": "75.0"}
 
 
+def test_eval_says_when_nothing_could_be_scored_and_marks_partial_tasks(tmp_path, capsys):
+    run = tmp_path / "snapkv_64"
+    (run / "600").mkdir(parents=True)
+    (run / "600" / "vt.jsonl").write_text("")  # a run that stopped before its first sample
+    expected = {"fingerprint": "0" * 64, "samples_in_data": 2, "samples_expected": 2}
+    (run / "run_meta.json").write_text(json.dumps({"settings": {"benchmark": "ruler"},
+                                                   "datasets": {"600/vt": expected, "600/cwe": expected}}))
+    with pytest.raises(SystemExit, match="nothing to score"):
+        ruler.evaluate(["--results_dir", str(tmp_path)])
+    _write_jsonl(run / "600" / "vt.jsonl", [{"id": "0", "index": 0, "pred": "A B", "outputs": ["A", "B"]}])
+    _write_jsonl(run / "600" / "cwe.jsonl", [{"id": str(i), "index": i, "pred": "x", "outputs": ["x"]}
+                                             for i in range(2)])
+    results = ruler.evaluate(["--results_dir", str(tmp_path)])
+    assert results[run] == {600: {"vt": 100.0, "cwe": 100.0}}
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["length", "vt", "cwe", "Avg", "samples"]
+    assert lines[2].split() == ["600", "100.00*", "100.00", "100.00*", "3/4"]
+    assert "* snapkv_64 / 600/vt: 1/2 samples" in lines
+
+
 # ----------------------------------------------------------------------------- end to end
-
-
-@pytest.fixture(scope="module")
-def ruler_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ruler_data")
-    ruler_data.main(["--tokenizer", "smollm2-135m", "--lengths", "600", "--tasks", "niah_single_1,fwe",
-                     "--num_samples", "2", "--out", str(out)])
-    return out
 
 
 def _run(smollm2, ruler_dir, save_dir, *extra, datasets="niah_single_1,fwe"):
@@ -163,11 +175,25 @@ def test_run_resume_shards_and_eval(smollm2, ruler_dir, tmp_path):
     assert written["600"]["fwe"] == expected_fwe
 
 
+def test_a_resume_on_regenerated_data_is_refused(tmp_path, tiny, tokenizer):
+    """RULER ids are line numbers: new data under the same ids must not join the old predictions."""
+    generate = ["--tokenizer", "smollm2-135m", "--lengths", "400", "--tasks", "niah_single_1", "--num_samples", "2",
+                "--out", str(tmp_path / "data")]
+    argv = ["--data_dir", str(tmp_path / "data"), "--context_lengths", "400", "--datasets", "niah_single_1",
+            "--method", "snapkv", "--max_capacity_prompts", "64", "--window_size", "8", "--max_new_tokens", "2",
+            "--save_dir", str(tmp_path / "out")]
+    ruler_data.main(generate)
+    ruler.run([*argv, "--max_num_examples", "1"], model=tiny, tokenizer=tokenizer)
+    ruler_data.main([*generate, "--seed", "7"])
+    with pytest.raises(SystemExit, match="dataset 400/niah_single_1 was run on other data"):
+        ruler.run(argv, model=tiny, tokenizer=tokenizer)
+
+
 # ----------------------------------------------------------------------------- scripts
 
 
 def test_run_script_generates_data_then_runs_with_valid_flags():
-    from restkv.benchmarks.runner import parse_args, selected_datasets
+    from restkv.benchmarks.flags import parse_args, selected_datasets
 
     generate, run = dry_run_script("ruler/run.sh", "cpu", "snapkv", "128", "smollm2-135m", "--query_agnostic",
                              LENGTHS="4096 8192", NUM_SAMPLES="20")

@@ -208,3 +208,34 @@ def test_cli_writes_ruler_layout_and_keeps_complete_files(tmp_path, capsys):
     assert written[0].stat().st_mtime_ns == before and "kept" in capsys.readouterr().out
     ruler_data.main(argv[:-2] + ["--out", str(tmp_path), "--seed", "1"])
     assert written[0].stat().st_mtime_ns != before  # other settings: regenerated
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--lengths", "100"], "--lengths 100 leaves no room for niah_single_1's 128 generated tokens"),
+        (["--lengths", "0"], "--lengths 0 leaves no room"),
+        (["--tasks", "niah_single_9"], "unknown RULER task 'niah_single_9'"),
+        (["--num_samples", "0"], "--num_samples must be >= 1; got 0"),
+        (["--tasks", "qa_1", "--qa_dir", "/nowhere"],
+         "qa_1 needs SQuAD 2.0 dev (dev-v2.0.json) at /nowhere/squad.json"),
+    ],
+)
+def test_bad_flags_stop_before_the_tokenizer_loads(flags, message, tmp_path, capsys, monkeypatch):
+    import restkv.models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the tokenizer was loaded before the error was found")
+
+    monkeypatch.setattr(restkv.models, "load_tokenizer", refuse)
+    with pytest.raises(SystemExit) as stop:
+        ruler_data.main(["--tokenizer", "smollm2-135m", "--lengths", "1024", "--tasks", "niah_single_1",
+                         "--out", str(tmp_path), *flags])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_length_the_task_cannot_fit_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="^error: niah_single_1 cannot fit 200 tokens"):
+        ruler_data.main(["--tokenizer", "smollm2-135m", "--lengths", "200", "--tasks", "niah_single_1",
+                         "--num_samples", "1", "--out", str(tmp_path)])
+

@@ -2,7 +2,7 @@
 
 import pytest
 
-from restkv import sweep
+from restkv.benchmarks import sweep
 from restkv.config import ConfigError
 
 
@@ -20,6 +20,30 @@ def test_budget_labels():
     args = sweep.build_parser().parse_args([])
     assert [sweep.budget_label(flags) for flags in sweep.budget_flags(args)] == ["256", "512"]
     assert sweep.budget_label([]) == "full"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--methods", "snapkv", "nosuch"], "--method 'nosuch' is not a known method"),
+        (["--methods", "snapkv+bogus"], "'bogus' is not a boolean option"),
+        (["--budgets", "256", "0"], "--max_capacity_prompts must be >= 1; got 0"),
+        (["--budgets", "16"], "--max_capacity_prompts"),  # no more than snapkv's 32-token window
+        (["--compression_ratios", "0.9", "1.5"], "--compression_ratio must lie in the open interval (0, 1)"),
+        (["--num_shards", "0"], "--num_shards must be >= 1; got 0"),
+        (["--num_samples", "0"], "--num_samples must be >= 1; got 0"),
+        (["--tasks", "nosuch"], "unknown RULER task 'nosuch'"),
+        (["--length", "100"], "--length 100 leaves no room for niah_single_1's 128 generated tokens"),
+        (["--attn_implementation", "fast"], "invalid choice: 'fast'"),
+    ],
+)
+def test_every_configuration_is_checked_before_the_first_runs(flags, message, tmp_path, capsys, no_model_loading):
+    with pytest.raises(SystemExit) as stop:
+        sweep.main(["--save_dir", str(tmp_path), *flags])
+    error = capsys.readouterr().err
+    assert stop.value.code == 2 and message in error
+    assert error.startswith("usage: python -m restkv.benchmarks.sweep")
+    assert not any(tmp_path.iterdir())  # no data generated, nothing run
 
 
 @pytest.mark.embedded
@@ -40,3 +64,24 @@ def test_a_small_sweep_runs_every_configuration_and_reports_what_the_cache_kept(
     again = sweep.run_sweep(sweep.build_parser().parse_args(argv), model=model, tokenizer=tokenizer)
     assert again == rows
     assert {path: path.read_text() for path in written} == written
+
+
+def test_a_sharded_sweep_marks_every_score_that_stands_on_part_of_the_samples(tmp_path, tiny, tokenizer):
+    """Shard 0 of 2 holds 1 of each task's 2 samples: its table must not read as a full one."""
+    argv = ["--length", "400", "--tasks", "niah_single_1", "--num_samples", "2", "--methods", "snapkv",
+            "--budgets", "64", "--save_dir", str(tmp_path), "--num_shards", "2", "--shard_id", "0"]
+    args = sweep.build_parser().parse_args(argv)
+    rows = sweep.run_sweep(args, model=tiny, tokenizer=tokenizer)
+    assert [row["samples"] for row in rows] == ["1/2", "1/2"]
+    table = sweep.report(args, rows).splitlines()
+    assert table[0] == "RULER 400 tokens, 2 samples per task (shard 0 of 2), smollm2-135m, query-aware"
+    assert table[1].split() == ["method", "budget", "niah_single_1", "avg", "kv", "kept", "samples"]
+    assert table[2].split()[2:4] == [f"{rows[0]['niah_single_1']:.2f}*"] * 2 and table[2].split()[-1] == "1/2"
+    assert "* fullkv full / niah_single_1: 1/2 samples" in table
+
+
+
+def test_a_method_spec_can_set_an_option_to_a_value():
+    assert sweep.method_flags("snapkv+residual+observation=reconstruction") == [
+        "--method", "snapkv", "--residual", "--observation", "reconstruction",
+        "--tag", "residual+observation=reconstruction"]

@@ -30,15 +30,10 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from restkv.benchmarks.longbench_metrics import f1_score, normalize_answer, normalize_zh_answer
-from restkv.benchmarks.runner import (
-    Benchmark,
-    DataError,
-    Sample,
-    datasets_in,
-    format_table,
-    read_jsonl,
-    read_predictions,
-)
+from restkv.benchmarks.benchmark import Benchmark, Sample
+from restkv.benchmarks.errors import DataError, command_line
+from restkv.benchmarks import scoring
+from restkv.benchmarks.results import read_jsonl
 from restkv.benchmarks.runner import main as run_main
 
 OPTION_LETTERS = "ABCD"
@@ -400,7 +395,7 @@ def score_task(task: str, predictions: Sequence[str], labels: Sequence[Any]) -> 
 # ----------------------------------------------------------------------------- running
 
 
-def infinite_samples(args: argparse.Namespace, task: str) -> list[Sample]:
+def infinite_samples(args: argparse.Namespace, task: str, tokenizer=None) -> list[Sample]:
     """The samples of ``task``: official prompt split at the question, official (or release) length."""
     try:
         examples = load_task(args.data_dir, task)
@@ -424,11 +419,22 @@ def infinite_samples(args: argparse.Namespace, task: str) -> list[Sample]:
     return samples
 
 
+def score_dataset(task: str, records: Sequence[Mapping[str, Any]]) -> float:
+    """A task's official score over its prediction lines."""
+    if task not in TASKS:
+        raise DataError(f"{task}: not an InfiniteBench task; known: {', '.join(TASKS)}")
+    for number, record in enumerate(records, 1):
+        if "pred" not in record or "ground_truth" not in record:
+            raise DataError(f"{task} record {number}: needs 'pred' and 'ground_truth'")
+    return score_task(task, [r["pred"] for r in records], [r["ground_truth"] for r in records])
+
+
 BENCHMARK = Benchmark(
     "infinite_bench",
     datasets=tuple(TASKS),
     default_datasets=tuple(TASKS),
     load_samples=infinite_samples,
+    score=score_dataset,
     default_data_dir="data/InfiniteBench",
     prediction_flags=("chat_template", "generation_lengths"),
 )
@@ -451,48 +457,24 @@ def run(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> Path:
 # ----------------------------------------------------------------------------- evaluation
 
 
-def find_runs(results_dir: Path) -> list[Path]:
-    """Folders (``results_dir`` or below it) holding prediction files of InfiniteBench tasks."""
-    if not results_dir.is_dir():
-        raise FileNotFoundError(f"--results_dir {results_dir} is not a folder")
-    runs = sorted({p.parent for p in results_dir.glob("**/*.jsonl") if p.name.split(".")[0] in TASKS})
-    if not runs:
-        raise FileNotFoundError(f"no InfiniteBench predictions (<task>.jsonl) under {results_dir}")
-    return runs
-
-
-def score_run(run_dir: Path) -> dict[str, float]:
-    """{task: score} for every task file in ``run_dir``, in the official task order, plus ``Avg``."""
-    present = set(datasets_in(run_dir))
-    scores = {}
-    for task in (t for t in TASKS if t in present):
-        records = read_predictions(run_dir, task)
-        for number, record in enumerate(records, 1):
-            if "pred" not in record or "ground_truth" not in record:
-                raise ValueError(f"{run_dir / task}.jsonl record {number}: needs 'pred' and 'ground_truth'")
-        scores[task] = score_task(task, [r["pred"] for r in records], [r["ground_truth"] for r in records])
-    if scores:
-        scores["Avg"] = round(sum(scores.values()) / len(scores), 2)
-    return scores
-
-
+@command_line
 def evaluate(argv: Sequence[str] | None = None) -> dict[Path, dict[str, float]]:
     """``eval_infinite.py``: score every run folder under ``--results_dir``, write
-    ``infinite_scores.json`` / ``.csv`` in each, print one table row per run."""
+    ``infinite_scores.json`` ({task: score, "Avg": mean}) / ``.csv`` in each, print one table row per run."""
     parser = argparse.ArgumentParser(description="Score InfiniteBench predictions (official metrics).")
     parser.add_argument("--results_dir", required=True, help="a run_infinite_bench.py run folder, or a folder above")
     args = parser.parse_args(argv)
-    root = Path(args.results_dir)
+    runs = scoring.evaluate(BENCHMARK, args.results_dir)
     results = {}
-    for run_dir in find_runs(root):
-        scores = score_run(run_dir)
-        (run_dir / "infinite_scores.json").write_text(json.dumps(scores, indent=2) + "\n", encoding="utf-8")
-        with open(run_dir / "infinite_scores.csv", "w", newline="", encoding="utf-8") as handle:
+    for run in runs:
+        scores = {task: score.score for task, score in run.datasets.items() if score.score is not None}
+        if scores:
+            scores["Avg"] = run.average
+        (run.folder / "infinite_scores.json").write_text(json.dumps(scores, indent=2) + "\n", encoding="utf-8")
+        with open(run.folder / "infinite_scores.csv", "w", newline="", encoding="utf-8") as handle:
             writer = csv.DictWriter(handle, fieldnames=list(scores))
             writer.writeheader()
             writer.writerow(scores)
-        results[run_dir] = scores
-    columns = [t for t in [*TASKS, "Avg"] if any(t in s for s in results.values())]
-    rows = [{"run": str(run.relative_to(root)) if run != root else run.name, **s} for run, s in results.items()]
-    print(format_table(rows, columns))
+        results[run.folder] = scores
+    print(scoring.runs_table(runs, [t for t in TASKS if any(t in run.datasets for run in runs)], average="Avg"))
     return results

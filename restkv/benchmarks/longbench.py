@@ -25,24 +25,18 @@ import argparse
 import csv
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from restkv.benchmarks import longbench_metrics as metrics
-from restkv.benchmarks.runner import (
-    Benchmark,
-    DataError,
-    Sample,
-    datasets_in,
-    format_table,
-    prediction_files,
-    read_jsonl,
-    read_predictions,
-)
+from restkv.benchmarks.benchmark import Benchmark, Sample
+from restkv.benchmarks.errors import DataError, command_line
+from restkv.benchmarks import scoring
+from restkv.benchmarks.results import read_jsonl, read_predictions
 from restkv.benchmarks.runner import main as run_main
+from restkv.benchmarks.scoring import RunScores, footnotes, format_table, marked, samples_cell
 
 #: The 16 English and code datasets, in the order of the papers' tables (the default set).
 ENGLISH_DATASETS = (
@@ -383,23 +377,9 @@ def to_sample(dataset: str, record: Mapping[str, Any]) -> Sample:
     )
 
 
-def load_samples(args: argparse.Namespace, dataset: str) -> list[Sample]:
+def load_samples(args: argparse.Namespace, dataset: str, tokenizer=None) -> list[Sample]:
     path = Path(args.data_dir) / f"{dataset}.jsonl"
     return [to_sample(dataset, record) for record in read_records(path)]
-
-
-BENCHMARK = Benchmark(
-    name="longbench",
-    datasets=ALL_DATASETS,
-    default_datasets=ENGLISH_DATASETS,
-    load_samples=load_samples,
-    default_data_dir="data/LongBench",
-)
-
-
-def run(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> Path:
-    """``run_longbench.py``: parse flags, load and patch the model (unless given), run every dataset."""
-    return run_main(BENCHMARK, argv, model=model, tokenizer=tokenizer)
 
 
 # --------------------------------------------------------------------------- scoring
@@ -439,73 +419,74 @@ def scorer_e(dataset: str, predictions: Sequence[str], answers: Sequence[Sequenc
     return {name: round(100 * float(np.mean(scores)), 2) if scores else math.nan for name, scores in buckets.items()}
 
 
-# --------------------------------------------------------------------------- evaluation of results folders
-
 PREDICTION_FIELDS = ("pred", "answers", "all_classes")
 
 
-def evaluate_dataset(folder: Path, dataset: str) -> dict[str, Any]:
-    """Score one dataset's predictions (merged over shards): score, sample count, length buckets."""
-    records = read_predictions(folder, dataset)
-    files = ", ".join(str(path) for path in prediction_files(folder, dataset))
-    if not records:
-        raise DataError(f"{files}: no predictions")
+def score_dataset(dataset: str, records: Sequence[Mapping[str, Any]]) -> float:
+    """The official score of a dataset's prediction lines (one class list per dataset: the
+    official eval.py takes the last line's)."""
+    base_dataset(dataset)
     for record in records:
         for name in PREDICTION_FIELDS:
             if name not in record:
-                raise DataError(f"{files}: the prediction of id {record.get('id')!r} lacks field {name!r}")
-    predictions = [record["pred"] for record in records]
-    answers = [record["answers"] for record in records]
-    all_classes = records[-1]["all_classes"]  # one class list per dataset; official eval takes the last
-    result: dict[str, Any] = {"score": scorer(dataset, predictions, answers, all_classes), "samples": len(records)}
-    if all(isinstance(record.get("length"), int) for record in records):
-        lengths = [record["length"] for record in records]
-        result["buckets"] = scorer_e(dataset, predictions, answers, lengths, all_classes)
-    return result
+                raise DataError(f"{dataset}: the prediction of id {record.get('id')!r} lacks field {name!r}")
+    return scorer(dataset, [r["pred"] for r in records], [r["answers"] for r in records], records[-1]["all_classes"])
+
+
+def standard_datasets(names: Sequence[str]) -> list[str]:
+    """What a run's average is over: the standard datasets present, else the LongBench-E ones
+    (the plain mean KV-cache papers report)."""
+    return [name for name in names if name in DATASETS] or list(names)
+
+
+BENCHMARK = Benchmark(
+    name="longbench",
+    datasets=ALL_DATASETS,
+    default_datasets=ENGLISH_DATASETS,
+    load_samples=load_samples,
+    score=score_dataset,
+    default_data_dir="data/LongBench",
+    average_over=standard_datasets,
+)
+
+
+def run(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> Path:
+    """``run_longbench.py``: parse flags, load and patch the model (unless given), run every dataset."""
+    return run_main(BENCHMARK, argv, model=model, tokenizer=tokenizer)
+
+
+# --------------------------------------------------------------------------- evaluation of results folders
+
+
+def run_metrics(run: RunScores) -> dict[str, Any]:
+    """``metrics.json`` of a run: each scored dataset's score, samples and length buckets, and
+    the average."""
+    results: dict[str, Any] = {}
+    for name, score in run.datasets.items():
+        if score.score is None:
+            continue
+        results[name] = {"score": score.score, "samples": score.scored}
+        records = read_predictions(run.folder, name)
+        if all(isinstance(record.get("length"), int) for record in records):
+            predictions, answers = [r["pred"] for r in records], [r["answers"] for r in records]
+            lengths = [r["length"] for r in records]
+            results[name]["buckets"] = scorer_e(name, predictions, answers, lengths, records[-1]["all_classes"])
+    average = math.nan if run.average is None else run.average
+    return {"datasets": results, "average": average, "averaged_over": run.averaged_over}
 
 
 def _table_order(names: set[str]) -> list[str]:
     return [name for name in ALL_DATASETS if name in names]
 
 
-def evaluate_run(folder: Path, datasets: Sequence[str] | None = None) -> dict[str, Any]:
-    """Scores of every dataset in one results folder, and their average.
-
-    The average is the plain mean over the standard datasets present (over the LongBench-E
-    ones when the folder has only those), as KV-cache papers report it.
-    """
-    present = datasets_in(folder)
-    for name in present:
-        base_dataset(name)
-    chosen = _table_order(set(present) & set(datasets)) if datasets is not None else _table_order(set(present))
-    results = {name: evaluate_dataset(folder, name) for name in chosen}
-    standard = [name for name in chosen if name in DATASETS] or chosen
-    average = round(float(np.mean([results[name]["score"] for name in standard])), 2) if standard else math.nan
-    return {"datasets": results, "average": average, "averaged_over": standard}
-
-
-def run_folders(results_dir: Path) -> list[Path]:
-    """``results_dir`` itself if it holds predictions, else every folder below it that does."""
-    if any(results_dir.glob("*.jsonl")):
-        return [results_dir]
-    return sorted({path.parent for path in results_dir.rglob("*.jsonl")})
-
-
-def evaluate_results_dir(results_dir: str | Path, datasets: Sequence[str] | None = None) -> dict[str, dict]:
-    """Evaluate every run below ``results_dir``; writes ``metrics.json`` in each run folder and
-    ``results.json`` / ``results.csv`` in ``results_dir``. Returns {run label: evaluation}."""
+def _evaluate(results_dir: str | Path, datasets: Sequence[str] | None) -> tuple[list[RunScores], dict[str, dict]]:
     results_dir = Path(results_dir)
-    if not results_dir.is_dir():
-        raise DataError(f"{results_dir}: no such results folder")
-    folders = run_folders(results_dir)
-    if not folders:
-        raise DataError(f"{results_dir}: no prediction files (*.jsonl) found")
+    runs = scoring.evaluate(BENCHMARK, results_dir, datasets)
     evaluations = {}
-    for folder in folders:
-        label = folder.name if folder == results_dir else str(folder.relative_to(results_dir))
-        evaluation = evaluate_run(folder, datasets)
-        (folder / "metrics.json").write_text(json.dumps(evaluation, indent=2, ensure_ascii=False), encoding="utf-8")
-        evaluations[label] = evaluation
+    for run in runs:
+        evaluations[run.label] = run_metrics(run)
+        (run.folder / "metrics.json").write_text(json.dumps(evaluations[run.label], indent=2, ensure_ascii=False),
+                                                 encoding="utf-8")
     (results_dir / "results.json").write_text(json.dumps(evaluations, indent=2, ensure_ascii=False), encoding="utf-8")
     columns = _table_order({name for evaluation in evaluations.values() for name in evaluation["datasets"]})
     with open(results_dir / "results.csv", "w", newline="", encoding="utf-8") as handle:
@@ -513,7 +494,13 @@ def evaluate_results_dir(results_dir: str | Path, datasets: Sequence[str] | None
         writer.writerow(["run", *columns, "average"])
         for label, row in score_rows(evaluations, columns).items():
             writer.writerow([label, *("" if row.get(c) is None else row[c] for c in [*columns, "average"])])
-    return evaluations
+    return runs, evaluations
+
+
+def evaluate_results_dir(results_dir: str | Path, datasets: Sequence[str] | None = None) -> dict[str, dict]:
+    """Evaluate every run below ``results_dir``: ``scores.json`` and ``metrics.json`` in each run
+    folder, ``results.json`` / ``results.csv`` in ``results_dir``. Returns {run label: metrics}."""
+    return _evaluate(results_dir, datasets)[1]
 
 
 def score_rows(evaluations: Mapping[str, Mapping], columns: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -528,12 +515,20 @@ def score_rows(evaluations: Mapping[str, Mapping], columns: Sequence[str]) -> di
     return rows
 
 
-def format_evaluations(evaluations: Mapping[str, Mapping], buckets: bool = False) -> str:
-    """The score table (runs x datasets + average) and, for LongBench-E datasets (or all with
-    ``buckets``), the length-bucket table."""
+def format_evaluations(runs: Sequence[RunScores], evaluations: Mapping[str, Mapping], buckets: bool = False) -> str:
+    """The score table (runs x datasets + average + samples scored, incomplete cells marked)
+    and, for LongBench-E datasets (or all with ``buckets``), the length-bucket table."""
     columns = _table_order({name for evaluation in evaluations.values() for name in evaluation["datasets"]})
-    rows = [{"run": label, **row} for label, row in score_rows(evaluations, columns).items()]
-    text = format_table(rows, [*columns, "average"])
+    rows = []
+    for run in runs:
+        row = score_rows(evaluations, columns)[run.label]
+        for name in columns:
+            if name in row:
+                row[name] = marked(row[name], [run.datasets[name]])
+        row["average"] = marked(row["average"], run.datasets.values())
+        rows.append({"run": run.label, **row, "samples": samples_cell(run.datasets.values())})
+    text = "\n".join([format_table(rows, [*columns, "average", "samples"]),
+                      *(line for run in runs for line in footnotes(run.label, run.datasets))])
     bucket_rows = [
         {"run / dataset": f"{label} / {name}", **result["buckets"]}
         for label, evaluation in evaluations.items()
@@ -548,6 +543,7 @@ def format_evaluations(evaluations: Mapping[str, Mapping], buckets: bool = False
     return text
 
 
+@command_line
 def evaluate(argv: Sequence[str] | None = None) -> dict[str, dict]:
     """``eval.py``: score every run under ``--results_dir``, print the tables, write the result files."""
     parser = argparse.ArgumentParser(
@@ -559,10 +555,7 @@ def evaluate(argv: Sequence[str] | None = None) -> dict[str, dict]:
     parser.add_argument("--buckets", action="store_true",
                         help="print length buckets for every dataset (always for LongBench-E ones)")
     args = parser.parse_args(argv)
-    try:
-        evaluations = evaluate_results_dir(args.results_dir, args.datasets)
-    except DataError as error:
-        sys.exit(f"error: {error}")
-    print(format_evaluations(evaluations, buckets=args.buckets))
+    runs, evaluations = _evaluate(args.results_dir, args.datasets)
+    print(format_evaluations(runs, evaluations, buckets=args.buckets))
     print(f"\nwritten: {args.results_dir}/results.json, {args.results_dir}/results.csv")
     return evaluations

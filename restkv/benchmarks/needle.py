@@ -18,10 +18,12 @@ The protocol is the ReST-KV release's (itself from gkamradt's test via KVCache-F
   "eat a sandwich and sit in Dolores Park on a sunny day." that appear among the response's
   whitespace-separated lower-cased words, in [0, 1] — the release's plotting scorer.
 
-Haystack: the essays in ``data/PaulGrahamEssays`` if present, else the project's synthetic
-prose (:mod:`restkv.benchmarks.haystack`); the choice is recorded with the results.
+Haystack: the essays of ``--haystack_dir`` (a folder that must hold some), by default those in
+``data/PaulGrahamEssays`` if present, else the project's synthetic prose
+(:mod:`restkv.benchmarks.haystack`); the choice is recorded with the results.
 
-``run`` is the command line of ``run_needle_in_haystack.py``.
+``run`` is the command line of ``run_needle_in_haystack.py``; it scores the cells written so far
+into ``needle_results.json`` and ``scores.json`` (``restkv.benchmarks.scoring``).
 """
 
 from __future__ import annotations
@@ -34,9 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, load_essays
-from restkv.benchmarks.runner import Benchmark, BenchmarkRun, Sample, parse_args, read_predictions
-from restkv.models import load_tokenizer
+from restkv.benchmarks.haystack import ESSAY_DIR, SYNTHETIC_SOURCE, HaystackText, load_essays
+from restkv.benchmarks import runner, scoring
+from restkv.benchmarks.benchmark import Benchmark, Sample
+from restkv.benchmarks.errors import DataError, FlagError, command_line
+from restkv.benchmarks.flags import compression_config_from_args, parse_args
+from restkv.benchmarks.results import read_predictions
 
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 RETRIEVAL_QUESTION = "The best thing to do in San Francisco is: "
@@ -208,13 +213,49 @@ def score_grid(rows: Iterable[Mapping]) -> tuple[list[int], list[int], list[list
 # ----------------------------------------------------------------------------- running
 
 
-def needle_samples(args: argparse.Namespace, tokenizer) -> list[Sample]:
+def grid(args: argparse.Namespace) -> tuple[list[int], list[int]]:
+    """The flags' context lengths and depths; raises ``FlagError``."""
+    try:
+        return args.context_lengths or context_lengths(args.s_len, args.e_len, args.step), depth_percents(
+            args.depth_intervals)
+    except ValueError as error:
+        raise FlagError(str(error)) from None
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """The grid, and a buffer that leaves every context length room for some haystack."""
+    lengths, _ = grid(args)
+    buffer = args.final_context_length_buffer
+    if buffer < 0:
+        raise FlagError(f"--final_context_length_buffer must be >= 0; got {buffer}")
+    short = [str(length) for length in lengths if length <= buffer]
+    if short:
+        raise FlagError(f"--final_context_length_buffer {buffer} leaves no room for the haystack at context length "
+                        f"{', '.join(short)}")
+
+
+def load_haystack(folder: str | None, min_words: int) -> HaystackText:
+    """The essays of ``--haystack_dir`` (``--data_dir``), which must hold some; without the flag,
+    those of ``data/PaulGrahamEssays`` if present, else the project's synthetic prose."""
+    if folder is None:
+        return load_essays(ESSAY_DIR, min_words=min_words)
+    if not Path(folder).is_dir():
+        raise DataError(f"--haystack_dir {folder}: no such folder")
+    haystack = load_essays(folder, min_words=min_words)
+    if haystack.source == SYNTHETIC_SOURCE:
+        raise DataError(f"--haystack_dir {folder} holds no essays (*.txt files or PaulGrahamEssays.json)")
+    return haystack
+
+
+def needle_samples(args: argparse.Namespace, dataset: str, tokenizer) -> list[Sample]:
     """One sample per (context length, depth) cell of the flags' grid, lengths outer."""
-    lengths = args.context_lengths or context_lengths(args.s_len, args.e_len, args.step)
-    depths = depth_percents(args.depth_intervals)
-    haystack = load_essays(args.data_dir, min_words=max(lengths))
-    prompts = build_prompts(tokenizer, haystack, lengths, depths, buffer=args.final_context_length_buffer,
-                            chat=args.chat_template)
+    lengths, depths = grid(args)
+    haystack = load_haystack(args.data_dir, max(lengths))
+    try:
+        prompts = build_prompts(tokenizer, haystack, lengths, depths, buffer=args.final_context_length_buffer,
+                                chat=args.chat_template)
+    except ValueError as error:  # an empty haystack, a needle longer than a cell's room
+        raise DataError(str(error)) from None
     return [
         Sample(
             id=f"len_{p.context_length}_depth_{p.depth_percent}",
@@ -229,13 +270,23 @@ def needle_samples(args: argparse.Namespace, tokenizer) -> list[Sample]:
     ]
 
 
+def score_dataset(dataset: str, records: Sequence[Mapping]) -> float:
+    """The grid's mean word recall, as a percentage."""
+    for number, record in enumerate(records, 1):
+        if "pred" not in record:
+            raise DataError(f"{dataset} record {number}: needs 'pred'")
+    return round(100 * statistics.fmean(score_response(record["pred"]) for record in records), 2)
+
+
 BENCHMARK = Benchmark(
     "needle",
     datasets=("needle",),
     default_datasets=("needle",),
-    load_samples=lambda args, dataset: needle_samples(args, load_tokenizer(args.model_path)),
-    default_data_dir=str(ESSAY_DIR),
+    load_samples=needle_samples,
+    score=score_dataset,
+    default_data_dir=None,
     prediction_flags=("chat_template", "final_context_length_buffer"),
+    check_flags=check_flags,
 )
 
 
@@ -254,20 +305,22 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                        "release's raw prompt")
     # The original release's needle runner spelled these differently from the other runners.
     group.add_argument("--haystack_dir", dest="data_dir", default=argparse.SUPPRESS,
-                       help="alias of --data_dir: folder of *.txt essays; the project's synthetic prose if absent")
+                       help="alias of --data_dir: folder of *.txt essays (default: data/PaulGrahamEssays if "
+                       "present, else the project's synthetic prose)")
     group.add_argument("--model_name", dest="model_path", default=argparse.SUPPRESS, help="alias of --model_path")
     group.add_argument("--max_capacity_prompt", dest="max_capacity_prompts", type=int, default=argparse.SUPPRESS,
                        help="alias of --max_capacity_prompts")
 
 
+@command_line
 def run(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> Path:
     """``run_needle_in_haystack.py``: run every cell not written yet, then score all written
     cells into ``needle_results.json`` beside the predictions."""
     args = parse_args(BENCHMARK, argv, add_flags)
-    session = BenchmarkRun.start(BENCHMARK, args, model=model, tokenizer=tokenizer)
-    session.run_dataset("needle", needle_samples(args, session.tokenizer))
-    rows = score_records(read_predictions(session.folder, "needle"))
-    results = write_results(rows, session.folder / "needle_results.json", model=args.model_path,
-                            method=session.config.method, budget=session.config.max_capacity_prompts)
-    print(f"predictions in {session.folder}; mean score {results['mean_score']:.3f} over {len(rows)} cells")
-    return session.folder
+    folder = runner.run(BENCHMARK, args, model=model, tokenizer=tokenizer)
+    config = compression_config_from_args(args)
+    rows = score_records(read_predictions(folder, "needle"))
+    write_results(rows, folder / "needle_results.json", model=args.model_path, method=config.method,
+                  budget=config.max_capacity_prompts)
+    print(f"predictions in {folder}\n{scoring.runs_table([scoring.score_run(folder, BENCHMARK)])}")
+    return folder

@@ -22,24 +22,17 @@ import argparse
 import csv
 import json
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from restkv.benchmarks.runner import (
-    Benchmark,
-    BenchmarkRun,
-    DataError,
-    Sample,
-    chat_wrap,
-    datasets_in,
-    format_table,
-    parse_args,
-    read_jsonl,
-    read_predictions,
-    selected_datasets,
-)
+from restkv.benchmarks import runner, scoring
+from restkv.benchmarks.benchmark import Benchmark, Sample
+from restkv.benchmarks.errors import DataError, command_line
+from restkv.benchmarks.flags import parse_args, selected_datasets
+from restkv.benchmarks.prompts import chat_wrap
+from restkv.benchmarks.results import read_jsonl
+from restkv.benchmarks.scoring import RunScores, footnotes, format_table, marked, samples_cell
 
 
 @dataclass(frozen=True)
@@ -350,7 +343,7 @@ def write_scores(scores: Mapping[int | str, Mapping[str, float]], out_dir: str |
 # ----------------------------------------------------------------------------- running
 
 
-def ruler_samples(args: argparse.Namespace, dataset: str) -> list[Sample]:
+def ruler_samples(args: argparse.Namespace, dataset: str, tokenizer=None) -> list[Sample]:
     """The samples of ``dataset`` = ``"<length>/<task>"``; ids are line numbers (niah's index is not unique)."""
     length, task = dataset.split("/")
     try:
@@ -374,13 +367,30 @@ def ruler_samples(args: argparse.Namespace, dataset: str) -> list[Sample]:
     return samples
 
 
+def score_dataset(dataset: str, records: Sequence[Mapping[str, Any]]) -> float:
+    """A ``<length>/<task>`` dataset's RULER score over its prediction lines."""
+    task = dataset.split("/")[-1]
+    if task not in TASKS:
+        raise DataError(f"{dataset}: not a RULER task; known: {', '.join(TASKS)}")
+    predictions, references = [], []
+    for number, record in enumerate(records, 1):
+        gold = record.get("outputs", record.get("output"))
+        if "pred" not in record or gold is None:
+            raise DataError(f"{dataset} record {number}: needs 'pred' and 'outputs'")
+        predictions.append(record["pred"])
+        references.append([gold] if isinstance(gold, str) else gold)
+    return score_task(task, predictions, references)
+
+
 BENCHMARK = Benchmark(
     "ruler",
     datasets=tuple(TASKS),
     default_datasets=SYNTHETIC_TASKS,
     load_samples=ruler_samples,
+    score=score_dataset,
     default_data_dir="data/RULER",
     prediction_flags=("chat_template",),
+    prediction_glob="[0-9]*/*.jsonl",
 )
 
 
@@ -392,76 +402,66 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                        help="wrap input in the tokenizer's chat template (the generator counts it by default)")
 
 
+@command_line
 def run(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> Path:
     """``run_ruler.py``: parse flags, load and patch the model (unless given), run every task file."""
-    args = parse_args(BENCHMARK, argv, add_flags)
+    return run_args(parse_args(BENCHMARK, argv, add_flags), model=model, tokenizer=tokenizer)
+
+
+def run_args(args: argparse.Namespace, model=None, tokenizer=None) -> Path:
+    """``run`` on flags already parsed and checked (the sweep builds its runs' flags itself)."""
     if args.model_max_len is None:  # RULER samples are built to fit their length: never cut them
         args.model_max_len = max(args.context_lengths)
     tasks = selected_datasets(args, BENCHMARK)
     datasets = [f"{length}/{task}" for length in args.context_lengths for task in tasks]
-    for dataset in datasets:  # fail before loading the model
-        length, task = dataset.split("/")
-        find_task_file(args.data_dir, int(length), task)
-    session = BenchmarkRun.start(BENCHMARK, args, model=model, tokenizer=tokenizer)
-    for dataset in datasets:
-        session.run_dataset(dataset, ruler_samples(args, dataset))
-    print(f"predictions in {session.folder}")
-    return session.folder
+    folder = runner.run(BENCHMARK, args, model=model, tokenizer=tokenizer, datasets=datasets)
+    print(f"predictions in {folder}")
+    return folder
 
 
 # ----------------------------------------------------------------------------- evaluation
 
 
-def length_dirs(run_dir: Path) -> list[Path]:
-    return sorted((p for p in run_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
-
-
-def find_runs(results_dir: Path) -> list[Path]:
-    """``results_dir`` itself if it holds ``<length>/`` folders, else every run folder below it."""
-    if not results_dir.is_dir():
-        raise FileNotFoundError(f"--results_dir {results_dir} is not a folder")
-    if length_dirs(results_dir):
-        return [results_dir]
-    runs = sorted({p.parent.parent for p in results_dir.glob("**/[0-9]*/*.jsonl") if p.parent.name.isdigit()})
-    if not runs:
-        raise FileNotFoundError(f"no RULER predictions (<length>/<task>.jsonl) under {results_dir}")
-    return runs
-
-
-def score_run(run_dir: Path) -> dict[int, dict[str, float]]:
-    """{length: {task: score}} of every task file in a run folder."""
+def length_scores(run: RunScores) -> dict[int, dict[str, float]]:
+    """{length: {task: score}} of a run's scored datasets (``<length>/<task>``)."""
     scores: dict[int, dict[str, float]] = {}
-    for folder in length_dirs(run_dir):
-        for task in ordered_tasks(datasets_in(folder)):
-            if task not in TASKS:
-                print(f"warning: {folder / task}.jsonl is not a RULER task; skipped", file=sys.stderr)
-                continue
-            records = read_predictions(folder, task)
-            if not records:
-                continue
-            predictions, references = [], []
-            for number, record in enumerate(records, 1):
-                gold = record.get("outputs", record.get("output"))
-                if "pred" not in record or gold is None:
-                    raise ValueError(f"{folder / task}.jsonl record {number}: needs 'pred' and 'outputs'")
-                predictions.append(record["pred"])
-                references.append([gold] if isinstance(gold, str) else gold)
-            scores.setdefault(int(folder.name), {})[task] = score_task(task, predictions, references)
+    for name, score in run.datasets.items():
+        if score.score is not None:
+            length, task = name.split("/")
+            scores.setdefault(int(length), {})[task] = score.score
     return scores
 
 
+def run_table(run: RunScores) -> str:
+    """A run's table (``score_table``) with the samples scored per length, incomplete cells
+    marked, and its footnotes."""
+    columns, rows = score_table(length_scores(run))
+    for row in rows:
+        lengths = {row["length"]} if row["length"] != "mean" else {name.split("/")[0] for name in run.datasets}
+        in_row = {name: score for name, score in run.datasets.items() if name.split("/")[0] in lengths}
+        for column in columns:
+            if column in row:
+                under = [score for name, score in in_row.items() if column == "Avg" or name.endswith(f"/{column}")]
+                row[column] = marked(row[column], under)
+        row["samples"] = samples_cell(in_row.values())
+    return "\n".join([format_table(rows, [*columns, "samples"], first="length"),
+                      *footnotes(run.label, run.datasets)])
+
+
+@command_line
 def evaluate(argv: Sequence[str] | None = None) -> dict[Path, dict[int, dict[str, float]]]:
     """``eval_ruler.py``: score every run folder under ``--results_dir``, print and write the tables."""
     parser = argparse.ArgumentParser(description="Score RULER predictions (RULER's string-match metrics).")
-    parser.add_argument("--results_dir", required=True, help="a run_py run folder, or a folder above several")
+    parser.add_argument("--results_dir", required=True, help="a run_ruler.py run folder, or a folder above several")
     args = parser.parse_args(argv)
     results = {}
-    for run_dir in find_runs(Path(args.results_dir)):
-        scores = score_run(run_dir)
-        if not scores:
-            continue
-        json_path, _ = write_scores(scores, run_dir)
-        columns, rows = score_table(scores)
-        print(f"{run_dir}\n{format_table(rows, columns, first='length')}\n(written to {json_path} and .csv)\n")
-        results[run_dir] = scores
+    for run in scoring.evaluate(BENCHMARK, args.results_dir):
+        scores = length_scores(run)
+        if scores:
+            json_path, _ = write_scores(scores, run.folder)
+            written = f"(written to {json_path} and .csv, and {run.folder / scoring.SCORES_FILE})"
+        else:
+            written = f"(no predictions yet; written to {run.folder / scoring.SCORES_FILE})"
+        print(f"{run.folder}\n{run_table(run)}\n{written}\n")
+        results[run.folder] = scores
     return results

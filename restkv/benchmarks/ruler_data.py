@@ -49,7 +49,8 @@ from typing import Callable, Sequence
 from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, load_essays, split_sentences, wonderwords_list
 from restkv.benchmarks.haystack import wonderwords_version
 from restkv.benchmarks.ruler import FAMILIES, RulerTask, get_task, parse_task_list, SYNTHETIC_TASKS
-from restkv.benchmarks.runner import chat_wrap
+from restkv.benchmarks.errors import FlagError, command_line
+from restkv.benchmarks.prompts import chat_wrap
 
 NOISE_LINE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
@@ -444,12 +445,33 @@ def _qa_dataset(path: Path, dataset: str) -> tuple[list[dict], list[str]]:
     return questions, documents
 
 
+def missing_qa_file(task: str, qa_dir: str | Path) -> str | None:
+    """What a qa task misses in ``qa_dir`` (None when its file is there, or the task is not qa)."""
+    spec = get_task(task)
+    if spec.family_name != "qa":
+        return None
+    dataset = spec.args["dataset"]
+    path = Path(qa_dir) / f"{dataset}.json"
+    if path.is_file():
+        return None
+    source = "SQuAD 2.0 dev (dev-v2.0.json)" if dataset == "squad" else "HotpotQA dev distractor"
+    return f"{task} needs {source} at {path}; it is not downloaded automatically"
+
+
+def check_lengths(tasks: Sequence[str], lengths: Sequence[int], flag: str = "--lengths") -> None:
+    """Every length must leave each task room for its generated tokens (``FlagError`` naming ``flag``)."""
+    for length in lengths:
+        for task in tasks:
+            to_generate = get_task(task).tokens_to_generate
+            if length <= to_generate:
+                raise FlagError(f"{flag} {length} leaves no room for {task}'s {to_generate} generated tokens")
+
+
 def _build_qa(rng: random.Random, ctx: BuildContext, sample_index: int):
     dataset = ctx.task.args["dataset"]
     path = ctx.qa_dir / f"{dataset}.json"
-    if not path.is_file():
-        source = "SQuAD 2.0 dev (dev-v2.0.json)" if dataset == "squad" else "HotpotQA dev distractor"
-        raise FileNotFoundError(f"{ctx.task.name} needs {source} at {path}; it is not downloaded automatically")
+    if (missing := missing_qa_file(ctx.task.name, ctx.qa_dir)) is not None:
+        raise FileNotFoundError(missing)
     questions, documents = _qa_dataset(path, dataset)
     if sample_index >= len(questions):
         raise ValueError(f"{ctx.task.name}: sample {sample_index} asked, {path} has {len(questions)} questions")
@@ -501,7 +523,7 @@ def generate_sample(ctx: BuildContext, index: int) -> dict:
     try:
         size = largest_fitting_size(lambda n: ctx.counter.prompt(render(n)), budget, smallest)
     except ValueError as error:
-        raise ValueError(f"{ctx.task.name} cannot fit {ctx.length} tokens: {error}") from None
+        raise FlagError(f"{ctx.task.name} cannot fit {ctx.length} tokens: {error}") from None
     rendered = render(size)
     record = {
         "index": index,
@@ -536,8 +558,7 @@ def generate_task(
 
 def _build_context(task, length, tokenizer, seed, use_chat_template, essay_dir, qa_dir) -> BuildContext:
     spec = get_task(task)
-    if length <= spec.tokens_to_generate:
-        raise ValueError(f"--lengths {length} leaves no room for {task}'s {spec.tokens_to_generate} generated tokens")
+    check_lengths([task], [length])
     haystack = None
     if spec.args.get("type_haystack") == "essay":
         haystack = load_essays(essay_dir, min_words=length)
@@ -624,11 +645,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@command_line
 def main(argv: Sequence[str] | None = None) -> list[Path]:
-    args = build_parser().parse_args(argv)
-    tasks = parse_task_list(args.tasks)
-    if args.num_samples < 1:
-        raise SystemExit("--num_samples must be at least 1")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:  # everything that needs no tokenizer
+        tasks = parse_task_list(args.tasks)
+        if args.num_samples < 1:
+            raise FlagError(f"--num_samples must be >= 1; got {args.num_samples}")
+        check_lengths(tasks, args.lengths)
+        for task in tasks:
+            if (missing := missing_qa_file(task, args.qa_dir)) is not None:
+                raise FlagError(f"--qa_dir: {missing}")
+    except ValueError as error:  # FlagError, or an unknown task
+        parser.error(str(error))
     from restkv.models import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)

@@ -1,0 +1,223 @@
+"""The command line every runner shares: its flags, their checks, sharding, the prompt limit.
+
+Every compression option is a flag ``--<name>`` (``restkv.flags``: help, type and choices
+from the declaring part, default None so the part's own default applies); this module is the
+only one of the benchmarks that builds configs (``compression_config_from_args``,
+``full_cache_config``).
+
+``parse_args`` checks every value before anything is loaded, so a typo in a sweep script
+stops with the flag's name at once: the compression options (the config's own checks), the
+datasets, the shard, the lengths and counts, ``--model_path`` when it can only be a local
+folder, and the benchmark's own flags (``Benchmark.check_flags``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import typing
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from restkv.benchmarks.benchmark import Benchmark
+from restkv.benchmarks.errors import DataError, FlagError
+from restkv.config import CompressionConfig, ConfigError
+from restkv.flags import add_compression_flags, config_from_flags
+
+#: Prompt-token limits of the original release (ReST-KV run_*.py), keyed by a substring of the
+#: lower-cased model path, plus the embedded models and "llama-3-" (hub names of the 8K Llama 3,
+#: which matched no key there). The longest matching key wins (the original took the last match
+#: in dict order and crashed on no match).
+MODEL_MAX_LEN = {
+    "smollm2-135m": 7950,
+    "gemma3-270m": 7950,
+    "llama2": 3950,
+    "llama-2": 3950,
+    "llama3": 7950,
+    "llama-3-": 7950,
+    "llama-3-70": 7950,
+    "llama-3.1": 127000,
+    "mistral": 31500,
+    "qwen2.5": 127000,
+    "gemma": 7950,
+}
+
+#: Tokens left for the answer when the limit comes from the model's context length.
+GENERATION_ROOM = 512
+
+#: The smallest prompt limit: the middle cut keeps ``limit // 2`` tokens at each end.
+MIN_MODEL_MAX_LEN = 2
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """Raises ``FlagError`` instead of printing this runner's usage, for callers that build a
+    runner's command line themselves and report errors under their own usage (the sweep)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise FlagError(message)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends a flag's default when it has one (None means "see the help text")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if action.default not in (None, argparse.SUPPRESS) and "%(default)" not in help_text:
+            help_text += " (default: %(default)s)"
+        return help_text
+
+
+def _str_to_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+
+
+#: one ``--<name>`` per compression option of every registered part, and the config of the
+#: flags that were given (``restkv.flags``: built from the parts' own declarations)
+compression_config_from_args = config_from_flags
+
+
+def full_cache_config() -> CompressionConfig:
+    """The config that keeps every token (for a sample too short to compress under a ratio)."""
+    return CompressionConfig(method="fullkv")
+
+
+def build_parser(benchmark: Benchmark, add_flags: Callable[[argparse.ArgumentParser], None] | None = None,
+                 parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The common flags of every runner, one flag per compression option, and the benchmark's
+    own (``add_flags``)."""
+    parser = parser_class(description=f"Run {benchmark.name} with a compressed KV cache.",
+                          formatter_class=_HelpFormatter)
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model_path", default="smollm2-135m",
+        help="an embedded model (smollm2-135m, gemma3-270m), a local folder or a hub id",
+    )
+    model.add_argument("--attn_implementation", default="sdpa", choices=["eager", "sdpa", "flash_attention_2"])
+    model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"],
+                       help="default: bfloat16 on CUDA, float32 on CPU")
+    model.add_argument("--device_map", default=None,
+                       help="default: 'auto' on CUDA (this process's GPU under torchrun), CPU otherwise")
+    model.add_argument("--use_cache", type=_str_to_bool, nargs="?", const=True, default=True,
+                       help="accepted for the original release's scripts (--use_cache True); compression needs it")
+    model.add_argument("--model_max_len", type=int, default=None,
+                       help=f"prompt tokens kept (cut in the middle), >= {MIN_MODEL_MAX_LEN}; default per model: "
+                            "restkv.benchmarks.flags.default_model_max_len")
+
+    data = parser.add_argument_group("data")
+    data.add_argument("--data_dir", default=benchmark.default_data_dir, help="folder of the benchmark's jsonl files")
+    data.add_argument("--dataset", default=None, help="one dataset (the original release's flag)")
+    data.add_argument("--datasets", nargs="+", default=None,
+                      help="datasets to run, space- or comma-separated "
+                           f"(default: {' '.join(benchmark.default_datasets)})")
+    data.add_argument("--max_num_examples", type=int, default=None, help="only the first N samples of each dataset")
+    data.add_argument("--max_new_tokens", type=int, default=None, help="override the benchmark's generation length")
+
+    run = parser.add_argument_group("run")
+    run.add_argument("--query_agnostic", action=argparse.BooleanOptionalAction, default=False,
+                     help="compress the context alone, then feed the question (off: query-aware)")
+    run.add_argument("--save_dir", default=f"results/{benchmark.name}", help="root of the results folders")
+    run.add_argument("--tag", default=None, help="suffix of the results folder, for variants of one method and budget")
+    run.add_argument("--num_shards", type=int, default=None, help="split every dataset over N processes")
+    run.add_argument("--shard_id", type=int, default=None, help="this process's shard, 0..N-1")
+
+    add_compression_flags(parser)
+    if add_flags is not None:
+        add_flags(parser)
+    return parser
+
+
+def parse_args(benchmark: Benchmark, argv: Sequence[str] | None = None,
+               add_flags: Callable[[argparse.ArgumentParser], None] | None = None,
+               raising: bool = False) -> argparse.Namespace:
+    """Parse and check a runner's command line; a bad value prints the runner's usage and the
+    message (exit status 2), or with ``raising`` raises ``FlagError``."""
+    parser = build_parser(benchmark, add_flags, _RaisingParser if raising else argparse.ArgumentParser)
+    args = parser.parse_args(argv)
+    try:
+        check_flags(args, benchmark)
+    except (ConfigError, DataError, FlagError) as error:
+        parser.error(str(error))
+    return args
+
+
+def check_flags(args: argparse.Namespace, benchmark: Benchmark) -> None:
+    """Every check that needs no model, data file or results folder."""
+    if not args.use_cache:
+        raise FlagError("--use_cache False: restkv compresses the KV cache, so runs always use it")
+    compression_config_from_args(args)
+    selected_datasets(args, benchmark)
+    shard_of(args)
+    check_model_path(args.model_path)
+    for flag, minimum in (("model_max_len", MIN_MODEL_MAX_LEN), ("max_new_tokens", 1), ("max_num_examples", 1)):
+        value = getattr(args, flag)
+        if value is not None and value < minimum:
+            raise FlagError(f"--{flag} must be >= {minimum}; got {value}")
+    if benchmark.check_flags is not None:
+        benchmark.check_flags(args)
+
+
+def check_model_path(model_path: str) -> None:
+    """A ``--model_path`` that can only be a local path (absolute, starting with ``.`` or ``~``,
+    or with more than one ``/``, which no hub id has) must exist."""
+    from restkv.models import EMBEDDED_MODELS
+
+    if model_path in EMBEDDED_MODELS or Path(model_path).expanduser().exists():
+        return
+    if model_path.startswith(("/", ".", "~")) or model_path.count("/") > 1 or model_path.endswith("/"):
+        raise FlagError(
+            f"--model_path {model_path}: no such folder; give a local model folder, a hub id (org/name) or an "
+            f"embedded model ({', '.join(EMBEDDED_MODELS)})"
+        )
+
+
+def selected_datasets(args: argparse.Namespace, benchmark: Benchmark) -> list[str]:
+    """``--dataset`` or ``--datasets`` (space- or comma-separated; default: the benchmark's default
+    set), checked by name, duplicates dropped."""
+    if args.dataset is not None and args.datasets is not None:
+        raise DataError("give either --dataset or --datasets, not both")
+    chosen = [args.dataset] if args.dataset is not None else list(args.datasets or benchmark.default_datasets)
+    # "--datasets a,b c" and "--datasets a b c" name the same datasets.
+    chosen = [name for entry in chosen for name in entry.split(",") if name]
+    unknown = [name for name in chosen if name not in benchmark.datasets]
+    if unknown:
+        raise DataError(
+            f"unknown {benchmark.name} dataset(s) {', '.join(unknown)}; known: {', '.join(benchmark.datasets)}"
+        )
+    return list(dict.fromkeys(chosen))
+
+
+def shard_of(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """(shard_id, num_shards) from the flags, else from torchrun's RANK/WORLD_SIZE, else (0, 1)."""
+    if args.num_shards is None and args.shard_id is not None:
+        raise FlagError("--shard_id needs --num_shards")
+    if args.num_shards is not None:
+        shard_id = 0 if args.shard_id is None else args.shard_id
+        num_shards = args.num_shards
+    elif int(environ.get("WORLD_SIZE", "1")) > 1:
+        shard_id, num_shards = int(environ.get("RANK", "0")), int(environ["WORLD_SIZE"])
+    else:
+        return 0, 1
+    if num_shards < 1:
+        raise FlagError(f"--num_shards must be >= 1; got {num_shards}")
+    if not 0 <= shard_id < num_shards:
+        raise FlagError(f"--shard_id must lie in 0..{num_shards - 1} (--num_shards {num_shards}); got {shard_id}")
+    return shard_id, num_shards
+
+
+def default_model_max_len(model_path: str, model_config: Any | None = None) -> int:
+    """Prompt-token limit: the original release's value for the model family (``MODEL_MAX_LEN``),
+    else the model's context length minus ``GENERATION_ROOM``."""
+    lowered = model_path.lower()
+    matches = [key for key in MODEL_MAX_LEN if key in lowered]
+    if matches:
+        return MODEL_MAX_LEN[max(matches, key=len)]
+    context = getattr(model_config, "max_position_embeddings", None)
+    if not context or int(context) - GENERATION_ROOM < MIN_MODEL_MAX_LEN:
+        raise FlagError(f"cannot tell a prompt limit for {model_path!r} (context length {context}); "
+                        "give --model_max_len")
+    return int(context) - GENERATION_ROOM

@@ -1,0 +1,346 @@
+"""A benchmark run in one process: the loaded and patched model, greedy generation, the
+compression check, and the loop over a dataset's samples.
+
+**Generation.** Greedy, batch 1, stopping on the prompt's stop tokens, new tokens decoded
+without special tokens. Query-agnostic prompts (``question_ids``) compress the context alone,
+then feed the question through the compressed cache (``restkv.generation``). ``--seed`` (a
+config option) also seeds Python, NumPy and torch.
+
+**No silent no-compression.** After each sample the cache is inspected: if the compressed
+prefill was longer than the budget, every layer that the method compresses at that length must
+hold fewer entries than tokens seen, else the run stops with ``CompressionNotApplied``; every
+compressed layer must have been built with the run's config, else ``CompressionMismatch``.
+Tokens seen / stored go in the line.
+
+**Prompts too short to compress.** Under ``--compression_ratio`` a short prompt may keep no
+more tokens than the method always keeps; the library refuses such a row, so the sample is
+answered with the full cache and its line says so (``"compressed": false`` and
+``"uncompressed_reason"``); the evaluators count such samples.
+
+**Output line.** ``id, index, pred`` (the field name of LongBench's and RULER's own tools), the
+adapter's ``fields``, then ``prompt_tokens, context_tokens, question_tokens, truncated,
+new_tokens, kv_tokens_seen, kv_tokens_stored, kv_layers_compressed`` (then ``compressed,
+uncompressed_reason`` for a sample answered with the full cache) and ``seconds``.
+
+**Sharding.** Shard ``K`` of ``N`` runs the samples whose index ``i`` has ``i % N == K``, each
+shard its own file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from restkv.benchmarks.benchmark import Benchmark, Sample
+from restkv.benchmarks.errors import CompressionMismatch, CompressionNotApplied, DataError, FlagError
+from restkv.benchmarks.flags import compression_config_from_args, default_model_max_len, full_cache_config, shard_of
+from restkv.benchmarks.prompts import EncodedPrompt, encode_prompt, stop_token_ids
+from restkv.benchmarks.results import results_dir
+from restkv.benchmarks.run_folder import DatasetInput, RunFolder, run_settings
+from restkv.compat import with_cache
+from restkv.config import CompressionConfig, ConfigError
+from restkv.deferred import set_reconstruction_prompt
+
+# --------------------------------------------------------------------------- generation
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One answer: its text and token ids, and the cache it was generated with."""
+
+    text: str
+    token_ids: list[int]
+    cache: Any
+
+
+def generate(model, tokenizer, encoded: EncodedPrompt, max_new_tokens: int,
+             stop_ids: Sequence[int], min_new_tokens: int = 0) -> Generation:
+    """Greedy generation; with ``question_ids``, the context is compressed alone first."""
+    from transformers import DynamicCache, GenerationConfig
+
+    from restkv.generation import generate_after_context
+
+    device = model.device
+    settings = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        eos_token_id=list(stop_ids),
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0],
+    )
+    context = torch.tensor([encoded.context_ids], device=device)
+    if encoded.question_ids:
+        question = torch.tensor([encoded.question_ids], device=device)
+        new_ids, cache = generate_after_context(
+            model, context, question, generation_config=settings, return_cache=True
+        )
+    else:
+        cache = DynamicCache(config=model.config)
+        output = model.generate(
+            input_ids=context, attention_mask=torch.ones_like(context), generation_config=settings, **with_cache(cache)
+        )
+        new_ids = output[:, context.shape[-1]:]
+    token_ids = new_ids[0].tolist()
+    return Generation(tokenizer.decode(token_ids, skip_special_tokens=True), token_ids, cache)
+
+
+def _attention_modules(model) -> list[torch.nn.Module]:
+    """The model's attention modules in layer order, patched or not (so an unpatched model
+    cannot pass the compression check by having no patched layers)."""
+    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+    if not modules:
+        raise CompressionNotApplied(f"found no attention layers in {type(model).__name__} to check")
+    return sorted(modules, key=lambda m: m.layer_idx)
+
+
+def compression_record(model, config: CompressionConfig, cache, prefill_tokens: int) -> dict[str, Any]:
+    """Tokens seen and stored by the cache, after checking it did what ``config`` claims.
+
+    Raises ``CompressionNotApplied`` if a layer that had to compress the ``prefill_tokens``-token
+    prefill kept everything, and ``CompressionMismatch`` if a layer was compressed with other
+    settings than ``config`` (the model re-configured behind the run's back). This is the one
+    place that reads the library's compression internals.
+    """
+    from restkv.attention import LayerParams
+    from restkv.cache import CompressedLayer, cache_report
+    from restkv.context import plan_layer
+
+    valid = torch.ones(1, prefill_tokens, dtype=torch.bool)
+    layers = model.config.num_hidden_layers
+    expected = [
+        module.layer_idx
+        for module in _attention_modules(model)
+        if plan_layer(config, valid, module.layer_idx, layers, LayerParams.of(module).sliding_window).compress
+    ]
+    reports = cache_report(cache)
+    missing = [layer for layer in expected if layer >= len(reports) or not reports[layer].compressed]
+    if missing:
+        raise CompressionNotApplied(
+            f"the prefill had {prefill_tokens} tokens, over the budget of --method {config.method}, but layers "
+            f"{missing} kept every token: restkv's attention patch is not active on this model "
+            "(unpatched, another model class, or a cache type restkv does not compress)"
+        )
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, CompressedLayer) and layer.config is not None and layer.config != config:
+            built, claimed = layer.config.to_dict(), config.to_dict()
+            changed = [name for name in claimed if built[name] != claimed[name]]
+            raise CompressionMismatch(
+                f"layer {index} was compressed with {_options(built, changed)} but the run's settings say "
+                f"{_options(claimed, changed)}: the model's compression was changed (configure/replace_*) after "
+                "the run started"
+            )
+    return {
+        "kv_tokens_seen": max((r.tokens_seen for r in reports), default=0),
+        "kv_tokens_stored": round(float(np.mean([r.stored_mean + r.residual for r in reports])), 1) if reports else 0,
+        "kv_layers_compressed": sum(r.compressed for r in reports),
+    }
+
+
+def uncompressible_reason(config: CompressionConfig, prefill_tokens: int) -> str | None:
+    """Why a prefill of ``prefill_tokens`` tokens cannot be compressed under ``config``, or None.
+
+    A ratio budget can leave a short prompt no more tokens than the method always keeps (its
+    observation window), and the library refuses to compress such a row; the runner decides
+    before generating, from the same budget rule, and answers that sample with the full cache.
+    """
+    from restkv.context import plan_layer
+
+    try:
+        plan_layer(config, torch.ones(1, prefill_tokens, dtype=torch.bool))
+    except ConfigError:
+        budget = config.budget_for(prefill_tokens)
+        protected = config.policy.protected_count(config.run.window_size, budget)
+        return (f"a prompt of {prefill_tokens} tokens keeps {budget} under --compression_ratio "
+                f"{config.compression_ratio}, no more than the {protected} tokens --method {config.method} always keeps")
+    return None
+
+
+@contextlib.contextmanager
+def full_cache(model, config: CompressionConfig) -> Iterator[CompressionConfig]:
+    """The model keeping every token (its config, fullkv, is yielded), then back at ``config``."""
+    from restkv.monkeypatch import configure
+
+    keep_all = configure(model, full_cache_config())
+    try:
+        yield keep_all
+    finally:
+        configure(model, config)
+
+
+def _options(options: Mapping[str, Any], names: Sequence[str]) -> str:
+    return ", ".join(f"{name} {options[name]!r}" for name in names)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _device_map(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Any:
+    if args.device_map is not None:
+        return args.device_map
+    if not torch.cuda.is_available():
+        return None
+    if int(environ.get("WORLD_SIZE", "1")) > 1:
+        return f"cuda:{int(environ.get('LOCAL_RANK', '0'))}"
+    return "auto"
+
+
+def _dtype_name(args: argparse.Namespace, model) -> str:
+    """The dtype the predictions are made in: the given model's, else ``--dtype`` (default as
+    ``restkv.models.load_model``'s; "auto" is the checkpoint's own)."""
+    if model is not None:
+        return str(model.dtype).removeprefix("torch.")
+    if args.dtype is not None:
+        return args.dtype
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+@contextlib.contextmanager
+def _model_path_errors(model_path: str) -> Iterator[None]:
+    """A model or tokenizer that cannot be loaded is a bad ``--model_path``, told in one line."""
+    try:
+        yield
+    except OSError as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise FlagError(f"--model_path {model_path}: cannot load it ({first_line})") from error
+
+
+def load_dataset_samples(benchmark: Benchmark, args: argparse.Namespace, dataset: str, tokenizer) -> list[Sample]:
+    """The dataset's samples as the adapter loads them, ids checked unique (they are the resume key)."""
+    samples = benchmark.load_samples(args, dataset, tokenizer)
+    seen: set = set()
+    for sample in samples:
+        if sample.id in seen:
+            raise DataError(f"{dataset}: sample id {sample.id!r} occurs twice; ids must be unique (resume key)")
+        seen.add(sample.id)
+    return samples
+
+
+@dataclass
+class BenchmarkRun:
+    """A loaded, patched model, the datasets it answers and the folder they go to."""
+
+    benchmark: Benchmark
+    args: argparse.Namespace
+    config: CompressionConfig
+    model: Any
+    tokenizer: Any
+    results: RunFolder
+    inputs: dict[str, DatasetInput]
+    model_max_len: int
+    shard_id: int = 0
+    num_shards: int = 1
+
+    @classmethod
+    def start(cls, benchmark: Benchmark, args: argparse.Namespace, datasets: Sequence[str], model=None,
+              tokenizer=None) -> "BenchmarkRun":
+        """Check what needs no model first (every dataset's data, the folder's lock, settings and
+        data), then load (unless given) and patch the model and write ``run_meta.json``."""
+        from transformers import AutoConfig
+
+        from restkv.models import load_model, load_tokenizer, resolve_model_path
+        from restkv.monkeypatch import configure, replace_for_model
+
+        config = compression_config_from_args(args)
+        shard_id, num_shards = shard_of(args)
+        with _model_path_errors(args.model_path):
+            if tokenizer is None:
+                tokenizer = load_tokenizer(args.model_path)
+            model_config = model.config if model is not None else AutoConfig.from_pretrained(
+                resolve_model_path(args.model_path))
+        inputs = {
+            name: DatasetInput.of(name, load_dataset_samples(benchmark, args, name, tokenizer), args.max_num_examples)
+            for name in datasets
+        }
+        model_max_len = (default_model_max_len(args.model_path, model_config) if args.model_max_len is None
+                         else args.model_max_len)
+        dtype = _dtype_name(args, model)
+        settings = run_settings(args, benchmark, config, dtype, model_max_len)
+        folder = results_dir(args.save_dir, args.model_path, config, args.query_agnostic, args.tag)
+        results = RunFolder(folder)
+        try:
+            results.check(settings, list(inputs.values()))
+            results.claim(datasets, shard_id, num_shards)
+            set_seed(config.seed)
+            if model is None:
+                with _model_path_errors(args.model_path):
+                    model = load_model(args.model_path, args.attn_implementation, dtype, _device_map(args))
+            # replace_* patches the family (and drops what an earlier configure() left on this
+            # model); configure() gives the model exactly the run's config.
+            replace_for_model(model, **config.to_dict())
+            configure(model, config)
+            set_reconstruction_prompt(model, tokenizer)
+            results.write_meta(settings, list(inputs.values()), args, model)
+        except BaseException:
+            results.close()
+            raise
+        return cls(benchmark, args, config, model, tokenizer, results, inputs, model_max_len, shard_id, num_shards)
+
+    @property
+    def folder(self) -> Path:
+        return self.results.path
+
+    def answer(self, sample: Sample) -> dict[str, Any]:
+        """Generate one sample's answer; returns its output line without ``id``/``index``."""
+        started = time.perf_counter()
+        encoded = encode_prompt(self.tokenizer, sample, self.model_max_len, split=self.args.query_agnostic)
+        stop_ids = stop_token_ids(self.model, self.tokenizer, sample.stop_tokens)
+        max_new_tokens = sample.max_new_tokens if self.args.max_new_tokens is None else self.args.max_new_tokens
+        reason = uncompressible_reason(self.config, len(encoded.context_ids))
+        with contextlib.ExitStack() as stack:
+            config = self.config if reason is None else stack.enter_context(full_cache(self.model, self.config))
+            result = generate(self.model, self.tokenizer, encoded, max_new_tokens, stop_ids, sample.min_new_tokens)
+            kv = compression_record(self.model, config, result.cache, len(encoded.context_ids))
+        return {
+            "pred": result.text,
+            **sample.fields,
+            "prompt_tokens": encoded.num_tokens,
+            "context_tokens": len(encoded.context_ids),
+            "question_tokens": len(encoded.question_ids),
+            "truncated": encoded.truncated,
+            "new_tokens": len(result.token_ids),
+            **kv,
+            **({} if reason is None else {"compressed": False, "uncompressed_reason": reason}),
+            "seconds": round(time.perf_counter() - started, 3),
+        }
+
+    def run_dataset(self, dataset: str) -> Path:
+        """Answer this shard's samples of ``dataset`` that no file holds yet; returns the file.
+
+        The samples are loaded again (``start`` kept only their digests, so a long benchmark's
+        texts are not all held at once) and must be the ones ``start`` checked.
+        """
+        samples = load_dataset_samples(self.benchmark, self.args, dataset, self.tokenizer)
+        if DatasetInput.of(dataset, samples, self.args.max_num_examples) != self.inputs[dataset]:
+            raise DataError(f"{dataset}: the data changed since the run started; rerun to check them again")
+        writer = self.results.writers[dataset]
+        done = self.results.done(dataset)
+        todo = [(index, sample) for index, sample in enumerate(samples[: self.inputs[dataset].expected])
+                if index % self.num_shards == self.shard_id and sample.id not in done]
+        label = dataset if self.num_shards == 1 else f"{dataset} [{self.shard_id}/{self.num_shards}]"
+        with tqdm(todo, desc=label, unit="sample", dynamic_ncols=True) as progress:
+            for index, sample in progress:
+                record = self.answer(sample)
+                writer.write({"id": sample.id, "index": index, **record})
+                progress.set_postfix(tokens=record["prompt_tokens"], stored=record["kv_tokens_stored"])
+        return writer.path
+
+    def close(self) -> None:
+        """Release the folder's files (``contextlib.closing`` a run)."""
+        self.results.close()

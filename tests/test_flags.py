@@ -1,0 +1,151 @@
+"""The runners' shared command line: compression flags, checks, datasets, shards, prompt limits."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from restkv.benchmarks import flags
+from restkv.benchmarks.errors import DataError
+from restkv.benchmarks.flags import (
+    build_parser,
+    compression_config_from_args,
+    default_model_max_len,
+    selected_datasets,
+    shard_of,
+)
+from restkv.config import CompressionConfig, flat_option_specs
+from top_level import script_help
+from toy_benchmark import TOY
+
+
+def test_every_config_field_is_a_flag_with_its_help_and_choices():
+    parser = build_parser(TOY)
+    actions = {action.dest: action for action in parser._actions}
+    for name, declarations in flat_option_specs().items():
+        _, field = declarations[0]
+        action = actions[name]
+        assert f"--{field.name}" in action.option_strings
+        assert field.help in action.help
+        if field.choices is not None:
+            assert tuple(action.choices) == tuple(field.choices)
+        if field.kind is bool:
+            assert f"--no-{field.name}" in action.option_strings
+        assert action.default is None, "unset flags must leave the config's own default"
+
+
+def test_flags_build_the_config_and_unset_flags_keep_the_defaults():
+    args = build_parser(TOY).parse_args(
+        "--method SnapKV --max_capacity_prompts 128 --window_size 16 --l2norm_skip_layers 0 3 --h2o_normalize".split()
+    )
+    assert compression_config_from_args(args) == CompressionConfig(
+        method="snapkv", max_capacity_prompts=128, window_size=16, l2norm_skip_layers=(0, 3), h2o_normalize=True
+    )
+
+
+def test_the_original_release_command_line_parses():
+    """scripts/longbench/run.sh of the release: --use_cache True, FullKV with a budget."""
+    args = build_parser(TOY).parse_args(
+        "--method FullKV --model_path meta-llama/Llama-3.1-8B-Instruct --max_capacity_prompts 128 "
+        "--attn_implementation sdpa --save_dir out --use_cache True --window_size 32".split()
+    )
+    assert args.use_cache is True
+    config = compression_config_from_args(args)
+    assert config.method == "fullkv" and config.max_capacity_prompts is None  # fullkv keeps everything
+    assert build_parser(TOY).parse_args(["--use_cache"]).use_cache is True
+    with pytest.raises(SystemExit):
+        build_parser(TOY).parse_args(["--use_cache", "maybe"])
+
+
+@pytest.mark.parametrize(
+    "command_line, message",
+    [
+        ("--method nosuch --max_capacity_prompts 8", "--method 'nosuch' is not a known method"),
+        ("--method snapkv --max_capacity_prompts 64 --kernel_size 4", "--kernel_size must be odd"),
+        ("--method snapkv", "needs a budget"),
+        ("--method snapkv --max_capacity_prompts 64 --dataset nosuch", "unknown toy dataset(s) nosuch"),
+        ("--method snapkv --max_capacity_prompts 64 --num_shards 2 --shard_id 2", "--shard_id must lie in 0..1"),
+        ("--method fullkv --num_shards 0", "--num_shards must be >= 1; got 0"),
+        ("--method fullkv --model_max_len 1", "--model_max_len must be >= 2; got 1"),
+        ("--method fullkv --model_max_len -3", "--model_max_len must be >= 2; got -3"),
+        ("--method fullkv --max_new_tokens 0", "--max_new_tokens must be >= 1; got 0"),
+        ("--method fullkv --max_num_examples 0", "--max_num_examples must be >= 1; got 0"),
+        ("--method fullkv --use_cache False", "--use_cache False"),
+        ("--method fullkv --model_path /no/such/model", "--model_path /no/such/model: no such folder"),
+        ("--method fullkv --model_path ./models/typo", "embedded model (smollm2-135m, gemma3-270m)"),
+    ],
+)
+def test_bad_flags_stop_with_a_message_naming_the_flag(command_line, message, capsys):
+    with pytest.raises(SystemExit):
+        flags.parse_args(TOY, command_line.split())
+    assert message in capsys.readouterr().err
+
+
+def test_model_paths_that_may_be_hub_ids_or_exist_are_accepted(tmp_path):
+    for path in ("smollm2-135m", "org/new-model", str(tmp_path)):
+        assert flags.parse_args(TOY, ["--method", "fullkv", "--model_path", path]).model_path == path
+
+
+def test_dataset_selection():
+    parse = build_parser(TOY).parse_args
+    assert selected_datasets(parse([]), TOY) == ["logs"]
+    assert selected_datasets(parse(["--dataset", "other"]), TOY) == ["other"]
+    assert selected_datasets(parse(["--datasets", "other", "logs", "other"]), TOY) == ["other", "logs"]
+    assert selected_datasets(parse(["--datasets", "other,logs"]), TOY) == ["other", "logs"]
+    with pytest.raises(DataError, match="known: logs, other"):
+        selected_datasets(parse(["--datasets", "logs", "nope"]), TOY)
+    with pytest.raises(DataError, match="either --dataset or --datasets"):
+        selected_datasets(parse(["--dataset", "logs", "--datasets", "other"]), TOY)
+
+
+def test_shards_come_from_the_flags_or_torchrun():
+    parse = build_parser(TOY).parse_args
+    assert shard_of(parse([]), environ={}) == (0, 1)
+    assert shard_of(parse(["--num_shards", "4", "--shard_id", "3"]), environ={}) == (3, 4)
+    assert shard_of(parse([]), environ={"RANK": "1", "WORLD_SIZE": "2"}) == (1, 2)
+    assert shard_of(parse(["--num_shards", "1"]), environ={"RANK": "1", "WORLD_SIZE": "2"}) == (0, 1)
+    with pytest.raises(ValueError, match="--shard_id needs --num_shards"):
+        shard_of(parse(["--shard_id", "1"]), environ={})
+
+
+@pytest.mark.parametrize(
+    "path, expected",
+    [
+        ("smollm2-135m", 7950),
+        ("gemma3-270m", 7950),
+        ("meta-llama/Llama-3.1-8B-Instruct", 127000),
+        ("meta-llama/Meta-Llama-3-70B-Instruct", 7950),
+        ("meta-llama/Meta-Llama-3-8B-Instruct", 7950),
+        ("/models/Llama-2-7b-chat-hf", 3950),
+        ("mistralai/Mistral-7B-Instruct-v0.3", 31500),
+        ("Qwen/Qwen2.5-7B-Instruct", 127000),
+    ],
+)
+def test_default_prompt_length_per_model(path, expected):
+    assert default_model_max_len(path, argparse.Namespace(max_position_embeddings=8192)) == expected
+
+
+def test_default_prompt_length_of_an_unknown_model_leaves_room_for_the_answer():
+    assert default_model_max_len("org/new-model", argparse.Namespace(max_position_embeddings=4096)) == 4096 - 512
+    with pytest.raises(ValueError, match="give --model_max_len"):
+        default_model_max_len("org/new-model", None)
+    with pytest.raises(ValueError, match="give --model_max_len"):  # no room for a prompt
+        default_model_max_len("org/new-model", argparse.Namespace(max_position_embeddings=512))
+
+
+@pytest.mark.parametrize(
+    "script, own_flag",
+    [
+        ("run_longbench.py", "--query_agnostic"),
+        ("run_ruler.py", "--context_lengths"),
+        ("run_needle_in_haystack.py", "--depth_intervals"),
+        ("run_infinite_bench.py", "--generation_lengths"),
+        ("eval.py", "--buckets"),
+        ("eval_ruler.py", "--results_dir"),
+        ("eval_infinite.py", "--results_dir"),
+    ],
+)
+def test_top_level_scripts_are_command_lines_over_the_library(script, own_flag):
+    code, text = script_help(script)
+    assert code == 0 and text.startswith(f"usage: {script}") and own_flag in text
