@@ -151,7 +151,7 @@ class Branch(NamedTuple):
         """From logits ``[..., q, S]`` (``-inf`` where masked) and values ``[..., S, d]``; a query
         with nothing visible gets a zero output and ``lse = -inf``."""
         peak = logits.amax(dim=-1, keepdim=True)
-        shifted = torch.exp(logits - peak.nan_to_num(neginf=0.0))
+        shifted = (logits - peak.nan_to_num(neginf=0.0)).exp_()  # in place: one [q, S] temporary, not two
         total = shifted.sum(dim=-1, keepdim=True)
         output = torch.matmul(shifted, values) / total.clamp(min=torch.finfo(total.dtype).tiny)
         return cls(output, peak + torch.log(total), peak)
