@@ -165,7 +165,7 @@ def residual_case(seed: int = 0, heads: int = 4, kv_heads: int = 2, main: int = 
     main_k, main_v = (torch.randn(1, kv_heads, main, dim, generator=generator) for _ in range(2))
     res_k, res_v = (torch.randn(1, kv_heads, entries, dim, generator=generator) for _ in range(2))
     log_counts = torch.rand(1, kv_heads, entries, generator=generator).mul(3).log1p()
-    log_counts[0, 0, 0] = float("-inf")  # an unused slot
+    log_counts[0, 0, 0] = float("-inf")  # an unused slot (hidden from decode, no entry for the combination)
     return on_gpu(query, main_k, main_v, res_k, res_v, log_counts)
 
 
@@ -175,8 +175,7 @@ def test_the_lse_combination_equals_the_shared_softmax_on_cuda_tensors(readout):
     scale, groups = 32 ** -0.5, 2
     segments = [
         Segment(main_k, main_v, torch.ones(1, 1, 1, main_k.shape[2], dtype=torch.bool, device=DEVICE)),
-        Segment(res_k, res_v, torch.ones(1, 1, 1, res_k.shape[2], dtype=torch.bool, device=DEVICE),
-                log_counts[:, :, None, None, :]),
+        Segment(res_k, res_v, torch.isfinite(log_counts)[:, :, None, :], log_counts[:, :, None, None, :]),
     ]
     shared = attend_segments(query, segments, scale, readout=readout).transpose(1, 2)  # [B, H, q, d]
     stacked = query.view(1, 2, groups * 3, -1)
@@ -199,8 +198,7 @@ def test_flash_attention_lse_combined_with_the_residual_branch_equals_the_shared
     scale, readout = 32 ** -0.5, ResidualReadout(gate=False)
     segments = [
         Segment(main_k, main_v, torch.ones(1, 1, 1, main_k.shape[2], dtype=torch.bool, device=DEVICE)),
-        Segment(res_k, res_v, torch.ones(1, 1, 1, res_k.shape[2], dtype=torch.bool, device=DEVICE),
-                log_counts[:, :, None, None, :]),
+        Segment(res_k, res_v, torch.isfinite(log_counts)[:, :, None, :], log_counts[:, :, None, None, :]),
     ]
     shared = attend_segments(query, segments, scale, readout=readout).float()  # [B, q, H, d]
     # flash-attn takes [B, q, H, d] with KV heads for GQA and returns lse [B, H, q] (natural log).
@@ -213,3 +211,54 @@ def test_flash_attention_lse_combined_with_the_residual_branch_equals_the_shared
     side = Branch.of(biased, repeated_v)
     combined = combine_by_lse(main_output.float().transpose(1, 2), main_lse.float(), side.output, side.lse[..., 0])
     torch.testing.assert_close(combined.transpose(1, 2), shared, rtol=2e-2, atol=2e-2)  # bf16 kernels
+
+
+# ---------------------------------------------------------------- the CPU fast paths pick what the GPU paths pick
+def test_the_cpu_drift_statistic_equals_topk_on_the_gpu_ties_included():
+    """On the CPU the top positions come from NumPy's partition threshold (topk only for tied
+    rows), on a GPU from topk: the same sums, also for rows full of equal weights."""
+    from restkv.observation import top_position_sums
+
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.softmax(torch.randn(3, 8, 300, generator=generator) * 4, dim=-1)
+    weights[0, :3] = 1.0 / 300  # uniform rows: every weight ties
+    weights[1, 2, 100:] = 0.0  # a tie at zero below the top
+    valid = torch.ones(300, dtype=torch.bool)
+    valid[:20] = False
+    for top in (1, 37, 150):
+        cpu = top_position_sums(weights, valid, top)
+        gpu = top_position_sums(weights.to(DEVICE), valid.to(DEVICE), top)
+        assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu))
+
+
+def test_cpu_and_gpu_kmeans_make_the_same_clusters_on_exactly_representable_points():
+    """Small-integer keys make every distance exact in float32, so the nearest centre (ties to
+    the lowest index: NumPy's argmin on the CPU, min on a GPU) must agree everywhere."""
+    from restkv.residual import lloyd_kmeans
+
+    generator = torch.Generator().manual_seed(0)
+    points = torch.randint(-4, 5, (3, 400, 16), generator=generator).float()
+    members = torch.rand(3, 400, generator=generator) > 0.1
+    init = torch.stack([torch.randperm(400, generator=generator)[:12] for _ in range(3)])
+    init[1, 9:] = -1  # a head with fewer clusters
+    cpu = lloyd_kmeans(points, members, init, 4)
+    gpu = lloyd_kmeans(*on_gpu(points, members, init), 4)
+    assert torch.equal(cpu.assignment, gpu.assignment.cpu()) and torch.equal(cpu.counts, gpu.counts.cpu())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_validation_target_equals_fused_attention_on_the_gpu(causal):
+    """The full-prompt target the validation proxy reads (segments joined by log-sum-exp) equals
+    one fused softmax over every key."""
+    import torch.nn.functional as F
+
+    from restkv.residual import full_attention_output
+
+    generator = torch.Generator().manual_seed(0)
+    queries, keys, values = on_gpu(*(torch.randn(2, n, 32, generator=generator) for n in (24, 9000, 9000)))
+    visible = None
+    if causal:
+        visible = (torch.arange(9000, device=DEVICE)[None, :] <= torch.arange(8976, 9000, device=DEVICE)[:, None])[None]
+    ours = full_attention_output(queries, keys, values, 0.2, None, visible)
+    fused = F.scaled_dot_product_attention(queries, keys, values, attn_mask=visible, scale=0.2)
+    torch.testing.assert_close(ours, fused, rtol=1e-4, atol=1e-5)
