@@ -44,7 +44,8 @@ def lloyd_kmeans(
         ``reseed`` it with the members farthest from their centres.
 
     The final clusters are those of the last assignment, so each centre is exactly the mean of
-    its members.
+    its members. An assignment equal to the previous one is a fixed point, so the steps left
+    are skipped: they would repeat it exactly.
     """
     heads, _, dim = points.shape
     points = points.contiguous()  # one copy here, not one per step (cluster_sums flattens it)
@@ -54,10 +55,13 @@ def lloyd_kmeans(
     assignment = torch.full(members.shape, -1, dtype=torch.long, device=points.device)
     counts = torch.zeros(init.shape, dtype=torch.long, device=points.device)
     for _ in range(iterations):
+        previous = assignment
         assignment, distance = _nearest_centres(points, centres, active, want_distance=empty == "reseed")
         assignment = assignment.masked_fill(~members, -1)
         if empty == "reseed":
             assignment = _reseed_empty(assignment, distance, active)
+        if torch.equal(assignment, previous):  # a fixed point: every further step would repeat this one
+            break
         sums, counts = cluster_sums(points, assignment, init.shape[1])
         active = active & (counts > 0)
         centres = torch.where(active[..., None], sums / counts.clamp(min=1)[..., None], centres)

@@ -94,9 +94,9 @@ class KeySegments(NamedTuple):
                 counts.append(torch.full((*logits.shape[:-1], 1), stop - start, device=logits.device))
             else:
                 seen = visible[..., start:stop].expand_as(logits)
-                logits = logits.masked_fill(~seen, float("-inf"))
+                logits.masked_fill_(~seen, float("-inf"))
                 counts.append(seen.sum(dim=-1, keepdim=True))
-            branches.append(Branch.of(logits, values[:, start:stop]))
+            branches.append(Branch.of(logits, values[:, start:stop], overwrite=True))
         outputs, lse, peaks = (torch.stack(parts) for parts in zip(*branches))
         return cls(outputs, lse, peaks, torch.stack(counts), torch.tensor(cuts[1:], device=queries.device))
 
@@ -111,7 +111,7 @@ class KeySegments(NamedTuple):
         lse_parts = torch.where(included, self.lse, float("-inf"))
         lse = torch.logsumexp(lse_parts, dim=0)
         weights = torch.exp(lse_parts - lse.nan_to_num(neginf=0.0))  # 0 where nothing is visible
-        output = torch.einsum("shq,shqd->hqd", weights[..., 0], self.outputs)
+        output = (weights * self.outputs).sum(dim=0)
         peak = torch.where(included, self.peaks, float("-inf")).amax(dim=0)
         return Branch(output, lse, peak), (self.counts * included).sum(dim=0)
 
