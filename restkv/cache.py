@@ -287,17 +287,21 @@ class CompressedLayer(CacheLayerMixin):
         joined = query if self.recent_queries is None else torch.cat([self.recent_queries, query], dim=2)
         self.recent_queries = joined[:, :, -count:]
 
-    def replace_exact(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> None:
+    def replace_exact(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor,
+                      residual: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                      readout: ResidualReadout | None = None) -> None:
         """Make ``keys``/``values`` ``[B, H_kv, K, d]`` (padded-batch ``columns``, -1 = unused) the
-        layer's exact entries and empty the tail (they now hold its tokens); residual entries
-        stay in the last slots. What ``restkv.recompress`` writes after a new eviction."""
-        width = self.residual_width
-        if width:
-            old_keys, old_values, _ = self.entries.read()
-            residual = slice(old_keys.shape[2] - width, None)
-            keys = torch.cat([keys, old_keys[:, :, residual]], dim=2)
-            values = torch.cat([values, old_values[:, :, residual]], dim=2)
-            columns = torch.nn.functional.pad(columns, (0, width), value=-1)
+        layer's exact entries and ``residual`` = ``(keys, values [B, H_kv, R, d], log_counts
+        [B, H_kv, R])`` its residual entries (None: none), and empty the tail (they now hold its
+        tokens). What ``restkv.recompress`` writes after a new eviction; ``readout``: how
+        attention reads the entries (``--residual``)."""
+        self.residual_log_counts = None if residual is None else residual[2]
+        if readout is not None:
+            self.residual_readout = readout
+        if residual is not None:
+            keys = torch.cat([keys, residual[0]], dim=2)
+            values = torch.cat([values, residual[1]], dim=2)
+            columns = torch.nn.functional.pad(columns, (0, residual[2].shape[-1]), value=-1)
         self.entries = entries_for(keys, values, columns, self.residual_counts_of(columns))
         self.tail_length = 0
 

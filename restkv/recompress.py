@@ -12,10 +12,16 @@ A layer's kept sets differ per KV head, so each KV head is scored on its own seq
 kept tokens, then the new ones, in position order) with the query heads of its group: the
 scorers, the window observation and the protection of the newest tokens are the ones of a
 single-pass prefill, applied to that sequence. The allocation then shares the row's budget
-over the heads (a head-adaptive one sees each head's own candidates). Residual entries
-(ResKV) summarise every token evicted so far: the entries of earlier steps and the tokens
-evicted now are clustered together, each entry weighing its member count, so an entry's
-mean key and value stay the means of all its members.
+over the heads (a head-adaptive one sees each head's own candidates).
+
+Residual entries (ResKV, ``--residual``) summarise every token evicted so far. Until a head
+holds entries, each step builds them as a single-pass prefill does (the validation proxy,
+fed by the step's newest queries, picks the head's residual share of the budget, k-means
+clusters what this step evicts). Once it holds ``r`` entries, it keeps ``r`` slots: the
+tokens evicted now join them by weighted k-means (``fold_into_entries``: each old entry
+weighs its member count, seeded at the old entries), so every entry's key and value stay
+the means of all its members, whichever step evicted them. The exact tokens get ``b - r``
+of the budget ``b``, so the layer never holds more than the budget plus the new tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 
 from restkv.allocation import LayerShape, RowShape
 from restkv.context import ScoringContext, plan_layer
+from restkv.residual import fold_into_entries
 from restkv.selection import gather_columns, rank_keys, select_columns
 
 
@@ -34,18 +41,21 @@ def recompress(layer, queries: torch.Tensor, config: Any, budgets: list[int], sc
     """Evict ``layer``'s exact entries (kept tokens and tail) down to ``budgets[b]`` per KV head,
     scored by ``queries`` ``[B, H, w, d]`` (the newest tokens' post-RoPE queries); the layer is
     rewritten in place, its tail emptied. Nothing happens when every head fits its budget."""
-    exact, tail = layer.kept_keys.shape[2] - layer.residual_width, layer.tail_length
-    counts = (layer.kept_columns[..., :exact] >= 0).sum(dim=-1)  # [B, H_kv] exact kept tokens
-    if all(int(c) + tail <= b for row, b in enumerate(budgets) for c in counts[row].tolist()):
+    # Each head's exact tokens fill its first slots, its residual entries its last (restkv.storage).
+    width, tail = layer.kept_keys.shape[2], layer.tail_length
+    counts = (layer.kept_columns >= 0).sum(dim=-1)  # [B, H_kv] exact kept tokens
+    held = counts + layer.residual_counts
+    if all(int(c) + tail <= b for row, b in enumerate(budgets) for c in held[row].tolist()):
         return
+    residual = config.switch("residual")
     batch, num_kv_heads = counts.shape
     groups = queries.shape[1] // num_kv_heads
     tail_keys, tail_values = layer.tail
-    keys = torch.cat([layer.kept_keys[:, :, :exact], tail_keys], dim=2)
-    values = torch.cat([layer.kept_values[:, :, :exact], tail_values], dim=2)
+    keys = torch.cat([layer.kept_keys, tail_keys], dim=2)
+    values = torch.cat([layer.kept_values, tail_values], dim=2)
     tail_columns = torch.arange(layer.tokens_seen - tail, layer.tokens_seen, device=keys.device, dtype=torch.int32)
-    columns = torch.cat([layer.kept_columns[..., :exact], tail_columns.expand(batch, num_kv_heads, -1)], dim=2)
-    order = _right_aligned_order(counts, exact, tail)  # [B, H_kv, M] index into keys, -1 = padding
+    columns = torch.cat([layer.kept_columns, tail_columns.expand(batch, num_kv_heads, -1)], dim=2)
+    order = _right_aligned_order(counts, width, tail)  # [B, H_kv, M] index into keys, -1 = padding
 
     kept_keys, kept_values, kept_columns, contexts, scores = [], [], [], [], []
     for head in range(num_kv_heads):
@@ -62,8 +72,15 @@ def recompress(layer, queries: torch.Tensor, config: Any, budgets: list[int], sc
         shared = torch.stack(scores).mean(dim=0)
         scores = [shared] * num_kv_heads
     keep = _allocate(config, contexts, scores, layer_idx, num_layers, queries.shape[1])
+    summaries = []
     for head, (ctx, head_scores) in enumerate(zip(contexts, scores)):
-        chosen = select_columns(rank_keys(head_scores, ctx.visible, ctx.protected, layer_idx), keep[:, head : head + 1])
+        head_keep = keep[:, head : head + 1]
+        if residual is not None:
+            fresh, built, sizes = _residual_sizes(residual, layer, head, ctx, head_scores, head_keep)
+            head_keep = torch.maximum(head_keep - sizes[:, None], ctx.protected.sum(dim=-1, keepdim=True))
+        chosen = select_columns(rank_keys(head_scores, ctx.visible, ctx.protected, layer_idx), head_keep)
+        if residual is not None:
+            summaries.append(_head_summaries(layer, head, width - layer.residual_width, ctx, chosen, fresh, built, residual.residual_iters))
         head_keys, head_values = config.policy.finalize(ctx, chosen, gather_columns(ctx.key, chosen),
                                                         gather_columns(ctx.value, chosen))
         if config.merger is not None:
@@ -73,19 +90,88 @@ def recompress(layer, queries: torch.Tensor, config: Any, budgets: list[int], sc
         kept_keys.append(head_keys)
         kept_values.append(head_values)
         kept_columns.append(positions)
-    layer.replace_exact(_stack(kept_keys), _stack(kept_values), _stack(kept_columns, fill=-1))
+    entries = None if residual is None else _stack_summaries(summaries, layer.kept_keys)
+    layer.replace_exact(_stack(kept_keys), _stack(kept_values), _stack(kept_columns, fill=-1), entries,
+                        readout=None if residual is None else residual.readout())
 
 
-def _right_aligned_order(counts: torch.Tensor, exact: int, tail: int) -> torch.Tensor:
-    """``[B, H_kv, M]``: for each row and head, the indices (into kept slots then tail) of its
-    exact kept tokens followed by the tail, right-aligned (left-padded with -1)."""
+def _residual_sizes(residual, layer, head: int, ctx: ScoringContext, scores: torch.Tensor, keep: torch.Tensor):
+    """``(fresh [B], built plan or None, sizes [B])`` for KV head ``head``: rows whose head holds
+    no residual entry yet are built afresh (validation + k-means of this step's evictions);
+    the others keep their entry count."""
+    old = layer.residual_counts[:, head]
+    fresh = old == 0
+    built = residual.build(ctx, scores, keep) if bool(fresh.any()) else None
+    sizes = torch.where(fresh, built.sizes[:, 0] if built is not None else 0, old)
+    return fresh, built, sizes
+
+
+def _head_summaries(layer, head: int, residual_start: int, ctx: ScoringContext, chosen: torch.Tensor, fresh: torch.Tensor,
+                    built, iterations: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per row, ``(keys [r, d], values [r, d], counts [r])`` of KV head ``head``'s residual entries
+    after this step: the freshly built ones, or the old ones with this step's evicted tokens
+    folded in."""
+    rows = []
+    for row in range(chosen.shape[0]):
+        if bool(fresh[row]):
+            if built is None:
+                rows.append(_no_entries(ctx.key))
+                continue
+            used = torch.isfinite(built.log_counts[row, 0])
+            rows.append((built.keys[row, 0, used].float(), built.values[row, 0, used].float(),
+                         built.log_counts[row, 0, used].exp().round()))
+            continue
+        used = torch.isfinite(layer.residual_log_counts[row, head])
+        old_keys = layer.kept_keys[row, head, residual_start:][used]
+        old_values = layer.kept_values[row, head, residual_start:][used]
+        old_counts = layer.residual_log_counts[row, head, used].exp().round()
+        evicted = ctx.plan.valid[row].clone()
+        evicted[chosen[row, 0][chosen[row, 0] >= 0].long()] = False
+        if not bool(evicted.any()):
+            rows.append((old_keys.float(), old_values.float(), old_counts))
+            continue
+        rows.append(fold_into_entries(old_keys, old_values, old_counts, ctx.key[row, 0, evicted],
+                                      ctx.value[row, 0, evicted], iterations))
+    return rows
+
+
+def _no_entries(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dim = like.shape[-1]
+    return like.new_zeros(0, dim, dtype=torch.float32), like.new_zeros(0, dim, dtype=torch.float32), \
+        like.new_zeros(0, dtype=torch.float32)
+
+
+def _stack_summaries(summaries: list[list[tuple[torch.Tensor, ...]]], like: torch.Tensor):
+    """``(keys, values [B, H_kv, R, d], log_counts [B, H_kv, R])`` of per-head, per-row entries,
+    right-aligned in ``R`` slots (the widest head's count); None when no head holds one."""
+    width = max(keys.shape[0] for head in summaries for keys, _, _ in head)
+    if width == 0:
+        return None
+    batch, heads, dim = len(summaries[0]), len(summaries), like.shape[-1]
+    keys = like.new_zeros(batch, heads, width, dim)
+    values = like.new_zeros(batch, heads, width, dim)
+    log_counts = torch.full((batch, heads, width), float("-inf"), device=like.device)
+    for head, rows in enumerate(summaries):
+        for row, (entry_keys, entry_values, counts) in enumerate(rows):
+            used = entry_keys.shape[0]
+            if used:
+                keys[row, head, width - used :] = entry_keys.to(like.dtype)
+                values[row, head, width - used :] = entry_values.to(like.dtype)
+                log_counts[row, head, width - used :] = counts.log()
+    return keys, values, log_counts
+
+
+def _right_aligned_order(counts: torch.Tensor, slots: int, tail: int) -> torch.Tensor:
+    """``[B, H_kv, M]``: for each row and head, the indices (into its ``slots`` kept slots, whose
+    first ``counts`` hold its exact tokens, then the tail) of its exact kept tokens followed by
+    the tail, right-aligned (left-padded with -1)."""
     width = int(counts.max()) + tail
     slot = torch.arange(width, device=counts.device)
     start = width - (counts + tail)  # [B, H_kv] first used slot
     offset = slot - start[..., None]
     from_kept = (offset >= 0) & (offset < counts[..., None])
     from_tail = offset >= counts[..., None]
-    index = torch.where(from_kept, offset, torch.where(from_tail, exact + offset - counts[..., None], -1))
+    index = torch.where(from_kept, offset, torch.where(from_tail, slots + offset - counts[..., None], -1))
     return index.masked_fill(offset < 0, -1)
 
 

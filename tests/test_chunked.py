@@ -64,6 +64,85 @@ def test_no_layer_ever_holds_more_than_budget_plus_chunk(method):
         assert final == 2 * 20
 
 
+RESIDUAL = dict(method="snapkv", residual=True, residual_no_validation=True, residual_fixed_ratio=0.2)
+
+
+def test_a_prompt_that_fits_in_one_chunk_gets_the_single_pass_residual_entries():
+    model = tiny_model("llama")
+    prompt = random_prompt(1, 90)
+    options = dict(method="snapkv", residual=True, max_capacity_prompts=24, window_size=8)
+    replace_for("llama")(**options)
+    single = prefill(model, prompt)
+    replace_for("llama")(**options, prefill_chunk_size=90)
+    chunked = prefill(model, prompt)
+    for a, b in zip(single.layers, chunked.layers):
+        assert torch.equal(a.kept_keys, b.kept_keys) and torch.equal(a.residual_log_counts, b.residual_log_counts)
+
+
+def test_chunked_residual_entries_summarise_every_evicted_token():
+    """Entries built at the first eviction absorb every later one: exact tokens plus members
+    count every token seen, and member-weighted entries plus exact tokens sum to the keys and
+    values of the whole prompt (layer 0's keys come from the embeddings alone, so a full-cache
+    prefill gives them)."""
+    model = tiny_model("llama")
+    prompt = random_prompt(1, 100)
+    replace_for("llama")(method="fullkv")
+    full = prefill(model, prompt).layers[0]
+    replace_for("llama")(**RESIDUAL, max_capacity_prompts=20, window_size=4, prefill_chunk_size=16)
+    layer = prefill(model, prompt).layers[0]
+    width = layer.residual_width
+    assert width > 0
+    counts = layer.residual_log_counts.exp()  # 0 in unused slots
+    exact = (layer.kept_columns >= 0)[..., :-width]
+    assert torch.equal(counts.sum(dim=-1) + exact.sum(dim=-1), torch.full_like(counts[..., 0], 100))
+    assert int(exact.sum(dim=-1).max()) + width <= 20  # entries take their slots from the budget
+    for kept, whole in ((layer.kept_keys, full.keys), (layer.kept_values, full.values)):
+        summed = (kept[:, :, :-width] * exact[..., None]).sum(dim=2) + (kept[:, :, -width:] * counts[..., None]).sum(dim=2)
+        torch.testing.assert_close(summed, whole.sum(dim=2), atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_residual_layers_hold_at_most_budget_plus_chunk_and_decode():
+    model = tiny_model("llama")
+    replace_for("llama")(method="snapkv", residual=True, max_capacity_prompts=20, window_size=4,
+                         prefill_chunk_size=16, decode_budget=24, decode_interval=4)
+    held = []
+
+    def record(module, args, kwargs, output):
+        layer = kwargs["cache"].layers[module.layer_idx]
+        held.append(int((layer.kept_counts + layer.residual_counts).max()) + layer.tail_length)
+
+    handle = model.model.layers[1].self_attn.register_forward_hook(record, with_kwargs=True)
+    out = greedy(model, random_prompt(1, 100), new_tokens=12)
+    handle.remove()
+    assert max(held) <= 24 + 16
+    assert all(torch.isfinite(step).all() for step in out.logits)
+    assert output_cache(out).layers[1].tokens_seen == 100 + 11
+
+
+def test_rows_of_a_batch_stay_independent_with_residual_entries_under_decode_compression():
+    replace_for("llama")(method="snapkv", residual=True, max_capacity_prompts=24, window_size=4, decode_budget=20,
+                         decode_interval=3)
+    assert_rows_match_single_row_runs(tiny_model("llama"), [60, 41], new_tokens=9)
+
+
+def test_fold_into_entries_keeps_every_entry_the_mean_of_all_its_members():
+    from restkv.residual import fold_into_entries
+
+    generator = torch.Generator().manual_seed(0)
+    old_keys, old_values = torch.randn(3, 4, generator=generator), torch.randn(3, 4, generator=generator)
+    old_counts = torch.tensor([5.0, 1.0, 2.0])
+    new_keys, new_values = torch.randn(10, 4, generator=generator), torch.randn(10, 4, generator=generator)
+    keys, values, counts = fold_into_entries(old_keys, old_values, old_counts, new_keys, new_values, iterations=4)
+    assert float(counts.sum()) == 18.0
+    total_key = (old_keys * old_counts[:, None]).sum(0) + new_keys.sum(0)
+    torch.testing.assert_close((keys * counts[:, None]).sum(0), total_key)
+    total_value = (old_values * old_counts[:, None]).sum(0) + new_values.sum(0)
+    torch.testing.assert_close((values * counts[:, None]).sum(0), total_value)
+    # a new token equal to an entry's key joins that entry
+    keys, _, counts = fold_into_entries(old_keys, old_values, old_counts, old_keys[1:2].clone(), old_values[1:2], 4)
+    assert torch.equal(counts, torch.tensor([5.0, 2.0, 2.0])) and torch.equal(keys[1], old_keys[1])
+
+
 def test_chunked_l2norm_keeps_the_lowest_norm_keys_of_the_whole_prompt():
     """Keeping the lowest norms of (kept + chunk) chunk after chunk keeps the prompt's lowest norms.
     Layer 0's keys come from the embeddings alone, so they are the same in both runs (later

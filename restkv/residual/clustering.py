@@ -116,16 +116,47 @@ def _reseed_empty(assignment: torch.Tensor, distance: torch.Tensor, active: torc
     return widened.scatter_(1, target, torch.where(moves, cluster, -1))[:, :length]
 
 
-def cluster_sums(points: torch.Tensor, assignment: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-cluster sums ``[H, R, d]`` (float32) and member counts ``[H, R]`` of ``points`` ``[H, n, d]``."""
+def cluster_sums(points: torch.Tensor, assignment: torch.Tensor, slots: int,
+                 weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-cluster sums ``[H, R, d]`` (float32) and member counts ``[H, R]`` of ``points`` ``[H, n, d]``;
+    with ``weights`` ``[H, n]`` the weighted sums and the total weight per cluster (float32)."""
     heads, _, dim = points.shape
     index = assignment.masked_fill(assignment < 0, slots)  # non-members go to a spare slot
     # One flat index over (head, slot): index_add_ and bincount are several times faster on
     # CPU than scatter_add_ with an index expanded over the feature dimension.
     flat = (index + torch.arange(heads, device=points.device)[:, None] * (slots + 1)).flatten()
-    sums = points.new_zeros(heads * (slots + 1), dim).index_add_(0, flat, points.reshape(-1, dim))
-    counts = torch.bincount(flat, minlength=heads * (slots + 1))
+    weighted = points if weights is None else points * weights[..., None]
+    sums = points.new_zeros(heads * (slots + 1), dim).index_add_(0, flat, weighted.reshape(-1, dim))
+    counts = torch.bincount(flat, weights=None if weights is None else weights.flatten(), minlength=heads * (slots + 1))
     return sums.view(heads, slots + 1, dim)[:, :slots], counts.view(heads, slots + 1)[:, :slots]
+
+
+def fold_into_entries(entry_keys: torch.Tensor, entry_values: torch.Tensor, entry_counts: torch.Tensor,
+                      keys: torch.Tensor, values: torch.Tensor, iterations: int) -> tuple[torch.Tensor, ...]:
+    """Residual entries ``[r, d]`` (member counts ``[r]``, all > 0) after newly evicted tokens
+    ``[m, d]`` join them: weighted Lloyd k-means over the entries (each weighing its member
+    count) and the new tokens (weight 1), seeded with the entries. Every entry stays the mean
+    of all its members, old and new; an entry that loses every member is dropped.
+
+    Returns ``(keys, values, counts)`` of the surviving entries (float32, in slot order).
+    """
+    points = torch.cat([entry_keys.float(), keys.float()])[None]
+    point_values = torch.cat([entry_values.float(), values.float()])[None]
+    weights = torch.cat([entry_counts.float(), keys.new_ones(keys.shape[0], dtype=torch.float32)])[None]
+    slots = entry_keys.shape[0]
+    centres, active = points[:, :slots], torch.ones(1, slots, dtype=torch.bool, device=points.device)
+    assignment = None
+    for _ in range(iterations):
+        nearest, _ = _nearest_centres(points, centres, active, want_distance=False)
+        if assignment is not None and torch.equal(nearest, assignment):
+            break
+        assignment = nearest
+        sums, mass = cluster_sums(points, assignment, slots, weights)
+        active = mass > 0
+        centres = torch.where(active[..., None], sums / mass.clamp(min=1)[..., None], centres)
+    value_sums, mass = cluster_sums(point_values, assignment, slots, weights)
+    used = mass[0] > 0
+    return centres[0, used], (value_sums[0] / mass[0].clamp(min=1)[:, None])[used], mass[0, used]
 
 
 # ---------------------------------------------------------------- entries
