@@ -18,6 +18,16 @@ ids), so attention, and what data-dependent methods decide, look like a real run
 compressing run is checked to have compressed. Rows go to ``--out`` for ``visualization/``:
 {method, prompt_tokens, budget, prefill_s, decode_s_per_token, cache_bytes, kept_share,
 residual_share}. A measurement, not a test: nothing is asserted.
+
+``--peak_memory`` measures what a prefill and its decode hold at their peak instead, each
+method and length in a fresh process (the high-water mark of its resident memory, ``VmHWM``,
+less what the process held once the model and prompt were ready; on a GPU
+``torch.cuda.max_memory_allocated`` over the run). With ``--config tiny-wide`` (a random
+Llama shape, ``scripts/model_shapes.py``) and a fixed ``--budget`` it shows what chunked
+prefill bounds:
+
+    python scripts/efficiency.py --peak_memory --config tiny-wide --lengths 4096 8192 16384 \
+        --budget 512 --methods fullkv snapkv snapkv+prefill_chunk_size=1024
 """
 
 from __future__ import annotations
@@ -25,6 +35,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -39,6 +51,9 @@ from restkv.config import method_spec_options
 from restkv.generation import prefill
 from restkv.models import load_model, load_tokenizer
 from restkv.monkeypatch import replace_for_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_shapes import CONFIGS, build_model  # noqa: E402
 
 T = TypeVar("T")
 
@@ -59,7 +74,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--scoring", action="store_true", help="also time compress_kv alone per method")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--out", default="results/efficiency.json")
+    parser.add_argument("--config", choices=sorted(CONFIGS), default=None,
+                        help="a model shape with random weights instead of --model_path (scripts/model_shapes.py)")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="tokens per layer and KV head for every length (instead of --budget_fractions)")
+    parser.add_argument("--peak_memory", action="store_true",
+                        help="peak memory of each prefill + decode, each run in a fresh process (no timing)")
+    parser.add_argument("--peak_run", default=None, help=argparse.SUPPRESS)  # one run of --peak_memory
     args = parser.parse_args()
+    if args.budget is not None and args.budget < 1:
+        parser.error(f"--budget must be at least 1; got {args.budget}")
     for spec in args.methods:
         method_spec_options(spec)  # a bad spec fails before the model loads
     args.baseline = args.baseline or ("snapkv" if "snapkv" in args.methods else args.methods[0])
@@ -154,20 +178,109 @@ def rotated(names: list[str], shift: int) -> list[str]:
     return names[shift:] + names[:shift]
 
 
+def load(args: argparse.Namespace, max_positions: int):
+    """The model and tokenizer to measure: ``--config``'s shape with random weights (random
+    prompts; no tokenizer), or ``--model_path``."""
+    if args.config is not None:
+        args.prompt = "random"
+        return build_model(args.config, torch.float32, torch.device("cpu"), args.attn_implementation,
+                           max_positions), None
+    model = load_model(args.model_path, attn_implementation=args.attn_implementation, dtype=args.dtype)
+    return model, load_tokenizer(args.model_path)
+
+
+def budgets_for(args: argparse.Namespace, length: int) -> list[int]:
+    return [args.budget] if args.budget is not None else [int(length * f) for f in args.budget_fractions]
+
+
+def resident_bytes(field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (the high-water mark) of this process, from /proc."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise SystemExit(f"--peak_memory reads {field} from /proc/self/status, which this system does not have")
+
+
+def peak_run(args: argparse.Namespace) -> None:
+    """One ``--peak_memory`` run (in its own process): prefill + decode of one method at one
+    length; prints a JSON row."""
+    job = json.loads(args.peak_run)
+    length, budget, spec = job["length"], job["budget"], job["method"]
+    model, tokenizer = load(args, length + args.decode_steps + 1)
+    prompt = make_prompt(tokenizer, model.config.vocab_size, length, args.prompt)
+    options = method_spec_options(spec)
+    replace_for_model(model, **options, **({} if options["method"] == "fullkv" else {"max_capacity_prompts": budget}))
+    cuda = torch.cuda.is_available() and model.device.type == "cuda"
+    with torch.no_grad():
+        ready = torch.cuda.memory_allocated() if cuda else resident_bytes("VmRSS")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        row = measure(model, prompt, args.decode_steps, options["method"] != "fullkv")
+        peak = torch.cuda.max_memory_allocated() if cuda else resident_bytes("VmHWM")
+    row.update(method=spec, prompt_tokens=length, budget=None if spec == "fullkv" else budget,
+               peak_memory_bytes=peak, peak_above_ready_bytes=peak - ready)
+    print(json.dumps(row))
+
+
+def peak_memory_rows(args: argparse.Namespace) -> list[dict]:
+    """Every method at every length, each in a fresh process (a process's high-water mark
+    never comes down, so runs cannot share one)."""
+    rows = []
+    base = [arg for arg in sys.argv[1:] if not arg.startswith("--peak_memory")]
+    for length in args.lengths:
+        for budget in budgets_for(args, length):
+            for spec in args.methods:
+                job = json.dumps(dict(length=length, budget=budget, method=spec))
+                done = subprocess.run([sys.executable, __file__, *base, "--peak_run", job], capture_output=True,
+                                      text=True)
+                if done.returncode != 0:
+                    raise SystemExit(f"{spec} at {length} tokens failed:\n{done.stderr.strip()}")
+                rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                print(f"  {length} tokens, budget {budget}: {spec:32s} peak {rows[-1]['peak_memory_bytes'] / 2**20:.0f} "
+                      f"MiB, {rows[-1]['peak_above_ready_bytes'] / 2**20:.0f} MiB above the loaded model", flush=True)
+    return rows
+
+
+def format_peak_table(rows: list[dict], baseline: str) -> str:
+    """Peak memory per method and length: absolute, above the loaded model, and the latter's
+    ratio to ``baseline``'s at the same length."""
+    lines = [f"peak memory of prefill + decode (MiB; ratios of the memory above the loaded model vs {baseline})",
+             f"{'method':>34} {'tokens':>7} {'budget':>6} {'peak':>8} {'above model':>11} {'ratio':>6} "
+             f"{'cache MiB':>9}"]
+    for row in rows:
+        base = next(r for r in rows if r["method"] == baseline and r["prompt_tokens"] == row["prompt_tokens"])
+        lines.append(
+            f"{row['method']:>34} {row['prompt_tokens']:>7} {row['budget'] or '-':>6} "
+            f"{row['peak_memory_bytes'] / 2**20:>8.0f} {row['peak_above_ready_bytes'] / 2**20:>11.0f} "
+            f"{row['peak_above_ready_bytes'] / base['peak_above_ready_bytes']:>6.3f} {row['cache_bytes'] / 2**20:>9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def write_rows(path: str, rows: list[dict]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(rows, indent=1))
+    print(f"wrote {path}")
+
+
 def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load_model(args.model_path, attn_implementation=args.attn_implementation, dtype=args.dtype)
-    tokenizer = load_tokenizer(args.model_path)
+    if args.peak_run is not None:
+        return peak_run(args)
+    if args.peak_memory:
+        rows = peak_memory_rows(args)
+        print("\n" + format_peak_table(rows, "fullkv" if "fullkv" in args.methods else args.baseline))
+        return write_rows(args.out, rows)
+    model, tokenizer = load(args, max(args.lengths) + args.decode_steps + 1)
     replace_for_model(model, method="snapkv", max_capacity_prompts=64)
     rows = []
     with torch.no_grad():
         for length in args.lengths:
             prompt = make_prompt(tokenizer, model.config.vocab_size, length, args.prompt).to(model.device)
             measure(model, prompt[:, :512], 2, compressing=True)  # warm-up
-            for fraction in args.budget_fractions:
-                budget = int(length * fraction)
+            for budget in budgets_for(args, length):
                 runs = interleaved_runs(model, prompt, args.methods, budget, args.repeats, args.decode_steps)
                 scoring = time_scoring(model, [s for s in args.methods if s != "fullkv"], length, budget,
                                        args.repeats) if args.scoring else {}
@@ -175,9 +288,7 @@ def main() -> None:
                          for spec, spec_runs in runs.items()]
                 print("\n" + format_table(block, args.baseline))
                 rows.extend(block)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
-    print(f"wrote {args.out}")
+    write_rows(args.out, rows)
 
 
 def summarise(spec: str, length: int, budget: int | None, runs: list[dict], baseline: list[dict],

@@ -28,34 +28,15 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from efficiency import format_table, interleaved_runs, make_prompt, measure, summarise  # noqa: E402
+from model_shapes import CONFIGS, build_model  # noqa: E402
 
 from restkv.config import CompressionConfig, method_spec_options  # noqa: E402
 
 T = TypeVar("T")
 
-#: model shapes: (config class, fields); the 7-8B ones are the published models' shapes
-CONFIGS = {
-    "llama-8b": (LlamaConfig, dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
-    )),
-    "mistral-7b": (MistralConfig, dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=32768, rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None,
-    )),
-    "qwen2-7b": (Qwen2Config, dict(
-        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-        num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0, rms_norm_eps=1e-6,
-    )),
-    "tiny": (LlamaConfig, dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256,
-    )),
-}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -85,16 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = DTYPES[args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32")]
     return args
-
-
-def build_model(name: str, dtype: torch.dtype, device: torch.device, attn_implementation: str, max_positions: int):
-    """A randomly initialised causal LM of shape ``name``, created (and initialised) on ``device``."""
-    config_class, fields = CONFIGS[name]
-    config = config_class(**fields, max_position_embeddings=max_positions)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    return model.eval()
 
 
 def cuda_seconds(run: Callable[[], T]) -> tuple[T, float]:

@@ -81,3 +81,22 @@ def test_device_check_dry_run_on_the_cpu_leaves_logs_json_and_a_summary(tmp_path
         (method, length) for method in ("fullkv", "snapkv", "restkv") for length in (160, 288)}
     summary = (tmp_path / "summary.txt").read_text()
     assert summary.startswith("tiny, float32, sdpa, cpu") and summary.count("(ratios vs fullkv)") == 2
+
+
+def test_peak_memory_runs_each_method_in_a_fresh_process_and_reports_its_high_water_mark(tmp_path):
+    """scripts/efficiency.py --peak_memory on the tiny shape: one row per method with the
+    process's peak and what it held above the loaded model; chunking keeps snapkv's cache."""
+    out = tmp_path / "peak.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "efficiency.py"), "--peak_memory", "--config", "tiny", "--lengths",
+         "192", "--budget", "48", "--decode_steps", "2", "--methods", "fullkv", "snapkv",
+         "snapkv+prefill_chunk_size=64", "--out", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    rows = {row["method"]: row for row in json.loads(out.read_text())}
+    assert list(rows) == ["fullkv", "snapkv", "snapkv+prefill_chunk_size=64"]
+    for row in rows.values():
+        assert row["peak_memory_bytes"] >= row["peak_above_ready_bytes"] > 0 and row["prompt_tokens"] == 192
+    assert rows["snapkv+prefill_chunk_size=64"]["cache_bytes"] == rows["snapkv"]["cache_bytes"] < rows["fullkv"]["cache_bytes"]
+    assert "above model" in done.stdout
