@@ -234,6 +234,24 @@ def test_bad_flags_stop_before_the_tokenizer_loads(flags, message, tmp_path, cap
     assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_given_essay_folder_must_hold_essays(tmp_path, capsys, monkeypatch):
+    """A typo in --essay_dir fell back to synthetic prose without a word."""
+    import restkv.models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the tokenizer was loaded before the error was found")
+
+    monkeypatch.setattr(restkv.models, "load_tokenizer", refuse)
+    (tmp_path / "empty").mkdir()
+    for folder, message in ((tmp_path / "typo", f"--essay_dir {tmp_path / 'typo'}: no such folder"),
+                            (tmp_path / "empty", f"--essay_dir {tmp_path / 'empty'} holds no essays")):
+        with pytest.raises(SystemExit) as stop:
+            ruler_data.main(["--tokenizer", "smollm2-135m", "--lengths", "1024", "--tasks", "niah_single_2",
+                             "--essay_dir", str(folder), "--out", str(tmp_path / "out")])
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_length_the_task_cannot_fit_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match="^error: niah_single_1 cannot fit 200 tokens"):
         ruler_data.main(["--tokenizer", "smollm2-135m", "--lengths", "200", "--tasks", "niah_single_1",

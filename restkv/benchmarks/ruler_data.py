@@ -24,7 +24,8 @@ needles, haystacks, word sources, few-shot examples and answers. Differences, al
   sample does not depend on how many were generated; ``index`` is the sample number for
   every task (RULER's niah overwrites it with a character offset).
 * Offline inputs. Without ``data/PaulGrahamEssays`` the essay tasks use the project's
-  synthetic prose (see :mod:`restkv.benchmarks.haystack`); sentences are split by a rule,
+  synthetic prose (see :mod:`restkv.benchmarks.haystack`); a folder given with ``--essay_dir``
+  must hold essays. Sentences are split by a rule,
   not NLTK punkt. cwe adds adjective-noun compounds where RULER would open its (Git LFS)
   ``english_words.json`` (only beyond ~100K tokens). In ``niah_multikey_2/3`` distractor
   needles never reuse a real key, so every question has one answer.
@@ -46,8 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, load_essays, split_sentences, wonderwords_list
-from restkv.benchmarks.haystack import wonderwords_version
+from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, given_essays, load_essays, split_sentences
+from restkv.benchmarks.haystack import wonderwords_list, wonderwords_version
 from restkv.benchmarks.ruler import FAMILIES, RulerTask, get_task, parse_task_list, SYNTHETIC_TASKS
 from restkv.benchmarks.errors import FlagError, command_line
 from restkv.benchmarks.prompts import chat_wrap
@@ -638,8 +639,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat_template", action=argparse.BooleanOptionalAction, default=True,
                         help="count the tokenizer's chat template (if it has one) in the length, as the runner "
                         "applies it")
-    parser.add_argument("--essay_dir", default=str(ESSAY_DIR),
-                        help="Paul Graham essays (*.txt or PaulGrahamEssays.json); synthetic prose if absent")
+    parser.add_argument("--essay_dir", default=None,
+                        help="folder of Paul Graham essays (*.txt or PaulGrahamEssays.json), which must hold some "
+                        f"(default: {ESSAY_DIR} if present, else synthetic prose)")
     parser.add_argument("--qa_dir", default="data", help="folder with squad.json / hotpotqa.json for qa_1 / qa_2")
     parser.add_argument("--overwrite", action="store_true", help="regenerate files that already exist")
     return parser
@@ -657,8 +659,11 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
         for task in tasks:
             if (missing := missing_qa_file(task, args.qa_dir)) is not None:
                 raise FlagError(f"--qa_dir: {missing}")
-    except ValueError as error:  # FlagError, or an unknown task
+        if args.essay_dir is not None:
+            given_essays("--essay_dir", args.essay_dir)
+    except ValueError as error:  # FlagError, DataError (a bad --essay_dir), or an unknown task
         parser.error(str(error))
+    essay_dir = ESSAY_DIR if args.essay_dir is None else args.essay_dir
     from restkv.models import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)
@@ -667,7 +672,7 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
         for task in tasks:
             path, fresh = write_task(args.out, task, length, args.num_samples, tokenizer, args.tokenizer,
                                      seed=args.seed, use_chat_template=args.chat_template,
-                                     essay_dir=args.essay_dir, qa_dir=args.qa_dir, overwrite=args.overwrite)
+                                     essay_dir=essay_dir, qa_dir=args.qa_dir, overwrite=args.overwrite)
             print(f"{'wrote' if fresh else 'kept '} {path} ({args.num_samples} samples)", flush=True)
             written.append(path)
     return written
