@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 
 from restkv.residual import ResidualReadout, capped
 from restkv.selection import Selection
+from restkv.storage import DenseEntries, entries_for
 
 
 @dataclass
@@ -131,11 +132,9 @@ class CompressedLayer(CacheLayerMixin):
         prompt_padding: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
-        self.kept_keys = kept_keys
-        self.kept_values = kept_values
-        # int32 column indices in the padded batch (what attention masks index); -1 = unused slot.
-        self.kept_columns = kept_columns.to(torch.int32)
         self.residual_log_counts = residual_log_counts
+        # Columns index the padded batch (what attention masks index); -1 = no exact token in the slot.
+        self.entries = entries_for(kept_keys, kept_values, kept_columns, self.residual_counts_of(kept_columns))
         # Sliding-window layers only: the padded-batch column of each entry's oldest member; an
         # entry is visible while all its members are (int32, -1 = no entry).
         self.residual_columns = None if residual_columns is None else residual_columns.to(torch.int32)
@@ -170,6 +169,28 @@ class CompressedLayer(CacheLayerMixin):
         return cls(selection.keys, selection.values, selection.columns, tokens_seen=tokens_seen,
                    sliding_window=sliding_window, config=config, prompt_padding=padding, **residual)
 
+    # ----------------------------------------------------------- the kept entries
+    @property
+    def kept_keys(self) -> torch.Tensor:
+        """``[B, H_kv, S, d]`` the padded view of the kept entries (``restkv.storage``)."""
+        return self.entries.read()[0]
+
+    @property
+    def kept_values(self) -> torch.Tensor:
+        return self.entries.read()[1]
+
+    @property
+    def kept_columns(self) -> torch.Tensor:
+        """``[B, H_kv, S]`` int32 padded-batch column of each exact token (-1: residual or unused slot)."""
+        return self.entries.read()[2]
+
+    def residual_counts_of(self, like: torch.Tensor) -> torch.Tensor:
+        """``[B, H_kv]`` residual entries per head (they fill the last slots); ``like``: any
+        ``[B, H_kv, ...]`` tensor of the layer, for the shape without residual entries."""
+        if self.residual_log_counts is None:
+            return torch.zeros(like.shape[:2], dtype=torch.long, device=like.device)
+        return torch.isfinite(self.residual_log_counts).sum(dim=-1)
+
     # ----------------------------------------------------------- reading
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                scaling: float, softcap: float | None = None) -> torch.Tensor:
@@ -183,37 +204,39 @@ class CompressedLayer(CacheLayerMixin):
         query_columns = torch.arange(self.tokens_seen, self.tokens_seen + q_len, device=query.device)
         self.append(key, value)
         tail_keys, tail_values = self.tail
-        kept_visible = (self.kept_columns >= 0)[:, :, None, :]
+        kept_keys, kept_values, kept_columns = self.entries.read()
+        kept_visible = (kept_columns >= 0)[:, :, None, :]
         if self.sliding_window is not None:
-            in_window = self.kept_columns[:, :, None, :] > (query_columns[:, None] - self.sliding_window)
+            in_window = kept_columns[:, :, None, :] > (query_columns[:, None] - self.sliding_window)
             kept_visible = kept_visible & in_window
         tail_visible = tail_visibility(attention_mask, query.shape[0], q_len, self.tail_length, query.device)
         segments = [
-            self._kept_segment(kept_visible, query_columns),
+            self._kept_segment(kept_keys, kept_values, kept_visible, query_columns),
             Segment(tail_keys, tail_values, tail_visible[:, None]),
         ]
         output = attend_segments(query, segments, scaling, softcap, self.residual_readout)
         self.trim_tail_to_window()
         return output
 
-    def _kept_segment(self, kept_visible: torch.Tensor, query_columns: torch.Tensor) -> Segment:
+    def _kept_segment(self, kept_keys: torch.Tensor, kept_values: torch.Tensor, kept_visible: torch.Tensor,
+                      query_columns: torch.Tensor) -> Segment:
         """The kept slots; with residual entries (in the last ``R`` slots) the segment carries their
         log-counts (``-inf`` on the exact slots)."""
         if self.residual_width == 0:
-            return Segment(self.kept_keys, self.kept_values, kept_visible)
-        exact_slots = self.kept_keys.shape[2] - self.residual_width
+            return Segment(kept_keys, kept_values, kept_visible)
+        exact_slots = kept_keys.shape[2] - self.residual_width
         entries = torch.isfinite(self.residual_log_counts)[:, :, None, :]
         if self.sliding_window is not None:  # an entry is visible while its oldest member is
             entries = entries & (self.residual_columns[:, :, None, :] > (query_columns[:, None] - self.sliding_window))
         visible = kept_visible | torch.nn.functional.pad(entries, (exact_slots, 0), value=False)
         log_counts = torch.nn.functional.pad(self.residual_log_counts, (exact_slots, 0), value=float("-inf"))
-        return Segment(self.kept_keys, self.kept_values, visible, log_counts[:, :, None, None, :])
+        return Segment(kept_keys, kept_values, visible, log_counts[:, :, None, None, :])
 
     # ----------------------------------------------------------- contents
     @property
     def kept_counts(self) -> torch.Tensor:
         """``[B, H_kv]`` prompt tokens kept per row and KV head."""
-        return (self.kept_columns >= 0).sum(dim=-1)
+        return self.entries.exact_counts()
 
     @property
     def residual_width(self) -> int:
@@ -223,15 +246,13 @@ class CompressedLayer(CacheLayerMixin):
     @property
     def residual_counts(self) -> torch.Tensor:
         """``[B, H_kv]`` residual entries per row and KV head (0 without residuals)."""
-        if self.residual_log_counts is None:
-            return torch.zeros_like(self.kept_counts)
-        return torch.isfinite(self.residual_log_counts).sum(dim=-1)
+        return self.residual_counts_of(self.kept_counts)
 
     @property
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values appended after compression, ``[B, H_kv, T, d]``."""
         if self.tail_keys is None:
-            empty = self.kept_keys[:, :, :0]
+            empty = self.entries.empty()
             return empty, empty
         return self.tail_keys[:, :, : self.tail_length], self.tail_values[:, :, : self.tail_length]
 
@@ -272,17 +293,17 @@ class CompressedLayer(CacheLayerMixin):
         stay in the last slots. What ``restkv.recompress`` writes after a new eviction."""
         width = self.residual_width
         if width:
-            residual = slice(self.kept_keys.shape[2] - width, None)
-            keys = torch.cat([keys, self.kept_keys[:, :, residual]], dim=2)
-            values = torch.cat([values, self.kept_values[:, :, residual]], dim=2)
+            old_keys, old_values, _ = self.entries.read()
+            residual = slice(old_keys.shape[2] - width, None)
+            keys = torch.cat([keys, old_keys[:, :, residual]], dim=2)
+            values = torch.cat([values, old_values[:, :, residual]], dim=2)
             columns = torch.nn.functional.pad(columns, (0, width), value=-1)
-        self.kept_keys, self.kept_values = keys, values
-        self.kept_columns = columns.to(torch.int32)
+        self.entries = entries_for(keys, values, columns, self.residual_counts_of(columns))
         self.tail_length = 0
 
     def nbytes(self) -> int:
         """Bytes held by every tensor of the layer (tail counted at its used length)."""
-        tensors = [self.kept_keys, self.kept_values, self.kept_columns]
+        tensors = list(self.entries.tensors())
         tensors += [t for t in (self.residual_log_counts, self.residual_columns, self.recent_queries) if t is not None]
         tensors += list(self.tail) if self.tail_length else []
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -312,19 +333,20 @@ class CompressedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Empty the layer: the next forward through it is a new prefill."""
-        empty = self.kept_keys[:, :, :0]
-        self.kept_keys = self.kept_values = empty
-        self.kept_columns = self.kept_columns[:, :, :0]
+        keys, _, columns = self.entries.read()
+        self.entries = DenseEntries(keys[:, :, :0], keys[:, :, :0], columns[:, :, :0])
         self.residual_log_counts = self.residual_columns = None
         self.tail_keys = self.tail_values = None
         self.tail_length = self.tokens_seen = self.prompt_tokens = 0
 
     def _map_batch(self, fn) -> None:
-        for name in ("kept_keys", "kept_values", "kept_columns", "residual_log_counts", "residual_columns",
-                     "tail_keys", "tail_values", "recent_queries", "prompt_padding"):
+        keys, values, columns = (fn(tensor) for tensor in self.entries.read())
+        for name in ("residual_log_counts", "residual_columns", "tail_keys", "tail_values", "recent_queries",
+                     "prompt_padding"):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, fn(tensor))
+        self.entries = entries_for(keys, values, columns, self.residual_counts_of(columns))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from restkv.scoring import window_attention
@@ -107,15 +108,38 @@ def top_position_sums(weights: torch.Tensor, valid: torch.Tensor, top: int,
         return empty, empty.clone()
     # Padding has zero weight; rank it below every real key (a copy only when there is padding).
     ranked = weights if bool(valid.all()) else weights.masked_fill(~valid, -1.0)
-    positions = ranked.topk(top, dim=-1, sorted=False).indices  # [H, q, top]
     if first_half is None:
         first_half = torch.arange(weights.shape[1], device=weights.device) < weights.shape[1] // 2
-    per_query = positions.sum(dim=-1)  # [H, q]
+    per_query = _top_position_totals(ranked, top)  # [H, q]
     halves = []
     for mask in (first_half, ~first_half):
         halves.append(torch.stack([per_query[:, mask].sum(dim=-1), per_query.new_full(
             (per_query.shape[0],), int(mask.sum()) * top)], dim=-1).cpu())
     return halves[0], halves[1]
+
+
+def _top_position_totals(weights: torch.Tensor, top: int) -> torch.Tensor:
+    """``[..., q]`` int64: the summed positions of each row's ``top`` largest weights, the ones
+    ``topk`` picks.
+
+    On the CPU, NumPy's vectorised partition finds each row's ``top``-th largest weight several
+    times faster than ``topk`` selects the entries. A row without a tie at that weight holds
+    exactly the positions at or above it; a row with one is handed to ``topk`` (whose pick
+    among equal weights is its own), so every sum is ``topk``'s.
+    """
+    if weights.device.type != "cpu" or weights.dtype not in (torch.float32, torch.float64):
+        return weights.topk(top, dim=-1, sorted=False).indices.sum(dim=-1)
+    length = weights.shape[-1]
+    kth = length - top
+    threshold = torch.from_numpy(np.partition(weights.detach().numpy(), kth, axis=-1)[..., kth])
+    at_or_above = (weights >= threshold[..., None]).double()
+    # One float64 product gives each row's position sum and count, exactly (integers below 2^53).
+    positions = torch.arange(length, dtype=torch.float64)
+    sums, counts = (at_or_above @ torch.stack([positions, torch.ones_like(positions)], dim=-1)).long().unbind(dim=-1)
+    tied = counts != top
+    if bool(tied.any()):
+        sums[tied] = weights[tied].topk(top, dim=-1, sorted=False).indices.sum(dim=-1)
+    return sums
 
 
 @dataclass

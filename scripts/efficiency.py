@@ -27,6 +27,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 
@@ -38,6 +39,8 @@ from restkv.config import method_spec_options
 from restkv.generation import prefill
 from restkv.models import load_model, load_tokenizer
 from restkv.monkeypatch import replace_for_model
+
+T = TypeVar("T")
 
 
 def parse_args() -> argparse.Namespace:
@@ -75,25 +78,54 @@ def make_prompt(tokenizer, vocab_size: int, length: int, kind: str) -> torch.Ten
     return ids
 
 
-def measure(model, prompt: torch.Tensor, decode_steps: int, compressing: bool) -> dict:
-    """Prefill seconds, decode seconds per token, and what the cache holds after the prefill."""
+def wall_seconds(run: Callable[[], T]) -> tuple[T, float]:
+    """``run()`` and the seconds it took by the host clock (CPU runs)."""
     start = time.perf_counter()
-    cache = prefill(model, prompt)
-    prefill_s = time.perf_counter() - start
+    result = run()
+    return result, time.perf_counter() - start
+
+
+def measure(model, prompt: torch.Tensor, decode_steps: int, compressing: bool,
+            timed: Callable[[Callable[[], T]], tuple[T, float]] = wall_seconds) -> dict:
+    """Prefill seconds, decode seconds per token, and what the cache holds after the prefill
+    (``timed`` runs a region and returns its result and seconds: ``wall_seconds``, or a device
+    clock that waits for the device's work, ``scripts/gpu_bench.py``)."""
+    cache, prefill_s = timed(lambda: prefill(model, prompt))
     reports = cache_report(cache)
     if compressing and not any(report.compressed for report in reports):
-        raise SystemExit("a compressing method kept every token: raise --lengths or lower --budget_fractions")
+        raise SystemExit("a compressing method kept every token: raise --lengths or lower the budget")
     seen = sum(report.tokens_seen for report in reports)
     exact = sum(report.stored_mean for report in reports)
     residual = sum(report.residual for report in reports)
-    token = prompt[:, -1:]
-    with torch.no_grad():
-        start = time.perf_counter()
-        for _ in range(decode_steps):
-            token = model(token, logits_to_keep=1, **with_cache(cache)).logits[:, -1:].argmax(dim=-1)
-    decode_s = (time.perf_counter() - start) / decode_steps
-    return dict(prefill_s=prefill_s, decode_s_per_token=decode_s, cache_bytes=sum(r.nbytes for r in reports),
-                kept_share=(exact + residual) / seen, residual_share=residual / max(exact + residual, 1e-9))
+    _, decode_s = timed(lambda: decode(model, cache, prompt[:, -1:], decode_steps))
+    return dict(prefill_s=prefill_s, decode_s_per_token=decode_s / decode_steps,
+                cache_bytes=sum(r.nbytes for r in reports), kept_share=(exact + residual) / seen,
+                residual_share=residual / max(exact + residual, 1e-9))
+
+
+@torch.no_grad()
+def decode(model, cache, token: torch.Tensor, steps: int) -> torch.Tensor:
+    """``steps`` greedy decode steps from ``token`` ``[B, 1]`` over ``cache``; the last token."""
+    for _ in range(steps):
+        token = model(token, logits_to_keep=1, **with_cache(cache)).logits[:, -1:].argmax(dim=-1)
+    return token
+
+
+def interleaved_runs(model, prompt: torch.Tensor, specs: list[str], budget: int, repeats: int, decode_steps: int,
+                     run: Callable[..., dict] = measure) -> dict[str, list[dict]]:
+    """Each method's ``run(model, prompt, decode_steps, compressing)`` rows: every repetition runs
+    every method once on the same prompt, in an order rotated by one each time."""
+    runs: dict[str, list[dict]] = {spec: [] for spec in specs}
+    for repeat in range(repeats):
+        for spec in rotated(specs, repeat):
+            options = method_spec_options(spec)
+            # A fresh config each time: switches of the previous variant must not linger.
+            replace_for_model(model, **options, **({} if options["method"] == "fullkv" else
+                                                   {"max_capacity_prompts": budget}))
+            runs[spec].append(run(model, prompt, decode_steps, options["method"] != "fullkv"))
+            print(f"  {prompt.shape[1]} tokens, budget {budget}, repeat {repeat}: {spec:18s} "
+                  f"prefill {runs[spec][-1]['prefill_s']:.3f} s", flush=True)
+    return runs
 
 
 def time_scoring(model, specs: list[str], length: int, budget: int, repeats: int) -> dict[str, float]:
@@ -136,52 +168,60 @@ def main() -> None:
             measure(model, prompt[:, :512], 2, compressing=True)  # warm-up
             for fraction in args.budget_fractions:
                 budget = int(length * fraction)
-                runs: dict[str, list[dict]] = {spec: [] for spec in args.methods}
-                for repeat in range(args.repeats):
-                    for spec in rotated(args.methods, repeat):
-                        options = method_spec_options(spec)
-                        # A fresh config each time: switches of the previous variant must not linger.
-                        replace_for_model(model, **options, **({} if options["method"] == "fullkv" else
-                                                               {"max_capacity_prompts": budget}))
-                        runs[spec].append(measure(model, prompt, args.decode_steps, options["method"] != "fullkv"))
-                        print(f"  {length} tokens, budget {budget}, repeat {repeat}: {spec:18s} "
-                              f"prefill {runs[spec][-1]['prefill_s']:.3f} s", flush=True)
+                runs = interleaved_runs(model, prompt, args.methods, budget, args.repeats, args.decode_steps)
                 scoring = time_scoring(model, [s for s in args.methods if s != "fullkv"], length, budget,
                                        args.repeats) if args.scoring else {}
                 block = [summarise(spec, length, budget, spec_runs, runs[args.baseline], scoring.get(spec))
                          for spec, spec_runs in runs.items()]
-                print_table(block, args.baseline)
+                print("\n" + format_table(block, args.baseline))
                 rows.extend(block)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.out}")
 
 
-def summarise(spec: str, length: int, budget: int, runs: list[dict], baseline: list[dict],
+def summarise(spec: str, length: int, budget: int | None, runs: list[dict], baseline: list[dict],
               scoring_s: float | None) -> dict:
     """Medians over the repetitions, plus the median of the per-repetition prefill ratios."""
     row = dict(method=spec, prompt_tokens=length, budget=None if spec == "fullkv" else budget)
     row.update({key: statistics.median(run[key] for run in runs) for key in runs[0]})
-    row["paired_prefill_ratio"] = statistics.median(a["prefill_s"] / b["prefill_s"] for a, b in zip(runs, baseline))
+    row["paired_prefill_ratio"] = paired_ratio(runs, baseline)
     row["compress_kv_s"] = scoring_s
     row["runs"] = runs
     return row
 
 
-def print_table(rows: list[dict], baseline: str) -> None:
+def paired_ratio(runs: list[dict], baseline: list[dict], key: str = "prefill_s") -> float:
+    """Median over the repetitions of ``key``'s ratio to the baseline's in the same repetition."""
+    return statistics.median(run[key] / base[key] for run, base in zip(runs, baseline))
+
+
+def format_table(rows: list[dict], baseline: str) -> str:
+    """One block of rows (one length and budget) with ratios to the ``baseline`` method's row;
+    a ``peak MiB`` column when the rows carry ``peak_memory_bytes`` (device runs)."""
     base = next(row for row in rows if row["method"] == baseline)
-    print(f"\n{base['prompt_tokens']}-token prompt, budget {base['budget']} (ratios vs {baseline})")
-    print(f"{'method':>18} {'prefill s':>9} {'ratio':>6} {'paired':>6} {'decode ms/tok':>13} {'ratio':>6} "
-          f"{'cache MiB':>9} {'ratio':>6} {'kept':>6} {'residual':>8} {'compress_kv s':>13}")
+    peak = all(row.get("peak_memory_bytes") is not None for row in rows)
+    budget = next((row["budget"] for row in rows if row["budget"] is not None), None)
+    lines = [
+        f"{base['prompt_tokens']}-token prompt, budget {budget} (ratios vs {baseline})",
+        f"{'method':>18} {'prefill s':>9} {'ratio':>6} {'paired':>6} {'decode ms/tok':>13} {'ratio':>6} "
+        f"{'cache MiB':>9} {'ratio':>6} {'kept':>6} {'residual':>8} {'compress_kv s':>13}"
+        + (f" {'peak MiB':>9} {'ratio':>6}" if peak else ""),
+    ]
     for row in rows:
-        scoring = "-" if row["compress_kv_s"] is None else f"{row['compress_kv_s']:.3f}"
-        print(
+        scoring = "-" if row.get("compress_kv_s") is None else f"{row['compress_kv_s']:.3f}"
+        line = (
             f"{row['method']:>18} {row['prefill_s']:>9.3f} {row['prefill_s'] / base['prefill_s']:>6.3f} "
-            f"{row['paired_prefill_ratio']:>6.3f} {1000 * row['decode_s_per_token']:>13.2f} "
+            f"{paired_ratio(row['runs'], base['runs']):>6.3f} {1000 * row['decode_s_per_token']:>13.2f} "
             f"{row['decode_s_per_token'] / base['decode_s_per_token']:>6.3f} {row['cache_bytes'] / 2**20:>9.2f} "
             f"{row['cache_bytes'] / base['cache_bytes']:>6.4f} {row['kept_share']:>6.1%} "
             f"{row['residual_share']:>8.1%} {scoring:>13}"
         )
+        if peak:
+            peak_ratio = row["peak_memory_bytes"] / base["peak_memory_bytes"]
+            line += f" {row['peak_memory_bytes'] / 2**20:>9.0f} {peak_ratio:>6.3f}"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -147,11 +147,13 @@ class Branch(NamedTuple):
     peak: torch.Tensor
 
     @classmethod
-    def of(cls, logits: torch.Tensor, values: torch.Tensor) -> "Branch":
+    def of(cls, logits: torch.Tensor, values: torch.Tensor, overwrite: bool = False) -> "Branch":
         """From logits ``[..., q, S]`` (``-inf`` where masked) and values ``[..., S, d]``; a query
-        with nothing visible gets a zero output and ``lse = -inf``."""
+        with nothing visible gets a zero output and ``lse = -inf``. ``overwrite``: the caller
+        no longer needs ``logits``, so their memory holds the weights (no temporary as large)."""
         peak = logits.amax(dim=-1, keepdim=True)
-        shifted = torch.exp(logits - peak.nan_to_num(neginf=0.0))
+        shift = peak.nan_to_num(neginf=0.0)
+        shifted = (logits.sub_(shift) if overwrite else logits - shift).exp_()
         total = shifted.sum(dim=-1, keepdim=True)
         output = torch.matmul(shifted, values) / total.clamp(min=torch.finfo(total.dtype).tiny)
         return cls(output, peak + torch.log(total), peak)

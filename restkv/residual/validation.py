@@ -8,10 +8,9 @@ relative margin ``delta``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from restkv.residual.clustering import Entries
 from restkv.residual.readout import Branch, capped
@@ -21,7 +20,7 @@ if TYPE_CHECKING:
     from restkv.residual.builder import RankedRow
     from restkv.residual.options import ResidualCache
 
-#: keys per block of the full-prompt attention of the observation queries
+#: most keys in one segment of the observation queries' attention (bounds their logits)
 KEY_BLOCK = 8192
 
 
@@ -64,31 +63,74 @@ def split_observations(count: int, validation: int, total: int, how: str) -> tor
     return torch.zeros(count, dtype=torch.bool).index_fill_(0, chosen, True)
 
 
+class KeySegments(NamedTuple):
+    """The attention of some queries over consecutive segments of their keys, each segment
+    normalised on its own (``Branch.of``), stacked: outputs ``[S, H, q, d]``, log-sum-exps,
+    peaks and visible key counts ``[S, H, q, 1]``, and the end column of each segment ``[S]``.
+
+    Any union of segments is then one log-sum-exp combination away (``joined``): the
+    validation proxy reads the full-prompt target and every candidate's main cache (prefixes
+    of the ranked keys) from one pass over the keys.
+    """
+
+    outputs: torch.Tensor
+    lse: torch.Tensor
+    peaks: torch.Tensor
+    counts: torch.Tensor
+    ends: torch.Tensor
+
+    @classmethod
+    def of(cls, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+           softcap: float | None, visible: torch.Tensor | None, cuts: list[int]) -> "KeySegments":
+        """Segments ``[cuts[i], cuts[i + 1])`` of ``keys``/``values`` ``[H, n, d]`` seen by
+        ``queries`` ``[H, q, d]`` (``visible``: bool broadcastable to ``[H, q, n]``, or None)."""
+        branches, counts = [], []
+        for start, stop in zip(cuts[:-1], cuts[1:]):
+            # The scale is applied inside the product (one pass over the logits, not two).
+            logits = torch.baddbmm(queries.new_empty(()), queries, keys[:, start:stop].transpose(1, 2), beta=0.0,
+                                   alpha=scaling)
+            logits = capped(logits, softcap)
+            if visible is None:
+                counts.append(torch.full((*logits.shape[:-1], 1), stop - start, device=logits.device))
+            else:
+                seen = visible[..., start:stop].expand_as(logits)
+                logits.masked_fill_(~seen, float("-inf"))
+                counts.append(seen.sum(dim=-1, keepdim=True))
+            branches.append(Branch.of(logits, values[:, start:stop], overwrite=True))
+        outputs, lse, peaks = (torch.stack(parts) for parts in zip(*branches))
+        return cls(outputs, lse, peaks, torch.stack(counts), torch.tensor(cuts[1:], device=queries.device))
+
+    def joined(self, prefix: torch.Tensor | None = None) -> tuple[Branch, torch.Tensor]:
+        """One softmax over the segments that end within each head's first ``prefix`` ``[H]``
+        keys (None: all of them): its ``Branch`` and visible key counts ``[H, q, 1]``."""
+        if prefix is None:
+            included = torch.ones(self.ends.shape[0], 1, dtype=torch.bool, device=self.ends.device)
+        else:
+            included = self.ends[:, None] <= prefix[None, :]  # [S, H]
+        included = included[..., None, None]
+        lse_parts = torch.where(included, self.lse, float("-inf"))
+        lse = torch.logsumexp(lse_parts, dim=0)
+        weights = torch.exp(lse_parts - lse.nan_to_num(neginf=0.0))  # 0 where nothing is visible
+        output = (weights * self.outputs).sum(dim=0)
+        peak = torch.where(included, self.peaks, float("-inf")).amax(dim=0)
+        return Branch(output, lse, peak), (self.counts * included).sum(dim=0)
+
+
+def segment_cuts(length: int, ends: list[int]) -> list[int]:
+    """Segment bounds over ``length`` keys: every given prefix end, and at most ``KEY_BLOCK``
+    keys a segment (bounding the ``q x segment`` logits)."""
+    return sorted({0, length, *(end for end in ends if 0 < end < length), *range(KEY_BLOCK, length, KEY_BLOCK)})
+
+
 def full_attention_output(
     queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, softcap: float | None,
     visible: torch.Tensor | None,
 ) -> torch.Tensor:
     """``[H, q, d]`` float32 attention output of ``queries`` ``[H, q, d]`` over ``keys`` ``[H, n, d]``
-    (``visible``: bool broadcastable to ``[H, q, n]``, or None). The fused SDPA kernel, or with a
-    logit soft-cap an online softmax streamed over key blocks (never ``q x n`` at once)."""
-    if softcap is None:
-        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=visible, scale=scaling)
-    running_max = queries.new_full(queries.shape[:2], float("-inf"))
-    total = queries.new_zeros(queries.shape[:2])
-    output = queries.new_zeros(queries.shape)
-    for start in range(0, keys.shape[1], KEY_BLOCK):
-        block = slice(start, start + KEY_BLOCK)
-        logits = capped(torch.matmul(queries, keys[:, block].transpose(1, 2)) * scaling, softcap)
-        if visible is not None:
-            logits = logits.masked_fill(~visible[..., block], float("-inf"))
-        new_max = torch.maximum(running_max, logits.amax(dim=-1))
-        safe_max = new_max.masked_fill(torch.isneginf(new_max), 0.0)
-        decay = torch.exp(running_max - safe_max)
-        weights = torch.exp(logits - safe_max[..., None])
-        total = total * decay + weights.sum(dim=-1)
-        output = output * decay[..., None] + torch.matmul(weights, values[:, block])
-        running_max = new_max
-    return output / total[..., None]
+    (``visible``: bool broadcastable to ``[H, q, n]``, or None), softcapped logits included; the
+    keys are read in blocks, never ``q x n`` logits at once."""
+    segments = KeySegments.of(queries, keys, values, scaling, softcap, visible, segment_cuts(keys.shape[1], []))
+    return segments.joined()[0].output
 
 
 def validation_losses(
@@ -99,9 +141,11 @@ def validation_losses(
     slots per head, entries ``built[c]``; None = no residual), and the pure main cache's
     validation loss ``[H_kv]`` (ALGORITHMS.md 3.8).
 
-    The candidates' main caches are prefixes of the ranked tokens, so one matmul gives every
-    main logit; each candidate's output is its exact branch (the prefix) combined with its
-    residual branch through their log-sum-exps (``ResidualReadout.mix``).
+    The candidates' main caches are prefixes of the ranked tokens, so one pass over the keys,
+    cut at every candidate's prefix end (``KeySegments``), gives the full-prompt target and
+    every main branch; each candidate's output is its main branch combined with its residual
+    branch through their log-sum-exps (``ResidualReadout.mix``). The joins equal one softmax
+    over the same keys up to float32 rounding (losses within about 1e-7 relative).
     """
     num_kv_heads, visible, dim = data.keys.shape
     observation = ctx.observation
@@ -119,25 +163,22 @@ def validation_losses(
     if options.residual_val_causal and not observation.sees_everything:
         query_positions = torch.arange(visible - count, visible, device=queries.device).repeat(groups)
         causal = data.order[:, None, :] <= query_positions[None, :, None]  # [H_kv, G * count, n], ranked
-    target = full_attention_output(queries, data.keys, data.values, ctx.scaling, ctx.softcap, causal)
-
-    widest = int(data.budgets.max())
-    main_logits = capped(torch.matmul(queries, data.keys[:, :widest].transpose(1, 2)) * ctx.scaling, ctx.softcap)
-    main_visible = torch.ones_like(main_logits, dtype=torch.bool) if causal is None else causal[..., :widest]
+    mains = [data.budgets - sizes for sizes in sizes_of]
+    ends = sorted({end for main in [data.budgets, *mains] for end in main.tolist()})
+    segments = KeySegments.of(queries, data.keys, data.values, ctx.scaling, ctx.softcap, causal,
+                              segment_cuts(visible, ends))
+    target = segments.joined()[0].output
     readout = options.readout(validation=True)
-    rank = torch.arange(widest, device=queries.device)
 
-    def losses(sizes: torch.Tensor, entries: Entries | None) -> tuple[torch.Tensor, torch.Tensor]:
-        exact = main_visible & (rank < (data.budgets - sizes)[:, None])[:, None, :]
-        main = Branch.of(main_logits.masked_fill(~exact, float("-inf")), data.values[:, :widest])
+    def losses(main_size: torch.Tensor, entries: Entries | None) -> tuple[torch.Tensor, torch.Tensor]:
+        main, exact_count = segments.joined(main_size)
         output = main.output
         if entries is not None:
             residual_logits = capped(torch.matmul(queries, entries.keys.transpose(1, 2)) * ctx.scaling, ctx.softcap)
-            output = readout.mix(main, exact.sum(dim=-1, keepdim=True), residual_logits, entries.values,
-                                 entries.log_counts[:, None, :])
+            output = readout.mix(main, exact_count, residual_logits, entries.values, entries.log_counts[:, None, :])
         error = ((output - target) ** 2).sum(dim=-1).view(num_kv_heads, groups, count)
         return error[:, :, fit_rows].mean(dim=(1, 2)), error[:, :, held_out].mean(dim=(1, 2))
 
-    baseline = losses(torch.zeros_like(data.budgets), None)
-    scored = [baseline if entries is None else losses(sizes, entries) for sizes, entries in zip(sizes_of, built)]
+    baseline = losses(data.budgets, None)
+    scored = [baseline if entries is None else losses(main, entries) for main, entries in zip(mains, built)]
     return torch.stack([fit for fit, _ in scored], dim=1), torch.stack([val for _, val in scored], dim=1), baseline[1]
