@@ -90,3 +90,22 @@ def ruler_dir(tmp_path_factory):
                      "--num_samples", "2", "--out", str(out)])
     return out
 
+
+def _counted(monkeypatch, module, name: str) -> list:
+    """``module.name`` replaced by itself counting its calls; returns the list it appends to."""
+    real, calls = getattr(module, name), []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+@pytest.fixture
+def prefill_calls(monkeypatch):
+    """Counts the prefills of restkv.generation (each compresses a context once)."""
+    import restkv.generation
+
+    return _counted(monkeypatch, restkv.generation, "_prefill")

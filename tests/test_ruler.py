@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 
@@ -223,3 +224,95 @@ def test_scripts_print_their_usage_without_arguments():
     for script in ("ruler/run.sh", "ruler/eval.sh", "ruler/sweep.sh"):
         code, message = usage_exit(script)
         assert code == 2 and "bash scripts/" + script in message
+
+
+# ----------------------------------------------------------------------------- multi-question mode
+
+
+@pytest.fixture(scope="module")
+def niah_dir(tmp_path_factory):
+    """RULER data at 600 tokens for SmolLM2: one niah task of each needle layout, two samples each."""
+    out = tmp_path_factory.mktemp("niah_data")
+    ruler_data.main(["--tokenizer", "smollm2-135m", "--lengths", "600", "--num_samples", "2", "--out", str(out),
+                     "--tasks", "niah_single_1,niah_multikey_1,niah_multivalue,niah_multiquery"])
+    return out
+
+
+def multi_question_samples(data_dir, task):
+    args = argparse.Namespace(data_dir=str(data_dir), chat_template=True, multi_question=True)
+    return ruler.ruler_samples(args, f"600/{task}")
+
+
+@pytest.mark.parametrize("task, questions, singular", [("niah_single_1", 1, True), ("niah_multikey_1", 4, True),
+                                                       ("niah_multivalue", 1, False), ("niah_multiquery", 4, True)])
+def test_multi_question_samples_ask_each_needle_in_rulers_wording(niah_dir, task, questions, singular):
+    records = ruler.load_task(niah_dir, 600, task)
+    for sample, record in zip(multi_question_samples(niah_dir, task), records, strict=True):
+        context, file_question = ruler.split_question(task, record["input"])
+        assert sample.context == context and sample.question == "" and len(sample.questions) == questions
+        for question, needle in zip(sample.questions, record["needles"], strict=True):
+            key, shown = needle["key"], "number" if singular else "numbers"
+            assert question.fields == {"outputs": needle["values"]}
+            if singular:
+                assert question.text == f"\nWhat is the special magic {shown} for {key} mentioned in the provided text?"
+                assert question.answer_prefix == f" The special magic {shown} for {key} mentioned in the provided text is"
+            else:
+                assert question.text == f"\nWhat are all the special magic {shown} for {key} mentioned in the " \
+                                        "provided text?"
+            if needle["values"] == record["outputs"]:  # the needle the file's own question asks about
+                assert (question.text, question.answer_prefix) == (file_question, record["answer_prefix"])
+
+
+def test_multi_question_needs_data_that_record_their_needles(niah_dir, tmp_path, no_model_loading):
+    data = tmp_path / "official"
+    (data / "600" / "niah_single_1").mkdir(parents=True)
+    official = data / "600" / "niah_single_1" / "validation.jsonl"
+    records = ruler.load_task(niah_dir, 600, "niah_single_1")
+    official.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "needles"}) + "\n" for r in records))
+    argv = ["--data_dir", str(data), "--context_lengths", "600", "--datasets", "niah_single_1", "--method", "fullkv",
+            "--save_dir", str(tmp_path / "out")]
+    single = argparse.Namespace(data_dir=str(data), chat_template=True, multi_question=False)
+    assert len(ruler.ruler_samples(single, "600/niah_single_1")) == 2  # fine for single-question runs
+    with pytest.raises(SystemExit) as stop:
+        ruler.run([*argv, "--multi_question"])
+    assert stop.value.code == (
+        f"error: {official}: sample 0 has no 'needles' list of {{'key', 'values'}}, which --multi_question asks about "
+        "(RULER's prepare.py and older restkv data do not record them); regenerate the file: python -m "
+        f"restkv.benchmarks.ruler_data --tokenizer MODEL --lengths 600 --tasks niah_single_1 --out {data}")
+
+
+def test_multi_question_runs_the_niah_tasks_only(capsys, no_model_loading):
+    with pytest.raises(SystemExit) as stop:
+        ruler.run(["--method", "fullkv", "--multi_question", "--datasets", "niah_multikey_1,vt,cwe"])
+    assert stop.value.code == 2
+    assert ("--multi_question asks about each inserted needle, so it runs only the niah tasks (niah_single_1, "
+            "niah_single_2, niah_single_3, niah_multikey_1, niah_multikey_2, niah_multikey_3, niah_multivalue, "
+            "niah_multiquery); give --datasets without vt, cwe") in capsys.readouterr().err
+
+
+def test_a_multi_question_run_compresses_each_context_once_and_writes_a_line_per_needle(
+        niah_dir, tmp_path, tiny, tokenizer, prefill_calls):
+    argv = ["--data_dir", str(niah_dir), "--context_lengths", "600", "--datasets", "niah_single_1,niah_multikey_1",
+            "--method", "snapkv", "--max_capacity_prompts", "64", "--window_size", "8", "--max_new_tokens", "2",
+            "--save_dir", str(tmp_path)]
+    folder = ruler.run([*argv, "--multi_question"], model=tiny, tokenizer=tokenizer)
+    assert folder.name == "snapkv_64_agnostic" and len(prefill_calls) == 2 + 2  # one per sample
+    multikey = read_predictions(folder / "600", "niah_multikey_1")
+    assert [r["id"] for r in multikey] == [f"{i}/{k}" for i in range(2) for k in range(4)]
+    needles = [n for record in ruler.load_task(niah_dir, 600, "niah_multikey_1") for n in record["needles"]]
+    assert [r["outputs"] for r in multikey] == [n["values"] for n in needles]
+    assert all(r["question_tokens"] > 0 and r["kv_tokens_stored"] < r["kv_tokens_seen"] for r in multikey)
+
+    meta = json.loads((folder / "run_meta.json").read_text())
+    assert meta["settings"]["query_agnostic"] is True and meta["settings"]["benchmark_flags"]["multi_question"]
+    assert meta["datasets"]["600/niah_multikey_1"]["samples_expected"] == 8
+    assert meta["datasets"]["600/niah_single_1"]["samples_expected"] == 2
+    scores = ruler.evaluate(["--results_dir", str(folder)])[folder][600]
+    assert scores["niah_multikey_1"] == ruler.score_task("niah_multikey_1", [r["pred"] for r in multikey],
+                                                         [r["outputs"] for r in multikey])
+    written = json.loads((folder / "scores.json").read_text())["datasets"]["600/niah_multikey_1"]
+    assert (written["samples_scored"], written["samples_expected"], written["complete"]) == (8, 8, True)
+
+    # The same folder never takes single-question predictions.
+    with pytest.raises(SystemExit, match=r"benchmark_flags.multi_question: True -> False"):
+        ruler.run([*argv, "--query_agnostic"], model=tiny, tokenizer=tokenizer)

@@ -215,21 +215,6 @@ def test_a_prompt_too_short_for_a_ratio_budget_is_answered_with_the_full_cache(t
 # ----------------------------------------------------------------------------- multi-question samples
 
 
-@pytest.fixture
-def prefill_calls(monkeypatch):
-    """Counts the context prefills (each compresses once) of restkv.generation."""
-    import restkv.generation
-
-    real, calls = restkv.generation._prefill, []
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(restkv.generation, "_prefill", counting)
-    return calls
-
-
 def without_timing(records):
     return [{name: value for name, value in record.items() if name not in ("index", "seconds")} for record in records]
 

@@ -5,7 +5,10 @@
 ``data/RULER/<length>/<task>/validation.jsonl`` exactly as RULER's ``prepare.py`` lays it out
 (``index, input, outputs, length, length_w_model_temp, answer_prefix`` and, for niah,
 ``token_position_answer``) plus a ``generation.json`` recording what the data depend on:
-tokenizer, chat template, seed, haystack source and wonderwords version.
+tokenizer, chat template, seed, haystack source and wonderwords version. niah samples also
+record ``needles``: every needle inserted, ``{"key": ..., "values": [...]}`` per key in the
+order drawn (the haystack of distractor needles of ``niah_multikey_2/3`` aside), which
+``run_ruler.py --multi_question`` asks about one by one.
 
 The tasks follow RULER's generators (``scripts/data/synthetic/*.py``): the same templates,
 needles, haystacks, word sources, few-shot examples and answers. Differences, all deliberate:
@@ -49,7 +52,7 @@ from typing import Callable, Sequence
 
 from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, given_essays, load_essays, split_sentences
 from restkv.benchmarks.haystack import wonderwords_list, wonderwords_version
-from restkv.benchmarks.ruler import FAMILIES, RulerTask, get_task, parse_task_list, SYNTHETIC_TASKS
+from restkv.benchmarks.ruler import FAMILIES, RulerTask, get_task, niah_prompt, parse_task_list, SYNTHETIC_TASKS
 from restkv.benchmarks.errors import FlagError, command_line
 from restkv.benchmarks.prompts import chat_wrap
 
@@ -63,11 +66,13 @@ QA_DOCUMENT = "Document {i}:\n{document}"
 
 @dataclass(frozen=True)
 class Rendered:
-    """One sample at one haystack size: the prompt body, its answer prefix and the gold answers."""
+    """One sample at one haystack size: the prompt body, its answer prefix, the gold answers and,
+    for niah, every needle inserted (``{"key", "values"}``, in key order)."""
 
     input: str
     answer_prefix: str
     outputs: list[str]
+    needles: list[dict] | None = None
 
 
 class TokenCounter:
@@ -215,12 +220,7 @@ def _build_niah(rng: random.Random, ctx: BuildContext):
     answers = [value for i in queried for value in values[i]]
     query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
 
-    template, prefix, shown_type = ctx.task.family.template, ctx.task.family.answer_prefix, type_v
-    if args["num_needle_q"] * args["num_needle_v"] == 1:  # RULER's singular wording
-        for old, new in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
-            template, prefix = template.replace(old, new), prefix.replace(old, new)
-        shown_type = type_v[:-1]
-    prefix = prefix.format(type_needle_v=shown_type, query=query)
+    recorded = [{"key": key, "values": list(key_values)} for key, key_values in zip(keys, values)]
 
     haystack_type = args["type_haystack"]
     if haystack_type == "essay":
@@ -244,8 +244,8 @@ def _build_niah(rng: random.Random, ctx: BuildContext):
         else:
             lines = [NOISE_LINE] * size if haystack_type == "noise" else distractors.take(size)
             context = "\n".join(_insert_at_fractions(lines, needles, fractions))
-        text = template.format(type_needle_v=shown_type, context=context, query=query)
-        return Rendered(text, prefix, list(answers))
+        text, prefix = niah_prompt(type_v, query, len(answers), context)
+        return Rendered(text, prefix, list(answers), recorded)
 
     return render, 1
 
@@ -537,6 +537,7 @@ def generate_sample(ctx: BuildContext, index: int) -> dict:
     if family == "niah":
         offset = rendered.input.find(rendered.outputs[0])
         record["token_position_answer"] = ctx.counter.count(rendered.input[:offset])
+        record["needles"] = rendered.needles
     return record
 
 
@@ -584,6 +585,8 @@ def generation_meta(task: str, length: int, num_samples: int, tokenizer_name: st
         "tokens_to_generate": spec.tokens_to_generate,
         "wonderwords": wonderwords_version(),
     }
+    if spec.family_name == "niah":  # files written before they held "needles" are regenerated
+        meta["needles_recorded"] = True
     if spec.args.get("type_haystack") == "essay":
         meta["haystack"] = load_essays(essay_dir, min_words=0).source
     if spec.family_name == "qa":
