@@ -316,3 +316,16 @@ def test_a_multi_question_run_compresses_each_context_once_and_writes_a_line_per
     # The same folder never takes single-question predictions.
     with pytest.raises(SystemExit, match=r"benchmark_flags.multi_question: True -> False"):
         ruler.run([*argv, "--query_agnostic"], model=tiny, tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("mode", [[], ["--multi_question"]])
+def test_a_query_agnostic_run_with_reconstruction_observation_compresses_every_context(
+        ruler_dir, tmp_path, tiny, tokenizer, reconstruction_run, mode):
+    argv = ["--data_dir", str(ruler_dir), "--context_lengths", "600", "--datasets", "niah_single_1",
+            "--method", "snapkv", "--max_capacity_prompts", "64", "--window_size", "8", "--max_new_tokens", "2",
+            "--save_dir", str(tmp_path), *reconstruction_run.flags, *mode]
+    folder = ruler.run(argv, model=tiny, tokenizer=tokenizer)
+    records = read_predictions(folder / "600", "niah_single_1")
+    assert len(records) == 2 and len(reconstruction_run.passes) == 2
+    reconstruction_run.check(folder, records, tiny.config.num_hidden_layers, 64)
+    assert set(ruler.evaluate(["--results_dir", str(folder)])[folder][600]) == {"niah_single_1"}
