@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 
 import pytest
 
-from restkv.benchmarks import ruler, ruler_data
+from restkv.benchmarks import ruler, ruler_data, runner
+from restkv.benchmarks.flags import parse_args
 from restkv.benchmarks.results import read_predictions
 from top_level import dry_run_script, usage_exit
 
@@ -290,14 +292,23 @@ def test_multi_question_runs_the_niah_tasks_only(capsys, no_model_loading):
             "niah_multiquery); give --datasets without vt, cwe") in capsys.readouterr().err
 
 
-def test_a_multi_question_run_compresses_each_context_once_and_writes_a_line_per_needle(
+def without_timing(records):
+    return [{name: value for name, value in record.items() if name not in ("index", "seconds")} for record in records]
+
+
+def test_a_multi_question_run_compresses_each_context_once_and_answers_each_needle_as_if_asked_alone(
         niah_dir, tmp_path, tiny, tokenizer, prefill_calls):
-    argv = ["--data_dir", str(niah_dir), "--context_lengths", "600", "--datasets", "niah_single_1,niah_multikey_1",
-            "--method", "snapkv", "--max_capacity_prompts", "64", "--window_size", "8", "--max_new_tokens", "2",
+    tasks = ("niah_single_1", "niah_multikey_1")
+    argv = ["--data_dir", str(niah_dir), "--context_lengths", "600", "--datasets", ",".join(tasks),
+            "--method", "snapkv", "--max_capacity_prompts", "64", "--window_size", "8", "--max_new_tokens", "6",
             "--save_dir", str(tmp_path)]
-    folder = ruler.run([*argv, "--multi_question"], model=tiny, tokenizer=tokenizer)
-    assert folder.name == "snapkv_64_agnostic" and len(prefill_calls) == 2 + 2  # one per sample
-    multikey = read_predictions(folder / "600", "niah_multikey_1")
+    first = ruler.run([*argv, "--multi_question", "--max_num_examples", "1"], model=tiny, tokenizer=tokenizer)
+    assert len(prefill_calls) == 2
+    folder = ruler.run([*argv, "--multi_question"], model=tiny, tokenizer=tokenizer)  # resumes: second samples
+    assert folder == first and folder.name == "snapkv_64_agnostic_multi"
+    assert len(prefill_calls) == 2 + 2  # one compression per sample, not per question
+    lines = {task: read_predictions(folder / "600", task) for task in tasks}
+    multikey = lines["niah_multikey_1"]
     assert [r["id"] for r in multikey] == [f"{i}/{k}" for i in range(2) for k in range(4)]
     needles = [n for record in ruler.load_task(niah_dir, 600, "niah_multikey_1") for n in record["needles"]]
     assert [r["outputs"] for r in multikey] == [n["values"] for n in needles]
@@ -313,19 +324,41 @@ def test_a_multi_question_run_compresses_each_context_once_and_writes_a_line_per
     written = json.loads((folder / "scores.json").read_text())["datasets"]["600/niah_multikey_1"]
     assert (written["samples_scored"], written["samples_expected"], written["complete"]) == (8, 8, True)
 
-    # The same folder never takes single-question predictions.
-    with pytest.raises(SystemExit, match=r"benchmark_flags.multi_question: True -> False"):
-        ruler.run([*argv, "--query_agnostic"], model=tiny, tokenizer=tokenizer)
+    # Every line is what its question gets alone, asked after a fresh compression of the context.
+    singles = {f"600/{task}": [sample.single_question(k) for sample in multi_question_samples(niah_dir, task)
+                               for k in range(len(sample.questions))] for task in tasks}
+    alone = dataclasses.replace(ruler.BENCHMARK, load_samples=lambda args, dataset, tokenizer: singles[dataset])
+    args = parse_args(alone, [*argv, "--query_agnostic", "--model_max_len", "600", "--tag", "alone"], ruler.add_flags)
+    alone_folder = runner.run(alone, args, model=tiny, tokenizer=tokenizer, datasets=list(singles))
+    assert len(prefill_calls) == 4 + 2 + 8
+    for task in tasks:
+        assert without_timing(lines[task]) == without_timing(read_predictions(alone_folder / "600", task))
+
+    # The file's own question, asked query-agnostic, is the line of the needle it asks about.
+    single = ruler.run([*argv, "--query_agnostic"], model=tiny, tokenizer=tokenizer)
+    assert single.name == "snapkv_64_agnostic"  # a folder of its own
+    for task in tasks:
+        for plain in read_predictions(single / "600", task):
+            (same,) = [r for r in lines[task] if r["index"] == plain["index"] and r["outputs"] == plain["outputs"]]
+            assert without_timing([{**same, "id": plain["id"]}]) == without_timing([plain])
 
 
-@pytest.mark.parametrize("mode", [[], ["--multi_question"]])
-def test_a_query_agnostic_run_with_reconstruction_observation_compresses_every_context(
-        ruler_dir, tmp_path, tiny, tokenizer, reconstruction_run, mode):
+@pytest.mark.parametrize("method, allocation, mode", [
+    (["--method", "snapkv", "--window_size", "8"], "uniform", []),
+    (["--method", "snapkv", "--window_size", "8"], "uniform", ["--multi_question"]),
+    (["--method", "restkv", "--window_size", "8"], "uniform", []),
+    (["--method", "kvzip"], "model_ranked", []),
+    (["--method", "kvzip", "--kvzip_layerwise"], "layer_ranked", ["--multi_question"]),
+])
+def test_run_ruler_with_reconstruction_observation_compresses_every_context_and_records_it(
+        ruler_dir, tmp_path, tiny, tokenizer, reconstruction_run, method, allocation, mode):
     argv = ["--data_dir", str(ruler_dir), "--context_lengths", "600", "--datasets", "niah_single_1",
-            "--method", "snapkv", "--max_capacity_prompts", "64", "--window_size", "8", "--max_new_tokens", "2",
-            "--save_dir", str(tmp_path), *reconstruction_run.flags, *mode]
+            *method, "--max_capacity_prompts", "64", "--max_new_tokens", "2", "--save_dir", str(tmp_path),
+            *reconstruction_run.flags, *mode]
     folder = ruler.run(argv, model=tiny, tokenizer=tokenizer)
     records = read_predictions(folder / "600", "niah_single_1")
     assert len(records) == 2 and len(reconstruction_run.passes) == 2
     reconstruction_run.check(folder, records, tiny.config.num_hidden_layers, 64)
+    config = json.loads((folder / "run_meta.json").read_text())["settings"]["config"]
+    assert (config["method"], config["allocation"]) == (method[1], allocation)
     assert set(ruler.evaluate(["--results_dir", str(folder)])[folder][600]) == {"niah_single_1"}

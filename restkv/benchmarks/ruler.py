@@ -14,11 +14,18 @@ Everything here follows NVIDIA/RULER (``scripts/synthetic.yaml``,
   ``string_match_all`` (fraction of gold strings contained, case-insensitive) scores the
   niah/vt/cwe/fwe tasks and ``string_match_part`` (any gold string contained) the qa tasks,
   both as ``round(100 * mean, 2)``; the score at a length is the plain mean over its tasks.
+
+``--multi_question`` (not RULER's; niah tasks, data from ``restkv.benchmarks.ruler_data``,
+which records every needle) compresses a sample's context once and asks about each needle
+alone, in the template's wording for one key; every question is a line (``<sample>/<k>``)
+scored by the same metric against that needle's values, so a task's score is the mean over
+its questions of the share of each needle's values found.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import json
 import re
@@ -159,6 +166,8 @@ TASKS = {
 SYNTHETIC_TASKS = tuple(name for name, task in TASKS.items() if task.family_name != "qa")
 # The tasks whose data files record every inserted needle, so --multi_question can ask about each.
 MULTI_QUESTION_TASKS = tuple(name for name, task in TASKS.items() if task.family_name == "niah")
+#: the folder name's part that keeps --multi_question runs apart (``snapkv_128_agnostic_multi``)
+MULTI_QUESTION_TAG = "multi"
 
 #: RULER's singular wording of a niah prompt that asks for one value
 NIAH_SINGULAR = (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer"))
@@ -458,9 +467,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--multi_question", action="store_true",
                        help="niah tasks: compress each sample's context (its input before the question) once and "
                        "ask one question per inserted needle, in RULER's wording for that key, from that one "
-                       "compressed context; one line per question (id <sample>/<needle>). Query-agnostic by "
-                       "definition (implies --query_agnostic); the folder's settings record the mode. Needs data "
-                       "from restkv.benchmarks.ruler_data, which records the needles")
+                       "compressed context; one line per question (id <sample>/<needle>), each scored on its own "
+                       "needle's values. Query-agnostic by definition (implies --query_agnostic); its folder is "
+                       "<method>_<budget>_agnostic_multi[_<tag>]. Needs data from restkv.benchmarks.ruler_data, "
+                       "which records the needles")
 
 
 @command_line
@@ -471,10 +481,12 @@ def run(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> Path:
 
 def run_args(args: argparse.Namespace, model=None, tokenizer=None) -> Path:
     """``run`` on flags already parsed and checked (the sweep builds its runs' flags itself)."""
+    args = copy.copy(args)  # the caller's flags stay as given
     if args.model_max_len is None:  # RULER samples are built to fit their length: never cut them
         args.model_max_len = max(args.context_lengths)
-    if args.multi_question:  # every question follows the context compressed alone
+    if args.multi_question:  # every question follows the context compressed alone, in a folder of its own
         args.query_agnostic = True
+        args.tag = "_".join(part for part in (MULTI_QUESTION_TAG, args.tag) if part)
     tasks = selected_datasets(args, BENCHMARK)
     datasets = [f"{length}/{task}" for length in args.context_lengths for task in tasks]
     folder = runner.run(BENCHMARK, args, model=model, tokenizer=tokenizer, datasets=datasets)
