@@ -9,8 +9,9 @@
 A method may carry boolean flags after ``+`` (``snapkv+residual`` runs ``--method snapkv
 --residual``) and options as ``+NAME=VALUE`` (``snapkv+observation=reconstruction``).
 ``--multi_question`` asks about every needle of a context compressed once (niah tasks; a
-task's score is then the mean over its questions). ``--num_shards/--shard_id`` split every run's samples over processes; rerun
-without them (everything already written is skipped) to print the whole table.
+task's score is then the mean over its questions, and ``samples`` counts questions).
+``--num_shards/--shard_id`` split every run's samples over processes; rerun without them
+(everything already written is skipped) to print the whole table.
 
 The data come from the project's offline RULER generator (``restkv.benchmarks.ruler_data``),
 the runs from the RULER runner (``restkv.benchmarks.ruler``: resumable, one folder per method
