@@ -12,6 +12,8 @@ The prompt is ``input`` in the tokenizer's chat template (``--no-chat_template``
 overrides it; the ReST-KV release used 64 everywhere). Samples are built to fit their length,
 so prompts are not truncated unless ``--model_max_len`` asks for it. Predictions go to
 ``<save_dir>/<model>/<method>_<budget>/<length>/<task>.jsonl`` with the gold ``outputs``.
+``--multi_question`` (niah tasks) compresses each context once and asks about every needle
+in it, one line per needle (``<method>_<budget>_agnostic_multi``).
 Common flags (model, compression, sharding): ``restkv.benchmarks.flags``; resume:
 ``restkv.benchmarks.results``.
 """

@@ -90,3 +90,47 @@ def ruler_dir(tmp_path_factory):
                      "--num_samples", "2", "--out", str(out)])
     return out
 
+
+def _counted(monkeypatch, module, name: str) -> list:
+    """``module.name`` replaced by itself counting its calls; returns the list it appends to."""
+    real, calls = getattr(module, name), []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+@pytest.fixture
+def prefill_calls(monkeypatch):
+    """Counts the prefills of restkv.generation (each compresses a context once)."""
+    import restkv.generation
+
+    return _counted(monkeypatch, restkv.generation, "_prefill")
+
+
+@pytest.fixture
+def reconstruction_run(monkeypatch):
+    """A query-agnostic run with reconstruction observation: its ``flags``, the reconstruction
+    ``passes`` made (restkv.deferred, one per compressed context), and ``check(folder, records,
+    num_layers, budget)``: every line says its context was compressed to ``budget`` tokens per
+    layer before its question and answer, and the folder records the observation."""
+    import json
+    import types
+
+    import restkv.deferred
+
+    def check(folder, records, num_layers, budget):
+        assert records
+        for record in records:
+            assert record["question_tokens"] > 0 and record["kv_layers_compressed"] == num_layers
+            assert record["kv_tokens_stored"] == budget + record["question_tokens"] + record["new_tokens"] - 1
+            assert record["kv_tokens_stored"] < record["kv_tokens_seen"] and "compressed" not in record
+        config = json.loads((folder / "run_meta.json").read_text())["settings"]["config"]
+        assert (config["observation"], config["reconstruction_chunk"]) == ("reconstruction", 32)
+
+    flags = ["--query_agnostic", "--observation", "reconstruction", "--reconstruction_chunk", "32"]
+    return types.SimpleNamespace(flags=flags, passes=_counted(monkeypatch, restkv.deferred, "_reconstruct"),
+                                 check=check)

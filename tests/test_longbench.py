@@ -222,3 +222,16 @@ def test_run_longbench_end_to_end_then_eval(tmp_path, smollm2):
     expected = longbench.scorer("samsum", [r["pred"] for r in samsum], [r["answers"] for r in samsum], None)
     assert evaluations["snapkv_64"]["datasets"]["samsum"]["score"] == expected
     assert not math.isnan(evaluations["snapkv_64_agnostic"]["average"])
+
+
+def test_a_query_agnostic_run_with_reconstruction_observation_compresses_every_context(
+        tmp_path, tiny, tokenizer, reconstruction_run):
+    argv = ["--data_dir", str(FIXTURES), "--dataset", "hotpotqa", "--save_dir", str(tmp_path), "--method", "snapkv",
+            "--max_capacity_prompts", "64", "--window_size", "8", "--max_num_examples", "2", "--max_new_tokens", "2",
+            *reconstruction_run.flags]
+    folder = longbench.run(argv, model=tiny, tokenizer=tokenizer)
+    records = read_predictions(folder, "hotpotqa")
+    assert len(records) == 2 and len(reconstruction_run.passes) == 2
+    reconstruction_run.check(folder, records, tiny.config.num_hidden_layers, 64)
+    evaluations = longbench.evaluate_results_dir(folder)
+    assert evaluations[folder.name]["datasets"]["hotpotqa"]["samples"] == 2

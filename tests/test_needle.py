@@ -176,3 +176,16 @@ def test_a_given_haystack_folder_must_hold_essays(no_model_loading, tmp_path):
         needle.run([*argv, "--data_dir", str(tmp_path / "empty")])
     assert not (tmp_path / "smollm2-135m").exists()
 
+
+
+def test_a_query_agnostic_run_with_reconstruction_observation_compresses_every_context(
+        tmp_path, tiny, tokenizer, reconstruction_run):
+    argv = ["--method", "snapkv", "--max_capacity_prompts", "64", "--window_size", "8", "--context_lengths", "400",
+            "--depth_intervals", "2", "--max_new_tokens", "2", "--save_dir", str(tmp_path), *reconstruction_run.flags]
+    folder = needle.run(argv, model=tiny, tokenizer=tokenizer)
+    records = read_predictions(folder, "needle")
+    assert [r["id"] for r in records] == ["len_400_depth_0", "len_400_depth_100"]
+    assert len(reconstruction_run.passes) == 2
+    reconstruction_run.check(folder, records, tiny.config.num_hidden_layers, 64)
+    results = json.loads((folder / "needle_results.json").read_text())
+    assert len(results["cells"]) == 2 and json.loads((folder / "scores.json").read_text())["complete"] is True

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
+import dataclasses
 import json
 
 import pytest
 
-from restkv.benchmarks import ruler, ruler_data
+from restkv.benchmarks import ruler, ruler_data, runner
+from restkv.benchmarks.flags import parse_args
 from restkv.benchmarks.results import read_predictions
 from top_level import dry_run_script, usage_exit
 
@@ -223,3 +226,139 @@ def test_scripts_print_their_usage_without_arguments():
     for script in ("ruler/run.sh", "ruler/eval.sh", "ruler/sweep.sh"):
         code, message = usage_exit(script)
         assert code == 2 and "bash scripts/" + script in message
+
+
+# ----------------------------------------------------------------------------- multi-question mode
+
+
+@pytest.fixture(scope="module")
+def niah_dir(tmp_path_factory):
+    """RULER data at 600 tokens for SmolLM2: one niah task of each needle layout, two samples each."""
+    out = tmp_path_factory.mktemp("niah_data")
+    ruler_data.main(["--tokenizer", "smollm2-135m", "--lengths", "600", "--num_samples", "2", "--out", str(out),
+                     "--tasks", "niah_single_1,niah_multikey_1,niah_multivalue,niah_multiquery"])
+    return out
+
+
+def multi_question_samples(data_dir, task):
+    args = argparse.Namespace(data_dir=str(data_dir), chat_template=True, multi_question=True)
+    return ruler.ruler_samples(args, f"600/{task}")
+
+
+@pytest.mark.parametrize("task, questions, singular", [("niah_single_1", 1, True), ("niah_multikey_1", 4, True),
+                                                       ("niah_multivalue", 1, False), ("niah_multiquery", 4, True)])
+def test_multi_question_samples_ask_each_needle_in_rulers_wording(niah_dir, task, questions, singular):
+    records = ruler.load_task(niah_dir, 600, task)
+    for sample, record in zip(multi_question_samples(niah_dir, task), records, strict=True):
+        context, file_question = ruler.split_question(task, record["input"])
+        assert sample.context == context and sample.question == "" and len(sample.questions) == questions
+        for question, needle in zip(sample.questions, record["needles"], strict=True):
+            key, shown = needle["key"], "number" if singular else "numbers"
+            assert question.fields == {"outputs": needle["values"]}
+            if singular:
+                assert question.text == f"\nWhat is the special magic {shown} for {key} mentioned in the provided text?"
+                assert question.answer_prefix == f" The special magic {shown} for {key} mentioned in the provided text is"
+            else:
+                assert question.text == f"\nWhat are all the special magic {shown} for {key} mentioned in the " \
+                                        "provided text?"
+            if needle["values"] == record["outputs"]:  # the needle the file's own question asks about
+                assert (question.text, question.answer_prefix) == (file_question, record["answer_prefix"])
+
+
+def test_multi_question_needs_data_that_record_their_needles(niah_dir, tmp_path, no_model_loading):
+    data = tmp_path / "official"
+    (data / "600" / "niah_single_1").mkdir(parents=True)
+    official = data / "600" / "niah_single_1" / "validation.jsonl"
+    records = ruler.load_task(niah_dir, 600, "niah_single_1")
+    official.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "needles"}) + "\n" for r in records))
+    argv = ["--data_dir", str(data), "--context_lengths", "600", "--datasets", "niah_single_1", "--method", "fullkv",
+            "--save_dir", str(tmp_path / "out")]
+    single = argparse.Namespace(data_dir=str(data), chat_template=True, multi_question=False)
+    assert len(ruler.ruler_samples(single, "600/niah_single_1")) == 2  # fine for single-question runs
+    with pytest.raises(SystemExit) as stop:
+        ruler.run([*argv, "--multi_question"])
+    assert stop.value.code == (
+        f"error: {official}: sample 0 has no 'needles' list of {{'key', 'values'}}, which --multi_question asks about "
+        "(RULER's prepare.py and older restkv data do not record them); regenerate the file: python -m "
+        f"restkv.benchmarks.ruler_data --tokenizer MODEL --lengths 600 --tasks niah_single_1 --out {data}")
+
+
+def test_multi_question_runs_the_niah_tasks_only(capsys, no_model_loading):
+    with pytest.raises(SystemExit) as stop:
+        ruler.run(["--method", "fullkv", "--multi_question", "--datasets", "niah_multikey_1,vt,cwe"])
+    assert stop.value.code == 2
+    assert ("--multi_question asks about each inserted needle, so it runs only the niah tasks (niah_single_1, "
+            "niah_single_2, niah_single_3, niah_multikey_1, niah_multikey_2, niah_multikey_3, niah_multivalue, "
+            "niah_multiquery); give --datasets without vt, cwe") in capsys.readouterr().err
+
+
+def without_timing(records):
+    return [{name: value for name, value in record.items() if name not in ("index", "seconds")} for record in records]
+
+
+def test_a_multi_question_run_compresses_each_context_once_and_answers_each_needle_as_if_asked_alone(
+        niah_dir, tmp_path, tiny, tokenizer, prefill_calls):
+    tasks = ("niah_single_1", "niah_multikey_1")
+    argv = ["--data_dir", str(niah_dir), "--context_lengths", "600", "--datasets", ",".join(tasks),
+            "--method", "snapkv", "--max_capacity_prompts", "64", "--window_size", "8", "--max_new_tokens", "6",
+            "--save_dir", str(tmp_path)]
+    first = ruler.run([*argv, "--multi_question", "--max_num_examples", "1"], model=tiny, tokenizer=tokenizer)
+    assert len(prefill_calls) == 2
+    folder = ruler.run([*argv, "--multi_question"], model=tiny, tokenizer=tokenizer)  # resumes: second samples
+    assert folder == first and folder.name == "snapkv_64_agnostic_multi"
+    assert len(prefill_calls) == 2 + 2  # one compression per sample, not per question
+    lines = {task: read_predictions(folder / "600", task) for task in tasks}
+    multikey = lines["niah_multikey_1"]
+    assert [r["id"] for r in multikey] == [f"{i}/{k}" for i in range(2) for k in range(4)]
+    needles = [n for record in ruler.load_task(niah_dir, 600, "niah_multikey_1") for n in record["needles"]]
+    assert [r["outputs"] for r in multikey] == [n["values"] for n in needles]
+    assert all(r["question_tokens"] > 0 and r["kv_tokens_stored"] < r["kv_tokens_seen"] for r in multikey)
+
+    meta = json.loads((folder / "run_meta.json").read_text())
+    assert meta["settings"]["query_agnostic"] is True and meta["settings"]["benchmark_flags"]["multi_question"]
+    assert meta["datasets"]["600/niah_multikey_1"]["samples_expected"] == 8
+    assert meta["datasets"]["600/niah_single_1"]["samples_expected"] == 2
+    scores = ruler.evaluate(["--results_dir", str(folder)])[folder][600]
+    assert scores["niah_multikey_1"] == ruler.score_task("niah_multikey_1", [r["pred"] for r in multikey],
+                                                         [r["outputs"] for r in multikey])
+    written = json.loads((folder / "scores.json").read_text())["datasets"]["600/niah_multikey_1"]
+    assert (written["samples_scored"], written["samples_expected"], written["complete"]) == (8, 8, True)
+
+    # Every line is what its question gets alone, asked after a fresh compression of the context.
+    singles = {f"600/{task}": [sample.single_question(k) for sample in multi_question_samples(niah_dir, task)
+                               for k in range(len(sample.questions))] for task in tasks}
+    alone = dataclasses.replace(ruler.BENCHMARK, load_samples=lambda args, dataset, tokenizer: singles[dataset])
+    args = parse_args(alone, [*argv, "--query_agnostic", "--model_max_len", "600", "--tag", "alone"], ruler.add_flags)
+    alone_folder = runner.run(alone, args, model=tiny, tokenizer=tokenizer, datasets=list(singles))
+    assert len(prefill_calls) == 4 + 2 + 8
+    for task in tasks:
+        assert without_timing(lines[task]) == without_timing(read_predictions(alone_folder / "600", task))
+
+    # The file's own question, asked query-agnostic, is the line of the needle it asks about.
+    single = ruler.run([*argv, "--query_agnostic"], model=tiny, tokenizer=tokenizer)
+    assert single.name == "snapkv_64_agnostic"  # a folder of its own
+    for task in tasks:
+        for plain in read_predictions(single / "600", task):
+            (same,) = [r for r in lines[task] if r["index"] == plain["index"] and r["outputs"] == plain["outputs"]]
+            assert without_timing([{**same, "id": plain["id"]}]) == without_timing([plain])
+
+
+@pytest.mark.parametrize("method, allocation, mode", [
+    (["--method", "snapkv", "--window_size", "8"], "uniform", []),
+    (["--method", "snapkv", "--window_size", "8"], "uniform", ["--multi_question"]),
+    (["--method", "restkv", "--window_size", "8"], "uniform", []),
+    (["--method", "kvzip"], "model_ranked", []),
+    (["--method", "kvzip", "--kvzip_layerwise"], "layer_ranked", ["--multi_question"]),
+])
+def test_run_ruler_with_reconstruction_observation_compresses_every_context_and_records_it(
+        ruler_dir, tmp_path, tiny, tokenizer, reconstruction_run, method, allocation, mode):
+    argv = ["--data_dir", str(ruler_dir), "--context_lengths", "600", "--datasets", "niah_single_1",
+            *method, "--max_capacity_prompts", "64", "--max_new_tokens", "2", "--save_dir", str(tmp_path),
+            *reconstruction_run.flags, *mode]
+    folder = ruler.run(argv, model=tiny, tokenizer=tokenizer)
+    records = read_predictions(folder / "600", "niah_single_1")
+    assert len(records) == 2 and len(reconstruction_run.passes) == 2
+    reconstruction_run.check(folder, records, tiny.config.num_hidden_layers, 64)
+    config = json.loads((folder / "run_meta.json").read_text())["settings"]["config"]
+    assert (config["method"], config["allocation"]) == (method[1], allocation)
+    assert set(ruler.evaluate(["--results_dir", str(folder)])[folder][600]) == {"niah_single_1"}

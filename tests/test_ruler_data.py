@@ -37,7 +37,7 @@ def recount(tokenizer, sample, use_chat_template=True) -> int:
 @pytest.mark.parametrize("task", ruler.SYNTHETIC_TASKS)
 def test_official_format(samples_8k, task):
     for number, sample in enumerate(samples_8k[task]):
-        expected = RULER_FIELDS + (["token_position_answer"] if task.startswith("niah") else [])
+        expected = RULER_FIELDS + (["token_position_answer", "needles"] if task.startswith("niah") else [])
         assert list(sample) == expected
         assert sample["index"] == number
         assert isinstance(sample["outputs"], list) and all(isinstance(o, str) and o for o in sample["outputs"])
@@ -78,6 +78,14 @@ def test_niah_answers_are_needles_in_the_context(samples_8k, task):
             found += values
         assert sorted(found) == sorted(sample["outputs"])
         assert text.find(sample["outputs"][0]) >= 0 and sample["token_position_answer"] > 0
+        # Every needle inserted is recorded, the queried ones and the others.
+        needles = sample["needles"]
+        assert len(needles) == max(args["num_needle_k"], args["num_needle_q"])
+        assert {n["key"] for n in needles} >= set(keys) and len({n["key"] for n in needles}) == len(needles)
+        for needle in needles:
+            inserted = re.findall(rf"One of the special magic \w+ for {re.escape(needle['key'])} is: (\S+)\.", text)
+            assert sorted(needle["values"]) == sorted(inserted) and len(inserted) == args["num_needle_v"]
+        assert sorted(v for n in needles if n["key"] in keys for v in n["values"]) == sorted(sample["outputs"])
 
 
 def test_vt_answer_is_the_chain_of_the_queried_value(samples_8k):
@@ -210,6 +218,21 @@ def test_cli_writes_ruler_layout_and_keeps_complete_files(tmp_path, capsys):
     assert written[0].stat().st_mtime_ns != before  # other settings: regenerated
 
 
+def test_a_niah_file_written_before_needles_were_recorded_is_regenerated(tmp_path):
+    argv = ["--tokenizer", "smollm2-135m", "--lengths", "600", "--tasks", "niah_single_1", "--num_samples", "2",
+            "--out", str(tmp_path)]
+    (path,) = ruler_data.main(argv)
+    samples = ruler.read_samples(path)
+    meta_path = path.parent / "generation.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta.pop("needles_recorded") is True
+    meta_path.write_text(json.dumps(meta))  # what an older restkv wrote: no needles, no such entry
+    path.write_text("".join(json.dumps({k: v for k, v in sample.items() if k != "needles"}) + "\n"
+                            for sample in samples))
+    ruler_data.main(argv)
+    assert ruler.read_samples(path) == samples
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -232,6 +255,24 @@ def test_bad_flags_stop_before_the_tokenizer_loads(flags, message, tmp_path, cap
         ruler_data.main(["--tokenizer", "smollm2-135m", "--lengths", "1024", "--tasks", "niah_single_1",
                          "--out", str(tmp_path), *flags])
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_given_essay_folder_must_hold_essays(tmp_path, capsys, monkeypatch):
+    """A typo in --essay_dir fell back to synthetic prose without a word."""
+    import restkv.models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the tokenizer was loaded before the error was found")
+
+    monkeypatch.setattr(restkv.models, "load_tokenizer", refuse)
+    (tmp_path / "empty").mkdir()
+    for folder, message in ((tmp_path / "typo", f"--essay_dir {tmp_path / 'typo'}: no such folder"),
+                            (tmp_path / "empty", f"--essay_dir {tmp_path / 'empty'} holds no essays")):
+        with pytest.raises(SystemExit) as stop:
+            ruler_data.main(["--tokenizer", "smollm2-135m", "--lengths", "1024", "--tasks", "niah_single_2",
+                             "--essay_dir", str(folder), "--out", str(tmp_path / "out")])
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_length_the_task_cannot_fit_is_one_line(tmp_path):

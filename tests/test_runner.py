@@ -15,7 +15,7 @@ from restkv.benchmarks.errors import CompressionNotApplied
 from restkv.benchmarks.prompts import encode_prompt
 from restkv.benchmarks.results import read_predictions
 from restkv.config import CompressionConfig
-from toy_benchmark import TOY, lines_of, toy_run, toy_samples
+from toy_benchmark import TOY, TOY_MULTI, lines_of, toy_multi_samples, toy_run, toy_samples
 
 
 def test_a_run_writes_one_line_per_sample_with_its_cache_record(tmp_path, tiny, tokenizer):
@@ -176,7 +176,7 @@ def test_a_cache_compressed_with_other_settings_than_the_runs_stops_the_run(tmp_
                             "--window_size", "8"])
     with contextlib.closing(session.BenchmarkRun.start(TOY, args, ["logs"], model=tiny, tokenizer=tokenizer)) as run:
         sample = toy_samples(None, "logs", None)[0]
-        assert run.answer(sample)["kv_layers_compressed"] == tiny.config.num_hidden_layers
+        assert run.answer(sample)[0]["kv_layers_compressed"] == tiny.config.num_hidden_layers
         configure(tiny, method="snapkv", max_capacity_prompts=16)
         mismatch = ("compressed with method 'snapkv', max_capacity_prompts 16\\b.*the run's settings say method "
                     "'h2o', max_capacity_prompts 64")
@@ -184,7 +184,7 @@ def test_a_cache_compressed_with_other_settings_than_the_runs_stops_the_run(tmp_
             run.answer(sample)
     # A model handed to a new run with a configure()d config of its own compresses with the run's.
     with contextlib.closing(session.BenchmarkRun.start(TOY, args, ["logs"], model=tiny, tokenizer=tokenizer)) as run:
-        record = run.answer(sample)
+        (record,) = run.answer(sample)
         assert record["kv_tokens_stored"] == 64 + record["new_tokens"] - 1
 
 
@@ -210,3 +210,100 @@ def test_a_prompt_too_short_for_a_ratio_budget_is_answered_with_the_full_cache(t
     assert config_of(tiny) == CompressionConfig(method="snapkv", compression_ratio=0.9, window_size=16,
                                                 residual=bool(switches))
 
+
+
+# ----------------------------------------------------------------------------- multi-question samples
+
+
+def without_timing(records):
+    return [{name: value for name, value in record.items() if name not in ("index", "seconds")} for record in records]
+
+
+def test_a_multi_question_sample_is_compressed_once_and_answers_each_question_as_if_asked_alone(
+        tmp_path, tiny, tokenizer, prefill_calls):
+    folder = toy_run(tmp_path / "multi", tiny, tokenizer, benchmark=TOY_MULTI)
+    assert len(prefill_calls) == 3  # one compression per sample, not per question
+    records = lines_of(folder / "logs.jsonl")
+    assert [r["id"] for r in records] == [f"log{i}/{k}" for i in range(3) for k in range(3)]
+    assert [r["index"] for r in records] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert [r["answers"] for r in records[3:6]] == [["5101"], ["5108"], ["5115"]] and records[4]["log"] == 1
+    for record in records:
+        assert record["question_tokens"] > 0 and record["kv_layers_compressed"] == tiny.config.num_hidden_layers
+        assert record["kv_tokens_stored"] == 48 + record["question_tokens"] + record["new_tokens"] - 1
+    assert records[0]["question_tokens"] > records[1]["question_tokens"]  # the first has its answer prefix
+
+    samples = toy_multi_samples(None, "logs", None)
+    singles = [sample.single_question(k) for sample in samples for k in range(3)]
+    alone = dataclasses.replace(TOY, load_samples=lambda args, dataset, tokenizer: singles)
+    single_folder = toy_run(tmp_path / "single", tiny, tokenizer, "--query_agnostic", benchmark=alone)
+    assert len(prefill_calls) == 3 + 9
+    assert without_timing(records) == without_timing(lines_of(single_folder / "logs.jsonl"))
+
+
+def test_a_multi_question_run_expects_and_scores_a_line_per_question(tmp_path, tiny, tokenizer):
+    from restkv.benchmarks import scoring
+
+    folder = toy_run(tmp_path, tiny, tokenizer, "--max_num_examples", "2", benchmark=TOY_MULTI)
+    entry = json.loads((folder / "run_meta.json").read_text())["datasets"]["logs"]
+    assert entry["samples_in_data"] == 3 and entry["samples_expected"] == 6  # two samples of three questions
+    (run,) = scoring.evaluate(TOY_MULTI, tmp_path)
+    records = lines_of(folder / "logs.jsonl")
+    expected = round(100 * sum(r["answers"][0] in r["pred"] for r in records) / 6, 2)
+    assert run.datasets["logs"] == scoring.DatasetScore(expected, 6, 6) and run.complete is True
+
+
+def test_a_multi_question_sample_cut_off_between_its_lines_is_redone_whole_without_duplicates(
+        tmp_path, tiny, tokenizer, monkeypatch, prefill_calls):
+    from restkv.benchmarks.results import ResultWriter
+
+    reference = lines_of(toy_run(tmp_path / "reference", tiny, tokenizer, benchmark=TOY_MULTI) / "logs.jsonl")
+    real_write, writes = ResultWriter.write, []
+
+    def killed_after_four_lines(self, record):
+        if len(writes) == 4:
+            raise KeyboardInterrupt
+        writes.append(record["id"])
+        real_write(self, record)
+
+    monkeypatch.setattr(ResultWriter, "write", killed_after_four_lines)
+    with pytest.raises(KeyboardInterrupt):
+        toy_run(tmp_path / "resumed", tiny, tokenizer, benchmark=TOY_MULTI)
+    assert writes == ["log0/0", "log0/1", "log0/2", "log1/0"]
+    monkeypatch.setattr(ResultWriter, "write", real_write)
+    del prefill_calls[:]
+    folder = toy_run(tmp_path / "resumed", tiny, tokenizer, benchmark=TOY_MULTI)
+    assert len(prefill_calls) == 2  # log1 redone whole (one compression), then log2
+    resumed = lines_of(folder / "logs.jsonl")
+    assert [r["id"] for r in resumed] == [r["id"] for r in reference]
+    assert [r["pred"] for r in resumed] == [r["pred"] for r in reference]
+
+
+def test_multi_question_prompts_share_one_context_cut_to_leave_room_for_the_longest_question(tokenizer):
+    from restkv.benchmarks.errors import FlagError
+    from restkv.benchmarks.prompts import encode_questions
+
+    sample = toy_multi_samples(None, "logs", None)[0]
+    whole = encode_questions(tokenizer, sample, 4000)
+    assert whole == [encode_prompt(tokenizer, sample.single_question(k), 4000, split=True)
+                     for k in range(3)]
+    cut = encode_questions(tokenizer, sample, 100)
+    assert all(p.truncated and p.context_ids == cut[0].context_ids for p in cut)
+    assert [p.question_ids for p in cut] == [p.question_ids for p in whole]  # questions are never cut
+    text = tokenizer.decode(cut[0].context_ids)
+    assert "Read the log." in text and "east door code is 5014." in text  # cut in the middle
+    assert text.count("the sea was calm") < tokenizer.decode(whole[0].context_ids).count("the sea was calm")
+    with pytest.raises(FlagError, match="--model_max_len 12 leaves no room for the context of sample 'log0', whose "
+                                        "longest question has 1[0-9] tokens"):
+        encode_questions(tokenizer, sample, 12)
+
+
+def test_a_sample_with_questions_has_no_question_of_its_own_and_plain_digests_are_unchanged():
+    from restkv.benchmarks.benchmark import Question, Sample
+    from restkv.benchmarks.run_folder import sample_digest
+
+    with pytest.raises(ValueError, match="sample 'a' has questions, so no question or answer_prefix of its own"):
+        Sample("a", "context", "question?", 3, questions=(Question("other?"),))
+    # The digest a folder written before multi-question samples recorded: such folders still resume.
+    plain = toy_samples(None, "logs", None)[0]
+    assert sample_digest(plain).hex() == "513e889a62eebbb74e905d9905c38501b3c51ca6d7e58f834b290f78a192b0b5"
+    assert plain.line_ids == ["q0"]

@@ -1,8 +1,11 @@
 """The README's budget sweep: flags, labels, and one small end-to-end run on the embedded model."""
 
+import json
+
 import pytest
 
 from restkv.benchmarks import sweep
+from restkv.benchmarks.results import read_predictions
 from restkv.config import ConfigError
 
 
@@ -32,6 +35,8 @@ def test_budget_labels():
         (["--compression_ratios", "0.9", "1.5"], "--compression_ratio must lie in the open interval (0, 1)"),
         (["--num_shards", "0"], "--num_shards must be >= 1; got 0"),
         (["--num_samples", "0"], "--num_samples must be >= 1; got 0"),
+        (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1; got 0"),
+        (["--multi_question", "--tasks", "niah_single_1,vt"], "--multi_question asks about each inserted needle"),
         (["--tasks", "nosuch"], "unknown RULER task 'nosuch'"),
         (["--length", "100"], "--length 100 leaves no room for niah_single_1's 128 generated tokens"),
         (["--attn_implementation", "fast"], "invalid choice: 'fast'"),
@@ -85,3 +90,34 @@ def test_a_method_spec_can_set_an_option_to_a_value():
     assert sweep.method_flags("snapkv+residual+observation=reconstruction") == [
         "--method", "snapkv", "--residual", "--observation", "reconstruction",
         "--tag", "residual+observation=reconstruction"]
+
+
+def test_a_multi_question_sweep_runs_reconstruction_and_kvzip_and_records_them(tmp_path, tiny, tokenizer):
+    """Every needle of a context compressed once is a question of its own; the run folders record
+    the observation, the method and the mode."""
+    argv = ["--length", "400", "--tasks", "niah_single_1,niah_multikey_1", "--num_samples", "1", "--methods",
+            "snapkv", "snapkv+observation=reconstruction", "kvzip", "--budgets", "64",
+            "--multi_question", "--max_new_tokens", "3", "--save_dir", str(tmp_path)]
+    args = sweep.parse_args(argv)
+    rows = sweep.run_sweep(args, model=tiny, tokenizer=tokenizer)
+    assert [(row["method"], row["budget"], row["samples"]) for row in rows] == [
+        ("fullkv", "full", "5/5"), ("snapkv", "64", "5/5"), ("snapkv+observation=reconstruction", "64", "5/5"),
+        ("kvzip", "64", "5/5")]
+    folders = sorted(path.parent for path in (tmp_path / "smollm2-135m").glob("*/run_meta.json"))
+    recorded = {folder.name: json.loads((folder / "run_meta.json").read_text())["settings"] for folder in folders}
+    assert {name: (s["config"]["method"], s["config"]["observation"]) for name, s in recorded.items()} == {
+        "fullkv_agnostic_multi": ("fullkv", "window"),
+        "snapkv_64_agnostic_multi": ("snapkv", "window"),
+        "snapkv_64_agnostic_multi_observation=reconstruction": ("snapkv", "reconstruction"),
+        "kvzip_64_agnostic_multi": ("kvzip", "reconstruction"),
+    }
+    assert all(s["query_agnostic"] and s["benchmark_flags"]["multi_question"] and s["max_new_tokens"] == 3
+               for s in recorded.values())
+    for folder in folders:  # each context compressed to 64 tokens (fullkv: kept whole), then question and answer
+        for task in ("niah_single_1", "niah_multikey_1"):
+            for line in read_predictions(folder / "400", task):
+                kept = line["context_tokens"] if folder.name.startswith("fullkv") else 64
+                assert line["kv_tokens_stored"] == kept + line["question_tokens"] + line["new_tokens"] - 1
+    assert sweep.report(args, rows).splitlines()[0] == (
+        "RULER 400 tokens, 1 samples per task, smollm2-135m, query-agnostic, one question per needle")
+

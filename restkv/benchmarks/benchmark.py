@@ -14,13 +14,26 @@ one ``Benchmark``; the runner (``restkv.benchmarks.runner``) and the evaluator
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 
 @dataclass(frozen=True)
+class Question:
+    """One of the questions a multi-question sample asks about its context.
+
+    text: follows the context, as ``Sample.question`` does; answer_prefix: starts its answer;
+    fields: copied into its output line after the sample's own (its gold answers).
+    """
+
+    text: str
+    answer_prefix: str = ""
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Sample:
-    """One prompt to answer.
+    """One prompt to answer, or one context and several questions.
 
     id: unique within its dataset (resume and merge key).
     context: the part compressed alone under ``--query_agnostic`` (instruction + documents).
@@ -31,6 +44,10 @@ class Sample:
     answer_prefix: appended after the chat wrapper, so it starts the answer (RULER).
     stop_tokens: texts whose last token also ends generation (LongBench samsum: ``"\\n"``).
     min_new_tokens: generate at least this many tokens before a stop token counts.
+    questions: a multi-question sample (``question`` and ``answer_prefix`` then empty): the
+        context is compressed once and every question is answered from it alone
+        (``restkv.generation.answer_many``, so query-agnostic whatever the flags), one output
+        line each (``line_ids``), each as ``single_question`` would answer it.
     """
 
     id: str
@@ -42,6 +59,22 @@ class Sample:
     answer_prefix: str = ""
     stop_tokens: tuple[str, ...] = ()
     min_new_tokens: int = 0
+    questions: tuple[Question, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.questions and (self.question or self.answer_prefix):
+            raise ValueError(f"sample {self.id!r} has questions, so no question or answer_prefix of its own")
+
+    @property
+    def line_ids(self) -> list[str]:
+        """The ids of the sample's output lines: its own, or ``<id>/<k>`` for its k-th question."""
+        return [f"{self.id}/{k}" for k in range(len(self.questions))] if self.questions else [self.id]
+
+    def single_question(self, k: int) -> "Sample":
+        """The one-question sample of the context and question ``k``: its line's id and fields."""
+        question = self.questions[k]
+        return replace(self, id=self.line_ids[k], question=question.text, answer_prefix=question.answer_prefix,
+                       fields={**self.fields, **question.fields}, questions=())
 
 
 @dataclass(frozen=True)

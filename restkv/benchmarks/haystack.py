@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from restkv.benchmarks.errors import DataError
+
 ESSAY_DIR = Path("data/PaulGrahamEssays")
 SYNTHETIC_SOURCE = "synthetic-prose"
 _PROSE_SEED = "restkv-synthetic-prose-v1"
@@ -78,6 +80,17 @@ def load_essays(essay_dir: str | Path | None = ESSAY_DIR, min_words: int = 0) ->
         if ruler_json.is_file():
             return HaystackText(json.loads(ruler_json.read_text(encoding="utf-8"))["text"], str(ruler_json))
     return HaystackText(synthetic_prose(min_words), SYNTHETIC_SOURCE)
+
+
+def given_essays(flag: str, folder: str | Path) -> HaystackText:
+    """The essays of a folder named on the command line by ``flag``: it must exist and hold some,
+    so that a typo stops the run instead of silently falling back to synthetic prose."""
+    if not Path(folder).is_dir():
+        raise DataError(f"{flag} {folder}: no such folder")
+    haystack = load_essays(folder)
+    if haystack.source == SYNTHETIC_SOURCE:
+        raise DataError(f"{flag} {folder} holds no essays (*.txt files or PaulGrahamEssays.json)")
+    return haystack
 
 
 def synthetic_prose(num_words: int) -> str:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from restkv.benchmarks.haystack import ESSAY_DIR, SYNTHETIC_SOURCE, HaystackText, load_essays
+from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, given_essays, load_essays
 from restkv.benchmarks import runner, scoring
 from restkv.benchmarks.benchmark import Benchmark, Sample
 from restkv.benchmarks.errors import DataError, FlagError, command_line
@@ -239,12 +239,7 @@ def load_haystack(folder: str | None, min_words: int) -> HaystackText:
     those of ``data/PaulGrahamEssays`` if present, else the project's synthetic prose."""
     if folder is None:
         return load_essays(ESSAY_DIR, min_words=min_words)
-    if not Path(folder).is_dir():
-        raise DataError(f"--haystack_dir {folder}: no such folder")
-    haystack = load_essays(folder, min_words=min_words)
-    if haystack.source == SYNTHETIC_SOURCE:
-        raise DataError(f"--haystack_dir {folder} holds no essays (*.txt files or PaulGrahamEssays.json)")
-    return haystack
+    return given_essays("--haystack_dir", folder)
 
 
 def needle_samples(args: argparse.Namespace, dataset: str, tokenizer) -> list[Sample]:

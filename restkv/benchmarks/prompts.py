@@ -10,6 +10,8 @@ as LongBench's pred.py does.
 turn), when it has one; ``answer_prefix`` is appended after that wrapper (it starts the
 assistant's turn). Query-aware (default), the whole prompt is prefilled and compressed;
 ``--query_agnostic`` tokenises ``context`` apart, to be compressed alone before the question.
+A multi-question sample's prompts (``encode_questions``) share one context: cut, if too long,
+to leave room for its longest question.
 
 **Stopping.** Every EOS id of the model's generation config and tokenizer, plus the last token
 of each ``Sample.stop_tokens`` text.
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from restkv.benchmarks.benchmark import Sample
+from restkv.benchmarks.errors import FlagError
 
 #: Placed between context and question inside the chat template, to find the split point.
 _SPLIT_MARK = "\ue000restkv-question\ue000"
@@ -80,18 +83,42 @@ def encode_prompt(tokenizer, sample: Sample, max_tokens: int, split: bool = Fals
         context, question = text[: len(text) - len(sample.question)], sample.question
     else:
         context, question = head, tail
-    use_chat = sample.chat and getattr(tokenizer, "chat_template", None)
-
-    def tokens(piece: str, special: bool) -> list[int]:
-        return tokenizer(piece, add_special_tokens=special).input_ids if piece else []
-
     if not split:
+        use_chat = sample.chat and getattr(tokenizer, "chat_template", None)
         wrapped = chat_wrap(tokenizer, text, use_chat)
-        return EncodedPrompt(tokens(wrapped + sample.answer_prefix, not use_chat), [], truncated)
-    if use_chat:
+        return EncodedPrompt(_tokens(tokenizer, wrapped + sample.answer_prefix, not use_chat), [], truncated)
+    return _encode_split(tokenizer, sample.chat, context, question, sample.answer_prefix, truncated)
+
+
+def encode_questions(tokenizer, sample: Sample, max_tokens: int) -> list[EncodedPrompt]:
+    """A multi-question sample's prompts, one per question, all with the same context ids.
+
+    Each is what ``encode_prompt(..., split=True)`` gives for that question alone, except that
+    a context too long is cut in the middle to leave room for the longest question (never cut),
+    so that every question follows the one compressed context.
+    """
+    longest = max(len(_tokens(tokenizer, question.text, False)) for question in sample.questions)
+    if max_tokens - longest < 2:
+        raise FlagError(f"--model_max_len {max_tokens} leaves no room for the context of sample {sample.id!r}, "
+                        f"whose longest question has {longest} tokens")
+    head, tail, truncated = truncate_middle(tokenizer, sample.context, max_tokens - longest)
+    return [_encode_split(tokenizer, sample.chat, head + tail, question.text, question.answer_prefix, truncated)
+            for question in sample.questions]
+
+
+def _encode_split(tokenizer, chat: bool, context: str, question: str, answer_prefix: str,
+                  truncated: bool) -> EncodedPrompt:
+    """Context and question tokenised apart, the chat wrapper around both."""
+    if chat and getattr(tokenizer, "chat_template", None):
         before, after = chat_wrap(tokenizer, context + _SPLIT_MARK + question).split(_SPLIT_MARK)
-        return EncodedPrompt(tokens(before, False), tokens(after + sample.answer_prefix, False), truncated)
-    return EncodedPrompt(tokens(context, True), tokens(question + sample.answer_prefix, False), truncated)
+        return EncodedPrompt(_tokens(tokenizer, before, False), _tokens(tokenizer, after + answer_prefix, False),
+                             truncated)
+    return EncodedPrompt(_tokens(tokenizer, context, True), _tokens(tokenizer, question + answer_prefix, False),
+                         truncated)
+
+
+def _tokens(tokenizer, piece: str, special: bool) -> list[int]:
+    return tokenizer(piece, add_special_tokens=special).input_ids if piece else []
 
 
 def stop_token_ids(model, tokenizer, extra_texts: Iterable[str] = ()) -> list[int]:

@@ -14,11 +14,18 @@ Everything here follows NVIDIA/RULER (``scripts/synthetic.yaml``,
   ``string_match_all`` (fraction of gold strings contained, case-insensitive) scores the
   niah/vt/cwe/fwe tasks and ``string_match_part`` (any gold string contained) the qa tasks,
   both as ``round(100 * mean, 2)``; the score at a length is the plain mean over its tasks.
+
+``--multi_question`` (not RULER's; niah tasks, data from ``restkv.benchmarks.ruler_data``,
+which records every needle) compresses a sample's context once and asks about each needle
+alone, in the template's wording for one key; every question is a line (``<sample>/<k>``)
+scored by the same metric against that needle's values, so a task's score is the mean over
+its questions of the share of each needle's values found.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import json
 import re
@@ -27,8 +34,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from restkv.benchmarks import runner, scoring
-from restkv.benchmarks.benchmark import Benchmark, Sample
-from restkv.benchmarks.errors import DataError, command_line
+from restkv.benchmarks.benchmark import Benchmark, Question, Sample
+from restkv.benchmarks.errors import DataError, FlagError, command_line
 from restkv.benchmarks.flags import parse_args, selected_datasets
 from restkv.benchmarks.prompts import chat_wrap
 from restkv.benchmarks.results import read_jsonl
@@ -157,6 +164,26 @@ TASKS = {
 
 # The 11 tasks that need no external data set (the ReST-KV paper's RULER set).
 SYNTHETIC_TASKS = tuple(name for name, task in TASKS.items() if task.family_name != "qa")
+# The tasks whose data files record every inserted needle, so --multi_question can ask about each.
+MULTI_QUESTION_TASKS = tuple(name for name, task in TASKS.items() if task.family_name == "niah")
+#: the folder name's part that keeps --multi_question runs apart (``snapkv_128_agnostic_multi``)
+MULTI_QUESTION_TAG = "multi"
+
+#: RULER's singular wording of a niah prompt that asks for one value
+NIAH_SINGULAR = (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer"))
+
+
+def niah_prompt(type_needle_v: str, query: str, values_asked: int, context: str) -> tuple[str, str]:
+    """RULER's niah ``input`` and answer prefix asking for ``query``'s value(s) (``query`` is one
+    key, or RULER's "a, b, and c"), in its singular wording when one value is asked for."""
+    family = FAMILIES["niah"]
+    template, prefix, shown_type = family.template, family.answer_prefix, type_needle_v
+    if values_asked == 1:
+        for old, new in NIAH_SINGULAR:
+            template, prefix = template.replace(old, new), prefix.replace(old, new)
+        shown_type = type_needle_v[:-1]
+    return (template.format(type_needle_v=shown_type, context=context, query=query),
+            prefix.format(type_needle_v=shown_type, query=query))
 
 
 def get_task(name: str) -> RulerTask:
@@ -204,9 +231,13 @@ def find_task_file(data_dir: str | Path, length: int, task: str) -> Path:
     raise FileNotFoundError(
         f"no RULER data for task {task!r} at length {length}; looked for "
         + ", ".join(str(p) for p in candidates)
-        + ". Generate it with: python -m restkv.benchmarks.ruler_data --tokenizer MODEL "
-        f"--lengths {length} --tasks {task} --out {data_dir}"
+        + f". Generate it with: {generate_command(data_dir, length, task)}"
     )
+
+
+def generate_command(data_dir: str | Path, length: int | str, task: str) -> str:
+    """The command that writes a task's data file (``restkv.benchmarks.ruler_data``)."""
+    return f"python -m restkv.benchmarks.ruler_data --tokenizer MODEL --lengths {length} --tasks {task} --out {data_dir}"
 
 
 def read_samples(path: str | Path) -> list[dict]:
@@ -344,27 +375,50 @@ def write_scores(scores: Mapping[int | str, Mapping[str, float]], out_dir: str |
 
 
 def ruler_samples(args: argparse.Namespace, dataset: str, tokenizer=None) -> list[Sample]:
-    """The samples of ``dataset`` = ``"<length>/<task>"``; ids are line numbers (niah's index is not unique)."""
+    """The samples of ``dataset`` = ``"<length>/<task>"``; ids are line numbers (niah's index is
+    not unique). Under ``--multi_question`` a sample asks about each of its needles."""
     length, task = dataset.split("/")
     try:
-        records = load_task(args.data_dir, int(length), task)
+        get_task(task)
+        path = find_task_file(args.data_dir, int(length), task)
+        records = read_samples(path)
     except (ValueError, KeyError) as error:
         raise DataError(str(error)) from None
     samples = []
     for position, record in enumerate(records):
         context, question = split_question(task, record["input"])
-        samples.append(
-            Sample(
-                id=str(position),
-                context=context,
-                question=question,
-                max_new_tokens=get_task(task).tokens_to_generate,
-                fields={"outputs": record["outputs"], "length": record.get("length")},
-                chat=args.chat_template,
-                answer_prefix=record.get("answer_prefix", ""),
-            )
-        )
+        common = dict(id=str(position), context=context, max_new_tokens=get_task(task).tokens_to_generate,
+                      chat=args.chat_template)
+        if args.multi_question:
+            sample = Sample(question="", fields={"length": record.get("length")},
+                            questions=needle_questions(task, record, path, position,
+                                                       generate_command(args.data_dir, length, task)), **common)
+        else:
+            sample = Sample(question=question, fields={"outputs": record["outputs"], "length": record.get("length")},
+                            answer_prefix=record.get("answer_prefix", ""), **common)
+        samples.append(sample)
     return samples
+
+
+def needle_questions(task: str, record: Mapping[str, Any], path: Path, position: int,
+                     regenerate: str) -> tuple[Question, ...]:
+    """One question per needle a niah sample records, in RULER's wording for that key alone,
+    whose gold ``outputs`` are that needle's values (``regenerate``: the command that writes
+    the file anew, for the error when it records no needles)."""
+    needles = record.get("needles")
+    if not isinstance(needles, list) or not needles or not all(
+            isinstance(n, dict) and isinstance(n.get("key"), str) and isinstance(n.get("values"), list) and n["values"]
+            for n in needles):
+        raise DataError(
+            f"{path}: sample {position} has no 'needles' list of {{'key', 'values'}}, which --multi_question asks "
+            f"about (RULER's prepare.py and older restkv data do not record them); regenerate the file: {regenerate}"
+        )
+    type_needle_v = get_task(task).args["type_needle_v"]
+    questions = []
+    for needle in needles:
+        text, prefix = niah_prompt(type_needle_v, needle["key"], len(needle["values"]), "")
+        questions.append(Question(split_question(task, text)[1], prefix, {"outputs": needle["values"]}))
+    return tuple(questions)
 
 
 def score_dataset(dataset: str, records: Sequence[Mapping[str, Any]]) -> float:
@@ -382,6 +436,15 @@ def score_dataset(dataset: str, records: Sequence[Mapping[str, Any]]) -> float:
     return score_task(task, predictions, references)
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """``--multi_question`` runs only tasks whose samples record their needles."""
+    if args.multi_question:
+        unsupported = [task for task in selected_datasets(args, BENCHMARK) if task not in MULTI_QUESTION_TASKS]
+        if unsupported:
+            raise FlagError(f"--multi_question asks about each inserted needle, so it runs only the niah tasks "
+                            f"({', '.join(MULTI_QUESTION_TASKS)}); give --datasets without {', '.join(unsupported)}")
+
+
 BENCHMARK = Benchmark(
     "ruler",
     datasets=tuple(TASKS),
@@ -389,8 +452,9 @@ BENCHMARK = Benchmark(
     load_samples=ruler_samples,
     score=score_dataset,
     default_data_dir="data/RULER",
-    prediction_flags=("chat_template",),
+    prediction_flags=("chat_template", "multi_question"),
     prediction_glob="[0-9]*/*.jsonl",
+    check_flags=check_flags,
 )
 
 
@@ -400,6 +464,13 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                        help="sequence lengths to run (subfolders of --data_dir)")
     group.add_argument("--chat_template", action=argparse.BooleanOptionalAction, default=True,
                        help="wrap input in the tokenizer's chat template (the generator counts it by default)")
+    group.add_argument("--multi_question", action="store_true",
+                       help="niah tasks: compress each sample's context (its input before the question) once and "
+                       "ask one question per inserted needle, in RULER's wording for that key, from that one "
+                       "compressed context; one line per question (id <sample>/<needle>), each scored on its own "
+                       "needle's values. Query-agnostic by definition (implies --query_agnostic); its folder is "
+                       "<method>_<budget>_agnostic_multi[_<tag>]. Needs data from restkv.benchmarks.ruler_data, "
+                       "which records the needles")
 
 
 @command_line
@@ -410,8 +481,12 @@ def run(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> Path:
 
 def run_args(args: argparse.Namespace, model=None, tokenizer=None) -> Path:
     """``run`` on flags already parsed and checked (the sweep builds its runs' flags itself)."""
+    args = copy.copy(args)  # the caller's flags stay as given
     if args.model_max_len is None:  # RULER samples are built to fit their length: never cut them
         args.model_max_len = max(args.context_lengths)
+    if args.multi_question:  # every question follows the context compressed alone, in a folder of its own
+        args.query_agnostic = True
+        args.tag = "_".join(part for part in (MULTI_QUESTION_TAG, args.tag) if part)
     tasks = selected_datasets(args, BENCHMARK)
     datasets = [f"{length}/{task}" for length in args.context_lengths for task in tasks]
     folder = runner.run(BENCHMARK, args, model=model, tokenizer=tokenizer, datasets=datasets)

@@ -5,7 +5,10 @@
 ``data/RULER/<length>/<task>/validation.jsonl`` exactly as RULER's ``prepare.py`` lays it out
 (``index, input, outputs, length, length_w_model_temp, answer_prefix`` and, for niah,
 ``token_position_answer``) plus a ``generation.json`` recording what the data depend on:
-tokenizer, chat template, seed, haystack source and wonderwords version.
+tokenizer, chat template, seed, haystack source and wonderwords version. niah samples also
+record ``needles``: every needle inserted, ``{"key": ..., "values": [...]}`` per key in the
+order drawn (the haystack of distractor needles of ``niah_multikey_2/3`` aside), which
+``run_ruler.py --multi_question`` asks about one by one.
 
 The tasks follow RULER's generators (``scripts/data/synthetic/*.py``): the same templates,
 needles, haystacks, word sources, few-shot examples and answers. Differences, all deliberate:
@@ -24,7 +27,8 @@ needles, haystacks, word sources, few-shot examples and answers. Differences, al
   sample does not depend on how many were generated; ``index`` is the sample number for
   every task (RULER's niah overwrites it with a character offset).
 * Offline inputs. Without ``data/PaulGrahamEssays`` the essay tasks use the project's
-  synthetic prose (see :mod:`restkv.benchmarks.haystack`); sentences are split by a rule,
+  synthetic prose (see :mod:`restkv.benchmarks.haystack`); a folder given with ``--essay_dir``
+  must hold essays. Sentences are split by a rule,
   not NLTK punkt. cwe adds adjective-noun compounds where RULER would open its (Git LFS)
   ``english_words.json`` (only beyond ~100K tokens). In ``niah_multikey_2/3`` distractor
   needles never reuse a real key, so every question has one answer.
@@ -46,9 +50,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, load_essays, split_sentences, wonderwords_list
-from restkv.benchmarks.haystack import wonderwords_version
-from restkv.benchmarks.ruler import FAMILIES, RulerTask, get_task, parse_task_list, SYNTHETIC_TASKS
+from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, given_essays, load_essays, split_sentences
+from restkv.benchmarks.haystack import wonderwords_list, wonderwords_version
+from restkv.benchmarks.ruler import FAMILIES, RulerTask, get_task, niah_prompt, parse_task_list, SYNTHETIC_TASKS
 from restkv.benchmarks.errors import FlagError, command_line
 from restkv.benchmarks.prompts import chat_wrap
 
@@ -62,11 +66,13 @@ QA_DOCUMENT = "Document {i}:\n{document}"
 
 @dataclass(frozen=True)
 class Rendered:
-    """One sample at one haystack size: the prompt body, its answer prefix and the gold answers."""
+    """One sample at one haystack size: the prompt body, its answer prefix, the gold answers and,
+    for niah, every needle inserted (``{"key", "values"}``, in key order)."""
 
     input: str
     answer_prefix: str
     outputs: list[str]
+    needles: list[dict] | None = None
 
 
 class TokenCounter:
@@ -214,12 +220,7 @@ def _build_niah(rng: random.Random, ctx: BuildContext):
     answers = [value for i in queried for value in values[i]]
     query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
 
-    template, prefix, shown_type = ctx.task.family.template, ctx.task.family.answer_prefix, type_v
-    if args["num_needle_q"] * args["num_needle_v"] == 1:  # RULER's singular wording
-        for old, new in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
-            template, prefix = template.replace(old, new), prefix.replace(old, new)
-        shown_type = type_v[:-1]
-    prefix = prefix.format(type_needle_v=shown_type, query=query)
+    recorded = [{"key": key, "values": list(key_values)} for key, key_values in zip(keys, values)]
 
     haystack_type = args["type_haystack"]
     if haystack_type == "essay":
@@ -243,8 +244,8 @@ def _build_niah(rng: random.Random, ctx: BuildContext):
         else:
             lines = [NOISE_LINE] * size if haystack_type == "noise" else distractors.take(size)
             context = "\n".join(_insert_at_fractions(lines, needles, fractions))
-        text = template.format(type_needle_v=shown_type, context=context, query=query)
-        return Rendered(text, prefix, list(answers))
+        text, prefix = niah_prompt(type_v, query, len(answers), context)
+        return Rendered(text, prefix, list(answers), recorded)
 
     return render, 1
 
@@ -536,6 +537,7 @@ def generate_sample(ctx: BuildContext, index: int) -> dict:
     if family == "niah":
         offset = rendered.input.find(rendered.outputs[0])
         record["token_position_answer"] = ctx.counter.count(rendered.input[:offset])
+        record["needles"] = rendered.needles
     return record
 
 
@@ -583,6 +585,8 @@ def generation_meta(task: str, length: int, num_samples: int, tokenizer_name: st
         "tokens_to_generate": spec.tokens_to_generate,
         "wonderwords": wonderwords_version(),
     }
+    if spec.family_name == "niah":  # files written before they held "needles" are regenerated
+        meta["needles_recorded"] = True
     if spec.args.get("type_haystack") == "essay":
         meta["haystack"] = load_essays(essay_dir, min_words=0).source
     if spec.family_name == "qa":
@@ -638,8 +642,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat_template", action=argparse.BooleanOptionalAction, default=True,
                         help="count the tokenizer's chat template (if it has one) in the length, as the runner "
                         "applies it")
-    parser.add_argument("--essay_dir", default=str(ESSAY_DIR),
-                        help="Paul Graham essays (*.txt or PaulGrahamEssays.json); synthetic prose if absent")
+    parser.add_argument("--essay_dir", default=None,
+                        help="folder of Paul Graham essays (*.txt or PaulGrahamEssays.json), which must hold some "
+                        f"(default: {ESSAY_DIR} if present, else synthetic prose)")
     parser.add_argument("--qa_dir", default="data", help="folder with squad.json / hotpotqa.json for qa_1 / qa_2")
     parser.add_argument("--overwrite", action="store_true", help="regenerate files that already exist")
     return parser
@@ -657,8 +662,11 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
         for task in tasks:
             if (missing := missing_qa_file(task, args.qa_dir)) is not None:
                 raise FlagError(f"--qa_dir: {missing}")
-    except ValueError as error:  # FlagError, or an unknown task
+        if args.essay_dir is not None:
+            given_essays("--essay_dir", args.essay_dir)
+    except ValueError as error:  # FlagError, DataError (a bad --essay_dir), or an unknown task
         parser.error(str(error))
+    essay_dir = ESSAY_DIR if args.essay_dir is None else args.essay_dir
     from restkv.models import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)
@@ -667,7 +675,7 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
         for task in tasks:
             path, fresh = write_task(args.out, task, length, args.num_samples, tokenizer, args.tokenizer,
                                      seed=args.seed, use_chat_template=args.chat_template,
-                                     essay_dir=args.essay_dir, qa_dir=args.qa_dir, overwrite=args.overwrite)
+                                     essay_dir=essay_dir, qa_dir=args.qa_dir, overwrite=args.overwrite)
             print(f"{'wrote' if fresh else 'kept '} {path} ({args.num_samples} samples)", flush=True)
             written.append(path)
     return written

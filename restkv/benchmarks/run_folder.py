@@ -9,8 +9,9 @@ mode stops with the list of differences (``RunMismatch``; use ``--tag`` or anoth
 its start) takes the new settings, and says so.
 
 **Data.** ``run_meta.json`` also records, per dataset, a fingerprint of its samples as loaded
-(before ``--max_num_examples``), how many there are, and how many the run covers
-(``samples_expected``, all shards together: what the evaluators count against). A rerun on
+(before ``--max_num_examples``), how many there are, and how many prediction lines the run
+covers (``samples_expected``, all shards together: what the evaluators count against; a
+multi-question sample gives one line per question). A rerun on
 data that hold other samples (a regenerated RULER file, whose ids are line numbers; another
 haystack) stops with ``RunMismatch`` naming the dataset; data that only grew (samples
 appended, a longer needle grid) continue the folder.
@@ -73,17 +74,19 @@ def run_settings(args: argparse.Namespace, benchmark: Benchmark, config: Compres
 
 @dataclass(frozen=True)
 class DatasetInput:
-    """A dataset's samples as loaded, reduced to what the folder checks: one digest per sample
-    and how many samples the run covers."""
+    """A dataset's samples as loaded, reduced to what the folder checks: one digest per sample,
+    how many samples the run covers (``--max_num_examples``) and how many lines they give."""
 
     name: str
     digests: tuple[bytes, ...]
+    covered: int
     expected: int
 
     @classmethod
     def of(cls, name: str, samples: Sequence[Sample], max_num_examples: int | None) -> "DatasetInput":
-        expected = len(samples) if max_num_examples is None else min(len(samples), max_num_examples)
-        return cls(name, tuple(sample_digest(sample) for sample in samples), expected)
+        covered = len(samples) if max_num_examples is None else min(len(samples), max_num_examples)
+        expected = sum(len(sample.line_ids) for sample in samples[:covered])
+        return cls(name, tuple(sample_digest(sample) for sample in samples), covered, expected)
 
     def fingerprint(self, count: int | None = None) -> str:
         """sha256 over the digests of the first ``count`` samples (all by default)."""
@@ -105,8 +108,12 @@ class DatasetInput:
 
 
 def sample_digest(sample: Sample) -> bytes:
-    """sha256 of everything a sample's prediction depends on."""
-    text = json.dumps(dataclasses.asdict(sample), sort_keys=True, ensure_ascii=False, default=str)
+    """sha256 of everything a sample's prediction depends on (a one-question sample's digest
+    leaves out the empty ``questions``, so folders written before they existed still resume)."""
+    content = dataclasses.asdict(sample)
+    if not sample.questions:
+        del content["questions"]
+    text = json.dumps(content, sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.sha256(text.encode("utf-8")).digest()
 
 

@@ -3,8 +3,10 @@ compression check, and the loop over a dataset's samples.
 
 **Generation.** Greedy, batch 1, stopping on the prompt's stop tokens, new tokens decoded
 without special tokens. Query-agnostic prompts (``question_ids``) compress the context alone,
-then feed the question through the compressed cache (``restkv.generation``). ``--seed`` (a
-config option) also seeds Python, NumPy and torch.
+then feed the question through the compressed cache (``restkv.generation``). A multi-question
+sample (``Sample.questions``) compresses its context once and answers every question from it
+(``answer_many``); each answer is the one its question would get alone. ``--seed`` (a config
+option) also seeds Python, NumPy and torch.
 
 **No silent no-compression.** After each sample the cache is inspected: if the compressed
 prefill was longer than the budget, every layer that the method compresses at that length must
@@ -20,7 +22,11 @@ answered with the full cache and its line says so (``"compressed": false`` and
 **Output line.** ``id, index, pred`` (the field name of LongBench's and RULER's own tools), the
 adapter's ``fields``, then ``prompt_tokens, context_tokens, question_tokens, truncated,
 new_tokens, kv_tokens_seen, kv_tokens_stored, kv_layers_compressed`` (then ``compressed,
-uncompressed_reason`` for a sample answered with the full cache) and ``seconds``.
+uncompressed_reason`` for a sample answered with the full cache) and ``seconds``. A
+multi-question sample writes one line per question (id ``<id>/<k>``, the sample's ``index``,
+the sample's fields then the question's, its own token counts and cache record; ``seconds``
+is the sample's time shared equally by its lines). A sample whose lines are not all written
+(a run killed between them) is redone whole, and only its missing lines are written.
 
 **Sharding.** Shard ``K`` of ``N`` runs the samples whose index ``i`` has ``i % N == K``, each
 shard its own file.
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
 import random
 import time
@@ -44,10 +51,10 @@ from tqdm import tqdm
 from restkv.benchmarks.benchmark import Benchmark, Sample
 from restkv.benchmarks.errors import CompressionMismatch, CompressionNotApplied, DataError, FlagError
 from restkv.benchmarks.flags import compression_config_from_args, default_model_max_len, full_cache_config, shard_of
-from restkv.benchmarks.prompts import EncodedPrompt, encode_prompt, stop_token_ids
+from restkv.benchmarks.prompts import EncodedPrompt, encode_prompt, encode_questions, stop_token_ids
 from restkv.benchmarks.results import results_dir
 from restkv.benchmarks.run_folder import DatasetInput, RunFolder, run_settings
-from restkv.compat import with_cache
+from restkv.compat import CACHE_ARGUMENT, with_cache
 from restkv.config import CompressionConfig, ConfigError
 from restkv.deferred import set_reconstruction_prompt
 
@@ -63,15 +70,11 @@ class Generation:
     cache: Any
 
 
-def generate(model, tokenizer, encoded: EncodedPrompt, max_new_tokens: int,
-             stop_ids: Sequence[int], min_new_tokens: int = 0) -> Generation:
-    """Greedy generation; with ``question_ids``, the context is compressed alone first."""
-    from transformers import DynamicCache, GenerationConfig
+def _greedy(tokenizer, max_new_tokens: int, stop_ids: Sequence[int], min_new_tokens: int):
+    """The generation config of every answer: greedy, batch 1, stopping on ``stop_ids``."""
+    from transformers import GenerationConfig
 
-    from restkv.generation import generate_after_context
-
-    device = model.device
-    settings = GenerationConfig(
+    return GenerationConfig(
         max_new_tokens=max_new_tokens,
         min_new_tokens=min_new_tokens,
         do_sample=False,
@@ -79,9 +82,19 @@ def generate(model, tokenizer, encoded: EncodedPrompt, max_new_tokens: int,
         eos_token_id=list(stop_ids),
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0],
     )
-    context = torch.tensor([encoded.context_ids], device=device)
+
+
+def generate(model, tokenizer, encoded: EncodedPrompt, max_new_tokens: int,
+             stop_ids: Sequence[int], min_new_tokens: int = 0) -> Generation:
+    """Greedy generation; with ``question_ids``, the context is compressed alone first."""
+    from transformers import DynamicCache
+
+    from restkv.generation import generate_after_context
+
+    settings = _greedy(tokenizer, max_new_tokens, stop_ids, min_new_tokens)
+    context = torch.tensor([encoded.context_ids], device=model.device)
     if encoded.question_ids:
-        question = torch.tensor([encoded.question_ids], device=device)
+        question = torch.tensor([encoded.question_ids], device=model.device)
         new_ids, cache = generate_after_context(
             model, context, question, generation_config=settings, return_cache=True
         )
@@ -93,6 +106,49 @@ def generate(model, tokenizer, encoded: EncodedPrompt, max_new_tokens: int,
         new_ids = output[:, context.shape[-1]:]
     token_ids = new_ids[0].tolist()
     return Generation(tokenizer.decode(token_ids, skip_special_tokens=True), token_ids, cache)
+
+
+def generate_many(model, tokenizer, prompts: Sequence[EncodedPrompt], max_new_tokens: int,
+                  stop_ids: Sequence[int], min_new_tokens: int = 0) -> list[Generation]:
+    """Greedy answers of several questions after one context, compressed once
+    (``restkv.generation.answer_many``; ``prompts`` share their ``context_ids``). Each
+    generation's cache is the one its answer left: the compressed context, its question and
+    its tokens."""
+    from restkv.generation import answer_many
+
+    context = torch.tensor([prompts[0].context_ids], device=model.device)
+    questions = [torch.tensor([prompt.question_ids], device=model.device) for prompt in prompts]
+    ends = _AnswerEnds()
+    hook = model.register_forward_pre_hook(ends.see_cache, with_kwargs=True)
+    try:
+        new_ids = answer_many(model, context, questions, streamer=ends,
+                              generation_config=_greedy(tokenizer, max_new_tokens, stop_ids, min_new_tokens))
+    finally:
+        hook.remove()
+    return [Generation(tokenizer.decode(ids[0].tolist(), skip_special_tokens=True), ids[0].tolist(), cache)
+            for ids, cache in zip(new_ids, ends.caches)]
+
+
+class _AnswerEnds:
+    """What each answer of ``answer_many`` left in the cache, which it does not return: a
+    forward pre-hook on the model finds the cache, and generate's streamer protocol (``put``
+    for tokens, ``end`` when an answer is done) says when to copy it (its list of layers: the
+    next answer starts from fresh copies of the compressed context)."""
+
+    def __init__(self) -> None:
+        self.cache: Any = None
+        self.caches: list[Any] = []
+
+    def see_cache(self, module, args, kwargs) -> None:
+        self.cache = kwargs.get(CACHE_ARGUMENT, self.cache)
+
+    def put(self, token_ids) -> None:
+        """Tokens as they come: nothing to do."""
+
+    def end(self) -> None:
+        answered = copy.copy(self.cache)
+        answered.layers = list(self.cache.layers)
+        self.caches.append(answered)
 
 
 def _attention_modules(model) -> list[torch.nn.Module]:
@@ -296,29 +352,45 @@ class BenchmarkRun:
     def folder(self) -> Path:
         return self.results.path
 
-    def answer(self, sample: Sample) -> dict[str, Any]:
-        """Generate one sample's answer; returns its output line without ``id``/``index``."""
+    def answer(self, sample: Sample) -> list[dict[str, Any]]:
+        """Generate a sample's answers (one, or one per question); returns their output lines
+        (``Sample.line_ids`` order) without ``id``/``index``."""
         started = time.perf_counter()
-        encoded = encode_prompt(self.tokenizer, sample, self.model_max_len, split=self.args.query_agnostic)
+        if sample.questions:
+            prompts = encode_questions(self.tokenizer, sample, self.model_max_len)
+            fields = [{**sample.fields, **question.fields} for question in sample.questions]
+        else:
+            prompts = [encode_prompt(self.tokenizer, sample, self.model_max_len, split=self.args.query_agnostic)]
+            fields = [sample.fields]
         stop_ids = stop_token_ids(self.model, self.tokenizer, sample.stop_tokens)
         max_new_tokens = sample.max_new_tokens if self.args.max_new_tokens is None else self.args.max_new_tokens
-        reason = uncompressible_reason(self.config, len(encoded.context_ids))
+        context_tokens = len(prompts[0].context_ids)
+        reason = uncompressible_reason(self.config, context_tokens)
         with contextlib.ExitStack() as stack:
             config = self.config if reason is None else stack.enter_context(full_cache(self.model, self.config))
-            result = generate(self.model, self.tokenizer, encoded, max_new_tokens, stop_ids, sample.min_new_tokens)
-            kv = compression_record(self.model, config, result.cache, len(encoded.context_ids))
-        return {
-            "pred": result.text,
-            **sample.fields,
-            "prompt_tokens": encoded.num_tokens,
-            "context_tokens": len(encoded.context_ids),
-            "question_tokens": len(encoded.question_ids),
-            "truncated": encoded.truncated,
-            "new_tokens": len(result.token_ids),
-            **kv,
-            **({} if reason is None else {"compressed": False, "uncompressed_reason": reason}),
-            "seconds": round(time.perf_counter() - started, 3),
-        }
+            if sample.questions:
+                results = generate_many(self.model, self.tokenizer, prompts, max_new_tokens, stop_ids,
+                                        sample.min_new_tokens)
+            else:
+                results = [generate(self.model, self.tokenizer, prompts[0], max_new_tokens, stop_ids,
+                                    sample.min_new_tokens)]
+            records = [compression_record(self.model, config, result.cache, context_tokens) for result in results]
+        seconds = round((time.perf_counter() - started) / len(results), 3)
+        return [
+            {
+                "pred": result.text,
+                **line_fields,
+                "prompt_tokens": encoded.num_tokens,
+                "context_tokens": context_tokens,
+                "question_tokens": len(encoded.question_ids),
+                "truncated": encoded.truncated,
+                "new_tokens": len(result.token_ids),
+                **kv,
+                **({} if reason is None else {"compressed": False, "uncompressed_reason": reason}),
+                "seconds": seconds,
+            }
+            for result, encoded, line_fields, kv in zip(results, prompts, fields, records)
+        ]
 
     def run_dataset(self, dataset: str) -> Path:
         """Answer this shard's samples of ``dataset`` that no file holds yet; returns the file.
@@ -331,14 +403,16 @@ class BenchmarkRun:
             raise DataError(f"{dataset}: the data changed since the run started; rerun to check them again")
         writer = self.results.writers[dataset]
         done = self.results.done(dataset)
-        todo = [(index, sample) for index, sample in enumerate(samples[: self.inputs[dataset].expected])
-                if index % self.num_shards == self.shard_id and sample.id not in done]
+        todo = [(index, sample) for index, sample in enumerate(samples[: self.inputs[dataset].covered])
+                if index % self.num_shards == self.shard_id and not done.issuperset(sample.line_ids)]
         label = dataset if self.num_shards == 1 else f"{dataset} [{self.shard_id}/{self.num_shards}]"
         with tqdm(todo, desc=label, unit="sample", dynamic_ncols=True) as progress:
             for index, sample in progress:
-                record = self.answer(sample)
-                writer.write({"id": sample.id, "index": index, **record})
-                progress.set_postfix(tokens=record["prompt_tokens"], stored=record["kv_tokens_stored"])
+                records = self.answer(sample)
+                for line_id, record in zip(sample.line_ids, records):
+                    if line_id not in done:  # a sample cut off between its lines is redone whole
+                        writer.write({"id": line_id, "index": index, **record})
+                progress.set_postfix(tokens=records[-1]["prompt_tokens"], stored=records[-1]["kv_tokens_stored"])
         return writer.path
 
     def close(self) -> None:

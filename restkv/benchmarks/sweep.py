@@ -3,10 +3,15 @@
     python -m restkv.benchmarks.sweep           # smollm2-135m, 2K-token niah tasks, 2 budgets
     python -m restkv.benchmarks.sweep --length 4096 --compression_ratios 0.9 0.8 --num_samples 20 \
         --methods streamingllm snapkv h2o restkv snapkv+residual --query_agnostic
+    python -m restkv.benchmarks.sweep --compression_ratios 0.9 --methods snapkv kvzip \
+        snapkv+observation=reconstruction --multi_question
 
 A method may carry boolean flags after ``+`` (``snapkv+residual`` runs ``--method snapkv
---residual``). ``--num_shards/--shard_id`` split every run's samples over processes; rerun
-without them (everything already written is skipped) to print the whole table.
+--residual``) and options as ``+NAME=VALUE`` (``snapkv+observation=reconstruction``).
+``--multi_question`` asks about every needle of a context compressed once (niah tasks; a
+task's score is then the mean over its questions, and ``samples`` counts questions).
+``--num_shards/--shard_id`` split every run's samples over processes; rerun without them
+(everything already written is skipped) to print the whole table.
 
 The data come from the project's offline RULER generator (``restkv.benchmarks.ruler_data``),
 the runs from the RULER runner (``restkv.benchmarks.ruler``: resumable, one folder per method
@@ -48,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     budgets.add_argument("--compression_ratios", type=float, nargs="+",
                          help="fractions of each prompt removed, instead of --budgets")
     parser.add_argument("--query_agnostic", action="store_true", help="compress the context before the question")
+    parser.add_argument("--multi_question", action="store_true",
+                        help="compress each context once and ask about each of its needles (implies "
+                        "--query_agnostic; niah tasks only)")
+    parser.add_argument("--max_new_tokens", type=int, help="tokens generated per answer at most (default: each "
+                        "task's RULER length)")
     parser.add_argument("--attn_implementation", default="sdpa", choices=["eager", "sdpa", "flash_attention_2"])
     parser.add_argument("--save_dir", default="results/sweep")
     parser.add_argument("--num_shards", type=int, default=1)
@@ -96,7 +106,9 @@ def runner_args(args: argparse.Namespace, spec: str, budget: list[str]) -> argpa
             "--datasets", ",".join(ruler.parse_task_list(args.tasks)),
             "--save_dir", str(args.save_dir), "--attn_implementation", args.attn_implementation,
             "--num_shards", str(args.num_shards), "--shard_id", str(args.shard_id),
-            *(["--query_agnostic"] if args.query_agnostic else [])]
+            *(["--query_agnostic"] if args.query_agnostic else []),
+            *(["--multi_question"] if args.multi_question else []),
+            *(["--max_new_tokens", str(args.max_new_tokens)] if args.max_new_tokens is not None else [])]
     return parse_runner_args(ruler.BENCHMARK, argv, ruler.add_flags, raising=True)
 
 
@@ -154,7 +166,8 @@ def summarise(folder: Path, method: str, budget: str, tasks: list[str], length: 
 def report(args: argparse.Namespace, rows: Sequence[dict]) -> str:
     """The sweep's table: a header line, one row per configuration, incomplete cells marked."""
     tasks = ruler.parse_task_list(args.tasks)
-    mode = "query-agnostic" if args.query_agnostic else "query-aware"
+    mode = "query-agnostic, one question per needle" if args.multi_question else (
+        "query-agnostic" if args.query_agnostic else "query-aware")
     shard = f" (shard {args.shard_id} of {args.num_shards})" if args.num_shards > 1 else ""
     shown = [{**row, **{task: scoring.mark(row[task], task in row["incomplete"]) for task in tasks},
               "avg": scoring.mark(row["avg"], bool(row["incomplete"]))} for row in rows]
@@ -170,7 +183,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     rows = run_sweep(args)
     print("\n" + report(args, rows))
-    out = Path(args.save_dir) / f"sweep_{args.length}{'_agnostic' if args.query_agnostic else ''}.json"
+    mode = "_agnostic_multi" if args.multi_question else "_agnostic" if args.query_agnostic else ""
+    out = Path(args.save_dir) / f"sweep_{args.length}{mode}.json"
     out.write_text(json.dumps(rows, indent=1))
     print(f"(rows written to {out})")
     return rows
