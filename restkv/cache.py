@@ -17,6 +17,13 @@ that take part in one softmax (``attend_segments``):
 * **tail**: tokens appended after compression (question chunk, generated tokens), dense
   ``[B, H_kv, T, d]`` shared by every head, grown by doubling.
 
+When the kept entries are stored dense (``restkv.storage``) they and the tail share one
+buffer, kept slots first, so the segments are already one contiguous block of keys and
+values and a step runs torch's fused ``scaled_dot_product_attention`` over it with a mask
+(``fused_attention``): no per-segment logits, no copy of the kept entries per step. The
+segmented float32 softmax (``attend_segments``) stays the reference, and the path for what
+SDPA cannot express (Gemma 2's soft-cap, the ResKV gate, the separate-softmax ablation).
+
 ``tokens_seen`` counts every column processed (padding included, as ``DynamicLayer``
 does), separately from what is stored: transformers derives the next RoPE position from
 ``get_seq_length()`` when no position ids are passed, so it must return tokens seen.
@@ -28,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from restkv.residual import ResidualReadout, capped
@@ -94,6 +102,27 @@ def attend_segments(
     return output.view(batch, num_heads, q_len, head_dim).transpose(1, 2)
 
 
+def fused_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                    scaling: float) -> torch.Tensor:
+    """``attend_segments``' one softmax for segments already joined along the keys, through
+    torch's fused SDPA kernel.
+
+    query: ``[B, H, q, d]``; keys, values: ``[B, H_kv, S, d]`` (never repeated per query head:
+    the ``G`` query heads of a group are stacked as rows); mask: ``[B, H_kv, q | 1, S]``, bool
+    (True = visible) or an additive float bias (``-inf`` = masked, ``beta log c`` on residual
+    entries). Equal to ``attend_segments`` up to float rounding; a query that sees nothing gets
+    zeros. Returns ``[B, q, H, d]``.
+    """
+    batch, num_heads, q_len, head_dim = query.shape
+    num_kv_heads = keys.shape[1]
+    groups = num_heads // num_kv_heads
+    stacked = query.reshape(batch, num_kv_heads, groups * q_len, head_dim)
+    if mask.shape[2] > 1:  # rows are (query head of the group, query): each head sees what its query sees
+        mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, num_kv_heads, groups * q_len, -1)
+    output = F.scaled_dot_product_attention(stacked, keys, values, attn_mask=mask, scale=scaling)
+    return output.view(batch, num_heads, q_len, head_dim).transpose(1, 2)
+
+
 def tail_visibility(attention_mask, batch: int, q_len: int, tail_length: int, device) -> torch.Tensor:
     """``[B, q, T]`` bool: which tail tokens (the current chunk included, last) each query sees.
 
@@ -141,8 +170,12 @@ class CompressedLayer(CacheLayerMixin):
         self.residual_readout = residual_readout
         #: the ``CompressionConfig`` that built the layer (what a benchmark run checks against its settings)
         self.config = config
-        self.tail_keys: torch.Tensor | None = None
-        self.tail_values: torch.Tensor | None = None
+        # One buffer per K and V, ``[B, H_kv, P + capacity, d]``: the dense kept entries in the
+        # first ``P`` slots (``_buffer_prefix_of``: the store they came from), then the tail.
+        self._buffer_keys: torch.Tensor | None = None
+        self._buffer_values: torch.Tensor | None = None
+        self._buffer_prefix_of: DenseEntries | None = None
+        self._tail_start = 0
         self.tail_length = 0
         self.tokens_seen = tokens_seen
         self.prompt_tokens = tokens_seen
@@ -193,12 +226,14 @@ class CompressedLayer(CacheLayerMixin):
 
     # ----------------------------------------------------------- reading
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-               scaling: float, softcap: float | None = None) -> torch.Tensor:
+               scaling: float, softcap: float | None = None, fused: bool = True) -> torch.Tensor:
         """Append the new tokens ``key``/``value`` ``[B, H_kv, q, d]`` and attend ``query``
         ``[B, H, q, d]`` over kept tokens, residual entries and tail in one softmax.
 
         Used for decode steps and for a question chunk fed after a context-only compression;
-        ``attention_mask`` is the mask the model built for this step. Returns ``[B, q, H, d]``.
+        ``attention_mask`` is the mask the model built for this step. ``fused``: through SDPA
+        where it can (``fused_attention``); False: the segmented reference (``attend_segments``).
+        Returns ``[B, q, H, d]``.
         """
         q_len = query.shape[2]
         query_columns = torch.arange(self.tokens_seen, self.tokens_seen + q_len, device=query.device)
@@ -210,13 +245,44 @@ class CompressedLayer(CacheLayerMixin):
             in_window = kept_columns[:, :, None, :] > (query_columns[:, None] - self.sliding_window)
             kept_visible = kept_visible & in_window
         tail_visible = tail_visibility(attention_mask, query.shape[0], q_len, self.tail_length, query.device)
-        segments = [
-            self._kept_segment(kept_keys, kept_values, kept_visible, query_columns),
-            Segment(tail_keys, tail_values, tail_visible[:, None]),
-        ]
-        output = attend_segments(query, segments, scaling, softcap, self.residual_readout)
+        kept = self._kept_segment(kept_keys, kept_values, kept_visible, query_columns)
+        if fused and self._fusable(softcap):
+            keys, values = self._joined(kept_keys, kept_values)
+            output = fused_attention(query, keys, values, self._joined_mask(kept, tail_visible), scaling)
+        else:
+            segments = [kept, Segment(tail_keys, tail_values, tail_visible[:, None])]
+            output = attend_segments(query, segments, scaling, softcap, self.residual_readout)
         self.trim_tail_to_window()
         return output
+
+    def _fusable(self, softcap: float | None) -> bool:
+        """Whether SDPA computes this layer's softmax: no soft-cap, and residual entries (if any)
+        read with a fixed bias (``beta log c``: no gate, one softmax)."""
+        readout = self.residual_readout or PLAIN_READOUT
+        return softcap is None and (self.residual_width == 0 or not (readout.gate or readout.separate_softmax))
+
+    def _joined(self, kept_keys: torch.Tensor, kept_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kept slots then tail, ``[B, H_kv, S + T, d]``: a view of the shared buffer when the
+        kept entries live in it (dense storage), else joined here (ragged storage)."""
+        end = self._tail_start + self.tail_length
+        if self._tail_start and self._buffer_prefix_of is self.entries:
+            return self._buffer_keys[:, :, :end], self._buffer_values[:, :, :end]
+        tail_keys, tail_values = self.tail
+        return torch.cat([kept_keys, tail_keys], dim=2), torch.cat([kept_values, tail_values], dim=2)
+
+    def _joined_mask(self, kept: Segment, tail_visible: torch.Tensor) -> torch.Tensor:
+        """``[B, H_kv, q | 1, S + T]`` SDPA mask of the kept segment and the tail: bool, or with
+        residual entries an additive bias (``beta log c`` on visible entries, ``-inf`` where masked)."""
+        kept_visible, tail_visible = kept.visible, tail_visible[:, None]
+        rows = max(kept_visible.shape[2], tail_visible.shape[2])
+        shape = (kept_visible.shape[0], kept_visible.shape[1], rows)
+        mask = torch.cat([kept_visible.expand(*shape, -1), tail_visible.expand(*shape, -1)], dim=-1)
+        if kept.log_counts is None:
+            return mask
+        beta = (self.residual_readout or PLAIN_READOUT).beta
+        counts = torch.where(torch.isfinite(kept.log_counts[:, :, 0]), beta * kept.log_counts[:, :, 0], 0.0)
+        bias = F.pad(counts, (0, tail_visible.shape[-1]))
+        return torch.where(mask, bias, float("-inf")).to(self._buffer_keys.dtype)
 
     def _kept_segment(self, kept_keys: torch.Tensor, kept_values: torch.Tensor, kept_visible: torch.Tensor,
                       query_columns: torch.Tensor) -> Segment:
@@ -251,35 +317,52 @@ class CompressedLayer(CacheLayerMixin):
     @property
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values appended after compression, ``[B, H_kv, T, d]``."""
-        if self.tail_keys is None:
+        if self._buffer_keys is None:
             empty = self.entries.empty()
             return empty, empty
-        return self.tail_keys[:, :, : self.tail_length], self.tail_values[:, :, : self.tail_length]
+        used = slice(self._tail_start, self._tail_start + self.tail_length)
+        return self._buffer_keys[:, :, used], self._buffer_values[:, :, used]
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Append new tokens to the tail (amortised O(1) per token: the buffer doubles)."""
+        """Append new tokens to the tail (amortised O(1) per token: the buffer doubles). The
+        buffer is rebuilt, dense kept entries first, when it is full or its kept slots are
+        stale (new entries: re-compression, batch reordering)."""
         new = key_states.shape[-2]
         needed = self.tail_length + new
-        capacity = 0 if self.tail_keys is None else self.tail_keys.shape[-2]
-        if needed > capacity:
-            capacity = max(needed, 2 * capacity, 16)
-            shape = (*key_states.shape[:2], capacity, key_states.shape[-1])
-            grown_keys, grown_values = key_states.new_empty(shape), value_states.new_empty(shape)
-            if self.tail_length:
-                grown_keys[:, :, : self.tail_length] = self.tail_keys[:, :, : self.tail_length]
-                grown_values[:, :, : self.tail_length] = self.tail_values[:, :, : self.tail_length]
-            self.tail_keys, self.tail_values = grown_keys, grown_values
-        self.tail_keys[:, :, self.tail_length : needed] = key_states
-        self.tail_values[:, :, self.tail_length : needed] = value_states
+        capacity = 0 if self._buffer_keys is None else self._buffer_keys.shape[-2] - self._tail_start
+        dense = self.entries if isinstance(self.entries, DenseEntries) else None
+        if needed > capacity or self._buffer_prefix_of is not dense:
+            self._rebuild_buffer(dense, max(needed, 2 * capacity, 16), key_states, value_states)
+        start = self._tail_start + self.tail_length
+        self._buffer_keys[:, :, start : start + new] = key_states
+        self._buffer_values[:, :, start : start + new] = value_states
         self.tail_length = needed
         self.tokens_seen += new
+
+    def _rebuild_buffer(self, dense: DenseEntries | None, capacity: int, like_keys: torch.Tensor,
+                        like_values: torch.Tensor) -> None:
+        """A buffer of ``capacity`` tail slots after the ``dense`` store's kept slots (none for a
+        ragged store), holding the tail so far; the dense store then lives in the buffer."""
+        prefix = 0 if dense is None else dense.keys.shape[2]
+        shape = (*like_keys.shape[:2], prefix + capacity, like_keys.shape[-1])
+        keys, values = like_keys.new_empty(shape), like_values.new_empty(shape)
+        tail_keys, tail_values = self.tail
+        keys[:, :, prefix : prefix + self.tail_length] = tail_keys
+        values[:, :, prefix : prefix + self.tail_length] = tail_values
+        if dense is not None:
+            keys[:, :, :prefix], values[:, :, :prefix] = dense.keys, dense.values
+            dense = self.entries = DenseEntries(keys[:, :, :prefix], values[:, :, :prefix], dense.columns)
+        self._buffer_keys, self._buffer_values = keys, values
+        self._buffer_prefix_of, self._tail_start = dense, prefix
 
     def trim_tail_to_window(self) -> None:
         """Sliding-window layers: forget tail tokens that no future query can see."""
         if self.sliding_window is not None and self.tail_length > self.sliding_window - 1:
             drop = self.tail_length - (self.sliding_window - 1)
             keys, values = self.tail
-            self.tail_keys, self.tail_values = keys[:, :, drop:].clone(), values[:, :, drop:].clone()
+            keep = slice(self._tail_start, self._tail_start + self.tail_length - drop)
+            self._buffer_keys[:, :, keep] = keys[:, :, drop:].clone()
+            self._buffer_values[:, :, keep] = values[:, :, drop:].clone()
             self.tail_length -= drop
 
     def remember_queries(self, query: torch.Tensor, count: int) -> None:
@@ -340,12 +423,12 @@ class CompressedLayer(CacheLayerMixin):
         keys, _, columns = self.entries.read()
         self.entries = DenseEntries(keys[:, :, :0], keys[:, :, :0], columns[:, :, :0])
         self.residual_log_counts = self.residual_columns = None
-        self.tail_keys = self.tail_values = None
-        self.tail_length = self.tokens_seen = self.prompt_tokens = 0
+        self._buffer_keys = self._buffer_values = self._buffer_prefix_of = None
+        self._tail_start = self.tail_length = self.tokens_seen = self.prompt_tokens = 0
 
     def _map_batch(self, fn) -> None:
         keys, values, columns = (fn(tensor) for tensor in self.entries.read())
-        for name in ("residual_log_counts", "residual_columns", "tail_keys", "tail_values", "recent_queries",
+        for name in ("residual_log_counts", "residual_columns", "_buffer_keys", "_buffer_values", "recent_queries",
                      "prompt_padding"):
             tensor = getattr(self, name)
             if tensor is not None:

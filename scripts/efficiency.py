@@ -11,7 +11,10 @@ it runs) and the median of the per-repetition prefill ratios (each repetition ti
 methods back to back, so its own ratio cancels slow drifts). ``--scoring`` also times
 ``compress_kv`` alone on layer-shaped random tensors: the scorer's own cost, without the
 model's forward around it. ``--threads 1`` gives far steadier numbers on a busy machine
-(torch's thread pool waits on descheduled threads at every operation).
+(torch's thread pool waits on descheduled threads at every operation); ``--clock cpu`` then
+times the CPU seconds the process spends instead of the host clock, so time the process
+waits while other programs run is not counted (on a machine shared with other jobs the host
+clock of one prefill can vary threefold; with one thread the CPU time is the work itself).
 
 The prompt is the project's deterministic synthetic prose (``--prompt random``: random token
 ids), so attention, and what data-dependent methods decide, look like a real run's. Every
@@ -33,6 +36,7 @@ prefill bounds:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -73,6 +77,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt", choices=["prose", "random"], default="prose")
     parser.add_argument("--scoring", action="store_true", help="also time compress_kv alone per method")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall: host clock; cpu: CPU seconds of the process (steady on a shared machine; "
+                             "use it with --threads 1)")
     parser.add_argument("--out", default="results/efficiency.json")
     parser.add_argument("--config", choices=sorted(CONFIGS), default=None,
                         help="a model shape with random weights instead of --model_path (scripts/model_shapes.py)")
@@ -107,6 +114,17 @@ def wall_seconds(run: Callable[[], T]) -> tuple[T, float]:
     start = time.perf_counter()
     result = run()
     return result, time.perf_counter() - start
+
+
+def cpu_seconds(run: Callable[[], T]) -> tuple[T, float]:
+    """``run()`` and the CPU seconds the process spent on it (every thread; none while descheduled)."""
+    start = time.process_time()
+    result = run()
+    return result, time.process_time() - start
+
+
+#: ``--clock``: how a region is timed
+CLOCKS = {"wall": wall_seconds, "cpu": cpu_seconds}
 
 
 def measure(model, prompt: torch.Tensor, decode_steps: int, compressing: bool,
@@ -152,7 +170,8 @@ def interleaved_runs(model, prompt: torch.Tensor, specs: list[str], budget: int,
     return runs
 
 
-def time_scoring(model, specs: list[str], length: int, budget: int, repeats: int) -> dict[str, float]:
+def time_scoring(model, specs: list[str], length: int, budget: int, repeats: int,
+                 timed: Callable[[Callable[[], T]], tuple[T, float]] = wall_seconds) -> dict[str, float]:
     """Median seconds of ``compress_kv`` over every layer, per method, on random layer-shaped tensors."""
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -165,11 +184,10 @@ def time_scoring(model, specs: list[str], length: int, budget: int, repeats: int
     for repeat in range(repeats + 1):  # round 0 warms up
         for spec in rotated(specs, repeat):
             options = dict(method_spec_options(spec), max_capacity_prompts=budget)
-            start = time.perf_counter()
-            for layer_idx, weight in enumerate(weights):
-                compress_kv(query, key, value, options, layer_idx, len(weights), weight)
+            _, seconds = timed(lambda: [compress_kv(query, key, value, options, layer_idx, len(weights), weight)
+                                        for layer_idx, weight in enumerate(weights)])
             if repeat:
-                times[spec].append(time.perf_counter() - start)
+                times[spec].append(seconds)
     return {spec: statistics.median(values) for spec, values in times.items()}
 
 
@@ -275,15 +293,17 @@ def main() -> None:
         return write_rows(args.out, rows)
     model, tokenizer = load(args, max(args.lengths) + args.decode_steps + 1)
     replace_for_model(model, method="snapkv", max_capacity_prompts=64)
+    timed = CLOCKS[args.clock]
+    run = functools.partial(measure, timed=timed)
     rows = []
     with torch.no_grad():
         for length in args.lengths:
             prompt = make_prompt(tokenizer, model.config.vocab_size, length, args.prompt).to(model.device)
             measure(model, prompt[:, :512], 2, compressing=True)  # warm-up
             for budget in budgets_for(args, length):
-                runs = interleaved_runs(model, prompt, args.methods, budget, args.repeats, args.decode_steps)
+                runs = interleaved_runs(model, prompt, args.methods, budget, args.repeats, args.decode_steps, run)
                 scoring = time_scoring(model, [s for s in args.methods if s != "fullkv"], length, budget,
-                                       args.repeats) if args.scoring else {}
+                                       args.repeats, timed) if args.scoring else {}
                 block = [summarise(spec, length, budget, spec_runs, runs[args.baseline], scoring.get(spec))
                          for spec, spec_runs in runs.items()]
                 print("\n" + format_table(block, args.baseline))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from restkv.cache import Segment, attend_segments
+from restkv.residual import ResidualReadout
 from restkv.cache import CompressedLayer, cache_nbytes, cache_report, format_report
 from restkv.compat import output_cache, with_cache
 from restkv.generation import prefill
@@ -125,3 +126,66 @@ def test_unpatched_forward_refuses_a_compressed_layer():
     layer = CompressedLayer(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), torch.tensor([[[0, 1]]]), tokens_seen=5)
     with pytest.raises(RuntimeError, match="compressed by restkv"):
         layer.update(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4))
+
+
+# ---------------------------------------------------------------- the fused read path
+def _decode_layer(kept: int, heads: int = 2, length: int = 60, dim: int = 8, ragged: bool = False,
+                  residual: int = 0, sliding_window: int | None = None, seed: int = 0,
+                  readout: ResidualReadout | None = None) -> CompressedLayer:
+    """A compressed layer of one row holding ``kept`` of ``length`` prompt tokens per head
+    (head 0 one fewer when ``ragged``), with ``residual`` entries in its last slots."""
+    generator = torch.Generator().manual_seed(seed)
+    keys, values = (torch.randn(1, heads, kept + residual, dim, generator=generator) for _ in range(2))
+    columns = torch.stack([torch.sort(torch.randperm(length, generator=generator)[:kept]).values
+                           for _ in range(heads)])[None]
+    if ragged:
+        columns[0, 0, -1] = -1
+    columns = torch.nn.functional.pad(columns, (0, residual), value=-1)
+    log_counts = None
+    if residual:
+        log_counts = torch.log(torch.randint(1, 6, (1, heads, residual), generator=generator).float())
+        log_counts[0, 0, 0] = float("-inf")  # head 0 holds one entry fewer
+    return CompressedLayer(keys, values, columns, tokens_seen=length, sliding_window=sliding_window,
+                           residual_log_counts=log_counts, residual_readout=readout)
+
+
+@pytest.mark.parametrize("case", [
+    dict(kept=12), dict(kept=12, ragged=True), dict(kept=40, sliding_window=30),
+    dict(kept=12, residual=3, readout=ResidualReadout(gate=False, beta=0.7)),
+])
+def test_fused_decode_equals_the_segmented_reference(case):
+    """SDPA over the joined kept slots and tail gives the segmented softmax's output, step by
+    step, for a 3-token chunk then single tokens (dense and ragged storage, sliding window,
+    residual entries read with a fixed count bias)."""
+    fused, reference = _decode_layer(**case), _decode_layer(**case)
+    generator = torch.Generator().manual_seed(1)
+    for q_len in (3, 1, 1, 1):
+        query = torch.randn(1, 4, q_len, 8, generator=generator)
+        key, value = (torch.randn(1, 2, q_len, 8, generator=generator) for _ in range(2))
+        ours = fused.attend(query, key, value, None, 0.35)
+        expected = reference.attend(query, key, value, None, 0.35, fused=False)
+        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+    assert fused.tail_length == reference.tail_length and torch.equal(fused.tail[0], reference.tail[0])
+
+
+def test_fused_decode_does_not_copy_the_kept_entries_each_step():
+    """Dense kept entries share one buffer with the tail: a decode step appends in place."""
+    layer = _decode_layer(kept=12)
+    step = lambda: layer.attend(torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), None, 0.35)
+    step()
+    pointer, kept = layer.kept_keys.data_ptr(), layer.kept_keys.clone()
+    for _ in range(5):  # within the first 16 tail slots
+        step()
+    assert layer.kept_keys.data_ptr() == pointer and torch.equal(layer.kept_keys, kept)
+
+
+def test_layers_the_fused_kernel_cannot_express_take_the_segmented_path():
+    """The ResKV gate depends on each query's own softmax over the exact entries, and Gemma 2's
+    soft-cap transforms the logits: both stay on the reference path."""
+    gated = _decode_layer(kept=12, residual=3, readout=ResidualReadout())
+    capped = _decode_layer(kept=12)
+    query, key, value = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    for layer, softcap in ((gated, None), (capped, 5.0)):
+        twin = _decode_layer(kept=12, residual=layer.residual_width, readout=layer.residual_readout)
+        torch.testing.assert_close(layer.attend(query, key, value, None, 0.35, softcap),
+                                   twin.attend(query, key, value, None, 0.35, softcap, fused=False), rtol=0, atol=0)
