@@ -473,8 +473,8 @@ def format_report(reports: list[LayerReport]) -> str:
              f"{'MiB':>8}"]
     for r in reports:
         stored = f"{r.stored_min}/{r.stored_mean:.1f}/{r.stored_max}"
-        lines.append(f"{r.layer:>5} {r.kind:>10} {r.tokens_seen:>7} {stored:>22} {r.residual:>8.1f} {r.extra_slots:>6.1f} "
-                     f"{r.nbytes / 2**20:>8.3f}")
+        lines.append(f"{r.layer:>5} {r.kind:>10} {r.tokens_seen:>7} {stored:>22} {r.residual:>8.1f} "
+                     f"{r.extra_slots:>6.1f} {r.nbytes / 2**20:>8.3f}")
     compressed = sum(r.compressed for r in reports)
     lines.append(f"{compressed} of {len(reports)} layers hold fewer entries than tokens seen")
     return "\n".join(lines)

@@ -129,7 +129,8 @@ class IndexMemLayer(torch.nn.Module):
             weights = window_attention(scaled, keys, valid, w, 1.0, sliding_window=sliding_window)
         else:
             dots = torch.einsum("bkugwe,bkne->bkugwn", queries, keys).relu()
-            head_weights = torch.einsum("bkgwd,kud->bkugw", q, self.index_head_weights) + self.index_head_bias[..., None, None]
+            head_weights = torch.einsum("bkgwd,kud->bkugw", q, self.index_head_weights)
+            head_weights = head_weights + self.index_head_bias[..., None, None]
             logits = temperature * (head_weights[..., None] * dots).sum(dim=2)
             logits = logits.reshape(batch, num_heads, w, -1)
             visible = key_visibility(valid, w, sliding_window)

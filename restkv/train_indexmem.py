@@ -174,7 +174,8 @@ def train(model, sequences: list[torch.Tensor], args: argparse.Namespace) -> Ind
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     arch = Architecture(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, head_dim,
-                        args.indexmem_features, args.indexer_form, args.indexer_heads, fusion=args.indexmem_fusion)
+                        args.indexmem_features, args.indexer_form,
+                        args.indexer_heads if args.indexer_form == "dsa" else 1, fusion=args.indexmem_fusion)
     layers = [IndexMemLayer(arch, index, args.seed) for index in range(arch.num_layers)]
     scalings = [block.self_attn.scaling for block in model.model.layers]
     optimizer = torch.optim.AdamW([p for layer in layers for p in layer.parameters()], lr=args.lr, weight_decay=0.0)
@@ -206,7 +207,8 @@ def train(model, sequences: list[torch.Tensor], args: argparse.Namespace) -> Ind
     seconds = time.perf_counter() - started
     first, last = history[0], history[-1]
     training = dict(model=args.model_path, text=args.text_file or SYNTHETIC_TEXT, sequences=len(sequences),
-                    seq_len=args.seq_len, tokens=sum(ids.shape[1] for ids in sequences), steps=step, seconds=round(seconds, 1),
+                    seq_len=args.seq_len, tokens=sum(ids.shape[1] for ids in sequences), steps=step,
+                    seconds=round(seconds, 1),
                     indexer_target=args.indexer_target, kept_fraction=args.kept_fraction,
                     query_reduction=args.indexmem_query_reduction, first_losses=first, last_losses=last)
     return IndexMemWeights(arch, [layer.requires_grad_(False) for layer in layers], training)
