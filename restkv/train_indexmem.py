@@ -23,7 +23,6 @@ The file ``--output`` is what ``--indexmem_weights`` loads.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from pathlib import Path
 
