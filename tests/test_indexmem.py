@@ -289,6 +289,19 @@ def test_budget_accounting_and_bytes_against_snapkv():
     assert 0.98 * snap <= ours <= 1.02 * snap
 
 
+@pytest.mark.parametrize("allocation", ["pyramid", "adakv"])
+def test_under_an_allocation_every_head_gives_the_memory_its_slots(allocation):
+    query, key, value = qkv()
+    for layer in range(3):
+        counts = {}
+        for method in ("snapkv", "indexmem"):
+            extra = dict(indexmem_features=1) if method == "indexmem" else {}  # 1 x 9 x 4 bytes: 1 slot
+            options = dict(method=method, allocation=allocation, max_capacity_prompts=40, window_size=8, **extra)
+            out = compress_kv(query, key, value, CompressionConfig(**options), layer_idx=layer, num_layers=3)
+            counts[method] = (out.indices >= 0).sum(dim=-1)
+        assert torch.equal(counts["indexmem"], counts["snapkv"] - 1)  # the fallback scores as SnapKV does
+
+
 def test_a_budget_the_memory_leaves_no_room_in_is_an_error():
     query, key, value = qkv()
     with pytest.raises(ConfigError, match="--indexmem_features"):
