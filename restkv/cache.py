@@ -24,6 +24,12 @@ values and a step runs torch's fused ``scaled_dot_product_attention`` over it wi
 segmented float32 softmax (``attend_segments``) stays the reference, and the path for what
 SDPA cannot express (Gemma 2's soft-cap, the ResKV gate, the separate-softmax ablation).
 
+A method that summarises the tokens it evicts outside the softmax (IndexMem's latent memory)
+gives the layer an ``output_correction`` (``OutputCorrection``): after the one softmax it maps
+the attention output, with the log-sum-exp of the exact logits, to the corrected output. Its
+numbers count against the budget (the method reserves their token-slot equivalents) and
+against ``nbytes``; ``cache_report`` shows them as ``extra_slots``.
+
 ``tokens_seen`` counts every column processed (padding included, as ``DynamicLayer``
 does), separately from what is stored: transformers derives the next RoPE position from
 ``get_seq_length()`` when no position ids are passed, so it must return tokens seen.
@@ -32,13 +38,14 @@ does), separately from what is stored: transformers derives the next RoPE positi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from restkv.residual import ResidualReadout, capped
+from restkv.residual.readout import MASKED
 from restkv.selection import Selection
 from restkv.storage import DenseEntries, entries_for
 
@@ -59,6 +66,23 @@ class Segment:
     log_counts: torch.Tensor | None = None
 
 
+class OutputCorrection(Protocol):
+    """What a compressed layer adds to its attention output for the tokens it evicted."""
+
+    def correct(self, query: torch.Tensor, output: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """The corrected output ``[B, q, H, d]`` from the query ``[B, H, q, d]``, the attention
+        output ``[B, q, H, d]`` and the log-sum-exp ``[B, H, q]`` of the exact logits."""
+
+    def tensors(self) -> Iterable[torch.Tensor]:
+        """Every tensor the correction holds (its bytes are the layer's)."""
+
+    def token_slots(self) -> float:
+        """Token-slot equivalents it holds per row and KV head (what it takes from the budget)."""
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "OutputCorrection":
+        """The correction with ``fn`` applied along the batch of each of its tensors."""
+
+
 #: how residual entries are read when the caller gives no readout: ``beta log c`` with beta = 1,
 #: no gate, one softmax
 PLAIN_READOUT = ResidualReadout(gate=False)
@@ -70,7 +94,8 @@ def attend_segments(
     scaling: float,
     softcap: float | None = None,
     readout: ResidualReadout | None = None,
-) -> torch.Tensor:
+    with_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``query`` ``[B, H, q, d]`` over several segments with ONE softmax.
 
     K/V stay at ``H_kv`` heads: the ``G`` query heads of a group are stacked instead of
@@ -78,7 +103,8 @@ def attend_segments(
     transformers' eager attention does. Residual entries (segments with ``log_counts``) get
     ``beta log c + log g(q)`` per query head, the gate computed from the same logits of the
     exact entries (``readout``, default ``PLAIN_READOUT``). Returns ``[B, q, H, d]`` (the
-    interface layout).
+    interface layout); ``with_lse``: also the float32 log-sum-exp ``[B, H, q]`` of the visible
+    logits (residual entries counted as plain logits).
     """
     batch, num_heads, q_len, head_dim = query.shape
     num_kv_heads = segments[0].keys.shape[1]
@@ -99,7 +125,11 @@ def attend_segments(
         part = torch.matmul(weights[..., start : start + width], segment.values)
         output = part if output is None else output + part
         start += width
-    return output.view(batch, num_heads, q_len, head_dim).transpose(1, 2)
+    output = output.view(batch, num_heads, q_len, head_dim).transpose(1, 2)
+    if not with_lse:
+        return output
+    masked = [raw.masked_fill(~segment.visible.unsqueeze(2), MASKED) for raw, segment in zip(logits, segments)]
+    return output, torch.logsumexp(torch.cat(masked, dim=-1), dim=-1).view(batch, num_heads, q_len)
 
 
 def fused_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -159,6 +189,7 @@ class CompressedLayer(CacheLayerMixin):
         residual_readout: ResidualReadout | None = None,
         config: Any = None,
         prompt_padding: torch.Tensor | None = None,
+        output_correction: OutputCorrection | None = None,
     ) -> None:
         super().__init__()
         self.residual_log_counts = residual_log_counts
@@ -168,6 +199,8 @@ class CompressedLayer(CacheLayerMixin):
         # entry is visible while all its members are (int32, -1 = no entry).
         self.residual_columns = None if residual_columns is None else residual_columns.to(torch.int32)
         self.residual_readout = residual_readout
+        #: what the layer adds to its attention output for its evicted tokens (None: nothing)
+        self.output_correction = output_correction
         #: the ``CompressionConfig`` that built the layer (what a benchmark run checks against its settings)
         self.config = config
         # One buffer per K and V, ``[B, H_kv, P + capacity, d]``: the dense kept entries in the
@@ -200,7 +233,8 @@ class CompressedLayer(CacheLayerMixin):
             if sliding_window is not None:  # entries leave the window with their oldest member
                 residual["residual_columns"] = selection.residual_columns
         return cls(selection.keys, selection.values, selection.columns, tokens_seen=tokens_seen,
-                   sliding_window=sliding_window, config=config, prompt_padding=padding, **residual)
+                   sliding_window=sliding_window, config=config, prompt_padding=padding,
+                   output_correction=selection.output_correction, **residual)
 
     # ----------------------------------------------------------- the kept entries
     @property
@@ -246,12 +280,16 @@ class CompressedLayer(CacheLayerMixin):
             kept_visible = kept_visible & in_window
         tail_visible = tail_visibility(attention_mask, query.shape[0], q_len, self.tail_length, query.device)
         kept = self._kept_segment(kept_keys, kept_values, kept_visible, query_columns)
-        if fused and self._fusable(softcap):
+        correction = self.output_correction
+        if fused and correction is None and self._fusable(softcap):
             keys, values = self._joined(kept_keys, kept_values)
             output = fused_attention(query, keys, values, self._joined_mask(kept, tail_visible), scaling)
-        else:
+        else:  # the reference softmax; an output correction also needs its log-sum-exp
             segments = [kept, Segment(tail_keys, tail_values, tail_visible[:, None])]
-            output = attend_segments(query, segments, scaling, softcap, self.residual_readout)
+            output = attend_segments(query, segments, scaling, softcap, self.residual_readout,
+                                     with_lse=correction is not None)
+            if correction is not None:
+                output = correction.correct(query, *output)
         self.trim_tail_to_window()
         return output
 
@@ -393,6 +431,7 @@ class CompressedLayer(CacheLayerMixin):
         tensors = list(self.entries.tensors())
         tensors += [t for t in (self.residual_log_counts, self.residual_columns, self.recent_queries) if t is not None]
         tensors += list(self.tail) if self.tail_length else []
+        tensors += list(self.output_correction.tensors()) if self.output_correction is not None else []
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ----------------------------------------------------------- CacheLayerMixin
@@ -422,7 +461,7 @@ class CompressedLayer(CacheLayerMixin):
         """Empty the layer: the next forward through it is a new prefill."""
         keys, _, columns = self.entries.read()
         self.entries = DenseEntries(keys[:, :, :0], keys[:, :, :0], columns[:, :, :0])
-        self.residual_log_counts = self.residual_columns = None
+        self.residual_log_counts = self.residual_columns = self.output_correction = None
         self._buffer_keys = self._buffer_values = self._buffer_prefix_of = None
         self._tail_start = self.tail_length = self.tokens_seen = self.prompt_tokens = 0
 
@@ -433,6 +472,8 @@ class CompressedLayer(CacheLayerMixin):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, fn(tensor))
+        if self.output_correction is not None:
+            self.output_correction = self.output_correction.map_batch(fn)
         self.entries = entries_for(keys, values, columns, self.residual_counts_of(columns))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -466,7 +507,9 @@ def native_layer(sliding_window: int | None) -> CacheLayerMixin:
 @dataclass(frozen=True)
 class LayerReport:
     """What one cache layer holds. ``stored`` counts exact tokens per KV head (mean over rows and
-    heads), ``residual`` summary entries; ``compressed`` is False when the layer kept everything."""
+    heads), ``residual`` summary entries, ``extra_slots`` the token-slot equivalents of other state a
+    method keeps per row and KV head (``OutputCorrection``); ``compressed`` is False when the layer
+    kept everything."""
 
     layer: int
     kind: str
@@ -476,6 +519,7 @@ class LayerReport:
     stored_mean: float
     residual: float
     nbytes: int
+    extra_slots: float = 0.0
 
     @property
     def compressed(self) -> bool:
@@ -492,6 +536,7 @@ def cache_report(cache: Cache) -> list[LayerReport]:
                 LayerReport(
                     index, "compressed", layer.tokens_seen, int(stored.min()), int(stored.max()),
                     float(stored.float().mean()), float(layer.residual_counts.float().mean()), layer.nbytes(),
+                    layer.output_correction.token_slots() if layer.output_correction is not None else 0.0,
                 )
             )
         else:
@@ -511,10 +556,12 @@ def cache_nbytes(cache: Cache) -> int:
 
 def format_report(reports: list[LayerReport]) -> str:
     """A plain-text table of ``cache_report``."""
-    lines = [f"{'layer':>5} {'kind':>10} {'seen':>7} {'stored(min/mean/max)':>22} {'residual':>8} {'MiB':>8}"]
+    lines = [f"{'layer':>5} {'kind':>10} {'seen':>7} {'stored(min/mean/max)':>22} {'residual':>8} {'extra':>6} "
+             f"{'MiB':>8}"]
     for r in reports:
         stored = f"{r.stored_min}/{r.stored_mean:.1f}/{r.stored_max}"
-        lines.append(f"{r.layer:>5} {r.kind:>10} {r.tokens_seen:>7} {stored:>22} {r.residual:>8.1f} {r.nbytes / 2**20:>8.3f}")
+        lines.append(f"{r.layer:>5} {r.kind:>10} {r.tokens_seen:>7} {stored:>22} {r.residual:>8.1f} "
+                     f"{r.extra_slots:>6.1f} {r.nbytes / 2**20:>8.3f}")
     compressed = sum(r.compressed for r in reports)
     lines.append(f"{compressed} of {len(reports)} layers hold fewer entries than tokens seen")
     return "\n".join(lines)

@@ -113,6 +113,7 @@ def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch
         scores = policy.score(ctx)
     if keep is None:
         keep = config.allocator.allocate(ctx, scores)
+    keep = policy.reserve(ctx, keep)
     residual_part = config.switch("residual")
     residual = residual_part.build(ctx, scores, keep) if residual_part is not None else None
     if residual is not None:
@@ -122,7 +123,7 @@ def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch
     if config.merger is not None:
         keys, values = config.merger.merge(ctx, columns, keys, values)
     if residual is None or not bool(residual.sizes.any()):
-        return Selection(keys, values, columns)
+        return Selection(keys, values, columns, output_correction=policy.summarise(ctx, columns))
     return _with_residual_entries(keys, values, columns, residual, keep)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -76,6 +77,8 @@ class Selection:
         slots, ``-inf`` where that slot holds none; None when no head of the layer has one.
     residual_columns: ``[B, H_kv, R]`` padded-batch column of each entry's oldest member (-1
         where no entry); None likewise.
+    output_correction: what the layer adds to its attention output for the evicted tokens
+        (``restkv.cache.OutputCorrection``, from ``Policy.summarise``); None for most methods.
     """
 
     keys: torch.Tensor
@@ -83,3 +86,4 @@ class Selection:
     columns: torch.Tensor
     residual_log_counts: torch.Tensor | None = None
     residual_columns: torch.Tensor | None = None
+    output_correction: Any = None

@@ -173,8 +173,10 @@ def registered_methods(*, uniform: bool = False, splittable: bool = False, keeps
     (a method that needs a file, such as HeadKV's scores, has its own tests), filtered by what a
     test assumes of them.
 
-    uniform: every KV head keeps the budget (no allocation of its own).
-    splittable: the residual cache can split its ranking (not positional, not merging values).
+    uniform: every KV head keeps the budget in tokens (no allocation of its own, no state of its own
+        that takes slots of the budget, like IndexMem's memory).
+    splittable: the residual cache can split its ranking (not positional, not merging values, no
+        summary of the evicted tokens of its own).
     keeps_inputs: kept entries are the input keys and values (no merging).
     compresses_first_layer: layer 0 is compressed.
     """
@@ -190,9 +192,9 @@ def registered_methods(*, uniform: bool = False, splittable: bool = False, keeps
                 policy = CompressionConfig(method=name, max_capacity_prompts=64, window_size=8).policy
         except ConfigError:
             continue
-        if not policy.evicts or (uniform and policy.allocation is not None):
+        if not policy.evicts or (uniform and (policy.allocation is not None or policy.summarises_evicted)):
             continue
-        if splittable and (policy.ranks_by_position or policy.merges_values):
+        if splittable and (policy.ranks_by_position or policy.merges_values or policy.summarises_evicted):
             continue
         if (keeps_inputs and policy.merges_values) or (compresses_first_layer and not policy.compresses_layer(0)):
             continue

@@ -23,7 +23,7 @@ Adding a method = one file in ``restkv/policies/`` with a ``Policy`` subclass de
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -58,6 +58,10 @@ class Policy(Options):
     observes_queries: ClassVar[bool] = True
     #: the observation the method is defined with (``--observation`` overrides it)
     default_observation: ClassVar[str] = "window"
+    #: keeps a summary of the tokens it evicts outside the kept entries (IndexMem's latent memory):
+    #: its numbers take token slots of the budget (``reserve``), so heads keep fewer tokens than
+    #: the budget, and the layer reads it through ``summarise``'s output correction
+    summarises_evicted: ClassVar[bool] = False
 
     @classmethod
     def own_allocation(cls, options) -> str | None:
@@ -99,6 +103,16 @@ class Policy(Options):
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         """``[B, H_kv, N]`` float32 importance; only candidate columns are read."""
         raise NotImplementedError
+
+    def reserve(self, ctx: ScoringContext, keep: torch.Tensor) -> torch.Tensor:
+        """``keep`` ``[B, H_kv]`` (tokens per head from the allocation) less the token slots the
+        method's own state takes (none by default)."""
+        return keep
+
+    def summarise(self, ctx: ScoringContext, columns: torch.Tensor) -> Any:
+        """What the layer adds to its attention output for the tokens ``columns`` leaves out (a
+        ``restkv.cache.OutputCorrection``), or None (default: nothing)."""
+        return None
 
     def finalize(
         self, ctx: ScoringContext, columns: torch.Tensor, keys: torch.Tensor, values: torch.Tensor

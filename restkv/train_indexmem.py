@@ -1,0 +1,234 @@
+"""Train IndexMem's indexer and latent memory by block-wise self-distillation (backbone frozen).
+
+    python -m restkv.train_indexmem --model_path smollm2-135m --output indexmem-smollm2.pt
+
+One forward of the frozen full-cache model over each training sequence captures every
+layer's post-RoPE queries, keys and values; every layer's parts then train on local losses
+at a few random block ends ``e`` of the sequence (each a simulated compression of the prefix
+``[0, e)`` with the observation window ``[e - W, e)``):
+
+* **indexer**: ``KL(teacher || student)`` over the candidates ``[0, e - W)``, the teacher being
+  the model's own attention reduced over each query group (``--indexer_target window``: the
+  window's queries, the ones the indexer reads, as ALGORITHMS.md §5.3 says; ``future``: the
+  next ``--future`` queries, what later tokens will need);
+* **memory**: the indexer keeps ``--kept_fraction`` of the prefix, the rest is written into
+  the memory, and the next ``--future`` queries (reading kept tokens and the new ones) are
+  corrected with the memory's read; the loss is the squared error to the full-cache
+  attention output divided by the uncorrected one's (below 1 = the memory helps).
+
+The text is ``--text_file`` (plain text) or the library's synthetic prose (``restkv.text``).
+The file ``--output`` is what ``--indexmem_weights`` loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from restkv.attention import project_qkv
+from restkv.cache import Segment, attend_segments
+from restkv.indexmem import FUSIONS, INDEXER_FORMS, QUERY_REDUCTIONS, Architecture, IndexMemLayer, IndexMemWeights
+from restkv.models import load_model, load_tokenizer
+from restkv.scoring import pool_scores, reduce_groups, window_attention
+from restkv.selection import gather_columns, rank_keys, select_columns
+from restkv.text import synthetic_prose
+
+SYNTHETIC_TEXT = "synthetic-prose"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_path", default="smollm2-135m")
+    parser.add_argument("--output", default="indexmem.pt", help="weights file to write (what --indexmem_weights loads)")
+    parser.add_argument("--text_file", default=None, help="plain-text training data (default: synthetic prose)")
+    parser.add_argument("--num_sequences", type=int, default=8, help="training sequences cut from the text")
+    parser.add_argument("--seq_len", type=int, default=1024, help="tokens per training sequence")
+    parser.add_argument("--steps_per_sequence", type=int, default=4, help="optimiser steps on each captured sequence")
+    parser.add_argument("--blocks", type=int, default=4, help="random block ends per step")
+    parser.add_argument("--window_size", type=int, default=32, help="observation window of the simulated compressions")
+    parser.add_argument("--future", type=int, default=64, help="queries after a block end that read the memory")
+    parser.add_argument("--kept_fraction", type=float, default=0.2, help="prefix share the simulated compressions keep")
+    parser.add_argument("--indexer_target", choices=("window", "future"), default="window")
+    parser.add_argument("--indexmem_features", type=int, default=32)
+    parser.add_argument("--indexer_form", choices=INDEXER_FORMS, default="dot")
+    parser.add_argument("--indexer_heads", type=int, default=4, help="indexer heads of the dsa form")
+    parser.add_argument("--indexmem_query_reduction", choices=QUERY_REDUCTIONS, default="mean")
+    parser.add_argument("--indexmem_fusion", choices=FUSIONS, default="residual")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warm-up, steady, decay)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (the per-layer losses are small tensors: one thread is usually fastest)")
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.text_file is not None and not Path(args.text_file).is_file():
+        raise SystemExit(f"--text_file {args.text_file!r}: no such file")
+    if not 0 < args.kept_fraction < 1:
+        raise SystemExit(f"--kept_fraction must lie in (0, 1); got {args.kept_fraction}")
+    for flag in ("num_sequences", "steps_per_sequence", "blocks", "window_size", "future", "indexmem_features",
+                 "indexer_heads"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag} must be at least 1; got {getattr(args, flag)}")
+    shortest = 2 * args.window_size + args.future + 1
+    if args.seq_len < shortest:
+        raise SystemExit(f"--seq_len {args.seq_len} must be at least 2 x --window_size + --future + 1 = {shortest}")
+
+
+def training_sequences(tokenizer, args: argparse.Namespace) -> list[torch.Tensor]:
+    """``--num_sequences`` consecutive pieces of ``--seq_len`` tokens of the training text."""
+    wanted = args.num_sequences * args.seq_len
+    if args.text_file is not None:
+        ids = tokenizer(Path(args.text_file).read_text(encoding="utf-8"), add_special_tokens=False).input_ids
+        if len(ids) < args.seq_len:
+            raise SystemExit(f"--text_file {args.text_file!r} holds {len(ids)} tokens, fewer than --seq_len")
+    else:
+        words = wanted
+        while len(ids := tokenizer(synthetic_prose(words), add_special_tokens=False).input_ids) < wanted:
+            words *= 2
+    count = min(args.num_sequences, len(ids) // args.seq_len)
+    return [torch.tensor(ids[i * args.seq_len : (i + 1) * args.seq_len])[None] for i in range(count)]
+
+
+def capture_layers(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Every layer's post-RoPE ``(query, key, value)`` of one full-cache forward (float32)."""
+    captured: dict[int, tuple] = {}
+    hooks = []
+    for index, block in enumerate(model.model.layers):
+        def hook(module, args, kwargs, index=index):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            captured[index] = tuple(t.float() for t in project_qkv(module, hidden, kwargs["position_embeddings"]))
+        hooks.append(block.self_attn.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, use_cache=False)
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return [captured[index] for index in range(len(captured))]
+
+
+def block_losses(layer: IndexMemLayer, query, key, value, scaling: float, end: int,
+                 args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's KL and the memory's relative error at one simulated compression of ``[0, end)``."""
+    window, future, kv = args.window_size, args.future, key.shape[1]
+    valid = torch.ones(1, end, dtype=torch.bool)
+    candidates = torch.arange(end) < end - window
+    student = reduce_groups(layer.importance(query[:, :, :end], key[:, :, :end], valid, window,
+                                             args.indexmem_query_reduction), kv)
+    with torch.no_grad():
+        if args.indexer_target == "window":
+            teacher = window_attention(query[:, :, :end], key[:, :, :end], valid, window, scaling).mean(dim=2)
+        else:
+            stop = end + future
+            teacher = window_attention(query[:, :, :stop], key[:, :, :stop], torch.ones(1, stop, dtype=torch.bool),
+                                       future, scaling).mean(dim=2)[..., :end]
+        teacher = reduce_groups(teacher, kv)[..., candidates]
+        teacher = teacher / teacher.sum(dim=-1, keepdim=True)
+    picked = student[..., candidates]
+    picked = picked / picked.sum(dim=-1, keepdim=True)
+    kl = (teacher * (teacher.clamp_min(1e-12).log() - picked.clamp_min(1e-12).log())).sum(dim=-1).mean()
+
+    with torch.no_grad():
+        protected = (~candidates)[None]
+        scores = pool_scores(student.detach(), candidates[None], "avgpool", 5)
+        budget = max(int(args.kept_fraction * end), window + 1)
+        columns = select_columns(rank_keys(scores, valid, protected), torch.full((1, kv), budget))
+        kept = torch.zeros(1, kv, end, dtype=torch.bool).scatter_(2, columns, True)
+        future_query = query[:, :, end : end + future]
+        steps = torch.arange(future)
+        tail_visible = (steps[None, :] <= steps[:, None])[None, None]
+        main, lse = attend_segments(future_query, [
+            Segment(gather_columns(key, columns), gather_columns(value, columns), (columns >= 0)[:, :, None]),
+            Segment(key[:, :, end : end + future], value[:, :, end : end + future], tail_visible),
+        ], scaling, with_lse=True)
+        everything = torch.arange(end + future)[None, :] <= end + steps[:, None]
+        full = attend_segments(future_query, [Segment(key[:, :, : end + future], value[:, :, : end + future],
+                                                      everything[None, None])], scaling)
+        main, full = main.transpose(1, 2).float(), full.transpose(1, 2).float()
+        baseline = (main - full).square().sum().clamp_min(1e-12)
+    state = layer.write(key[:, :, :end], value[:, :, :end], ~kept, torch.arange(end - 1, -1, -1), scaling)
+    readout, log_mass = layer.read(state, future_query, scaling)
+    fused = layer.fuse(main, lse, readout, log_mass, future_query, args.indexmem_fusion)
+    return kl, (fused - full).square().sum() / baseline
+
+
+def learning_rate(step: int, total: int, peak: float) -> float:
+    """Warm-up over the first 10% of steps, steady to 60%, then linear decay to 0.75% of the peak
+    (the paper's warm-up/steady/decay shape, 1e-3 -> 7.5e-6, at this run's length)."""
+    warm, steady = max(1, total // 10), int(0.6 * total)
+    if step < warm:
+        return peak * (step + 1) / warm
+    if step < steady:
+        return peak
+    return peak * (1 - (1 - 0.0075) * (step - steady) / max(1, total - steady))
+
+
+def train(model, sequences: list[torch.Tensor], args: argparse.Namespace) -> IndexMemWeights:
+    """Train every layer's parts on ``sequences`` (``[1, n]`` token ids each) of the frozen ``model``."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    arch = Architecture(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, head_dim,
+                        args.indexmem_features, args.indexer_form,
+                        args.indexer_heads if args.indexer_form == "dsa" else 1, fusion=args.indexmem_fusion)
+    layers = [IndexMemLayer(arch, index, args.seed) for index in range(arch.num_layers)]
+    scalings = [block.self_attn.scaling for block in model.model.layers]
+    optimizer = torch.optim.AdamW([p for layer in layers for p in layer.parameters()], lr=args.lr, weight_decay=0.0)
+    total = len(sequences) * args.steps_per_sequence
+    rng = torch.Generator().manual_seed(args.seed)
+    started, step, history = time.perf_counter(), 0, []
+    progress = tqdm(total=total, desc="indexmem", unit="step")
+    for ids in sequences:
+        captured = capture_layers(model, ids)
+        lowest, highest = 2 * args.window_size + 1, ids.shape[1] - args.future
+        for _ in range(args.steps_per_sequence):
+            ends = torch.randint(lowest, highest + 1, (args.blocks,), generator=rng).tolist()
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, total, args.lr)
+            optimizer.zero_grad()
+            kl_sum = memory_sum = 0.0
+            for layer, (query, key, value), scaling in zip(layers, captured, scalings):
+                losses = [block_losses(layer, query, key, value, scaling, end, args) for end in ends]
+                kl = sum(loss[0] for loss in losses) / len(ends)
+                memory = sum(loss[1] for loss in losses) / len(ends)
+                (kl + memory).backward()
+                kl_sum, memory_sum = kl_sum + kl.item(), memory_sum + memory.item()
+            optimizer.step()
+            step += 1
+            history.append((kl_sum / len(layers), memory_sum / len(layers)))
+            progress.set_postfix(kl=f"{history[-1][0]:.4f}", memory_error=f"{history[-1][1]:.3f}")
+            progress.update()
+    progress.close()
+    seconds = time.perf_counter() - started
+    first, last = history[0], history[-1]
+    training = dict(model=args.model_path, text=args.text_file or SYNTHETIC_TEXT, sequences=len(sequences),
+                    seq_len=args.seq_len, tokens=sum(ids.shape[1] for ids in sequences), steps=step,
+                    seconds=round(seconds, 1),
+                    indexer_target=args.indexer_target, kept_fraction=args.kept_fraction,
+                    query_reduction=args.indexmem_query_reduction, first_losses=first, last_losses=last)
+    return IndexMemWeights(arch, [layer.requires_grad_(False) for layer in layers], training)
+
+
+def main(argv: list[str] | None = None) -> IndexMemWeights:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    tokenizer = load_tokenizer(args.model_path)
+    model = load_model(args.model_path, dtype="float32").requires_grad_(False)
+    weights = train(model, training_sequences(tokenizer, args), args)
+    weights.save(args.output)
+    info = weights.training
+    print(f"wrote {args.output}: {info['steps']} steps on {info['tokens']} tokens of {info['text']} in "
+          f"{info['seconds']} s; indexer KL {info['first_losses'][0]:.4f} -> {info['last_losses'][0]:.4f}, "
+          f"memory error ratio {info['first_losses'][1]:.3f} -> {info['last_losses'][1]:.3f}")
+    return weights
+
+
+if __name__ == "__main__":
+    main()
