@@ -58,6 +58,10 @@ class Policy(Options):
     observes_queries: ClassVar[bool] = True
     #: the observation the method is defined with (``--observation`` overrides it)
     default_observation: ClassVar[str] = "window"
+    #: switches the method is defined with (``momentkv`` = ``snapkv --moments``)
+    own_switches: ClassVar[tuple[str, ...]] = ()
+    #: stores a summary of the evicted tokens besides the kept ones (its slots come from the budget)
+    summarises_evicted: ClassVar[bool] = False
 
     @classmethod
     def own_allocation(cls, options) -> str | None:
