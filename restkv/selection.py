@@ -76,6 +76,8 @@ class Selection:
         slots, ``-inf`` where that slot holds none; None when no head of the layer has one.
     residual_columns: ``[B, H_kv, R]`` padded-batch column of each entry's oldest member (-1
         where no entry); None likewise.
+    residual_value_maps: ``[B, H_kv, M, d, d]`` query-dependent value terms of the last ``M``
+        slots (``restkv.cache.Segment.value_maps``; MomentKV); None without them.
     """
 
     keys: torch.Tensor
@@ -83,3 +85,4 @@ class Selection:
     columns: torch.Tensor
     residual_log_counts: torch.Tensor | None = None
     residual_columns: torch.Tensor | None = None
+    residual_value_maps: torch.Tensor | None = None
