@@ -174,8 +174,9 @@ def registered_methods(*, uniform: bool = False, splittable: bool = False, keeps
     test assumes of them.
 
     uniform: every KV head keeps the budget (no allocation of its own).
-    splittable: the residual cache can split its ranking (not positional, not merging values).
-    keeps_inputs: kept entries are the input keys and values (no merging).
+    splittable: the residual cache can split its ranking (not positional, not merging values, not
+        summarising the evicted tokens itself).
+    keeps_inputs: kept entries are the input keys and values (no merging, no summary entry).
     compresses_first_layer: layer 0 is compressed.
     """
     import warnings
@@ -192,9 +193,9 @@ def registered_methods(*, uniform: bool = False, splittable: bool = False, keeps
             continue
         if not policy.evicts or (uniform and policy.allocation is not None):
             continue
-        if splittable and (policy.ranks_by_position or policy.merges_values):
+        if splittable and (policy.ranks_by_position or policy.merges_values or policy.summarises_evicted):
             continue
-        if (keeps_inputs and policy.merges_values) or (compresses_first_layer and not policy.compresses_layer(0)):
+        if (keeps_inputs and (policy.merges_values or policy.summarises_evicted)) or (compresses_first_layer and not policy.compresses_layer(0)):
             continue
         chosen.append(name)
     return chosen
