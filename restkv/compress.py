@@ -124,12 +124,12 @@ def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch
         keep = keep - residual.sizes
     moments = config.switch("moments")
     if moments is not None:  # the statistics take their slots; moment-informed eviction rescores
-        scores, keep = moments.prepare(ctx, scores, keep)
+        scores, keep, summarised = moments.prepare(ctx, scores, keep)
     columns = select_columns(rank_keys(scores, plan.visible, plan.protected, plan.layer_idx), keep)
     keys, values = policy.finalize(ctx, columns, gather_columns(ctx.key, columns), gather_columns(ctx.value, columns))
     if config.merger is not None:
         keys, values = config.merger.merge(ctx, columns, keys, values)
-    if moments is not None and (summary := moments.summarise(ctx, columns)) is not None:
+    if moments is not None and (summary := moments.summarise(ctx, columns, summarised)) is not None:
         entry, covariance = summary
         selection = _with_residual_entries(keys, values, columns, entry, keep)
         return dataclasses.replace(selection, residual_value_maps=covariance)

@@ -32,7 +32,8 @@ value, ``2 d`` numbers): the entry takes one slot and ``C`` (``d^2`` numbers) ``
 so a head that evicts keeps ``budget - 1 - ceil(d / 2)`` exact tokens (33 slots at ``d = 64``,
 65 at ``d = 128``); ``--moments_free_stats`` keeps the full budget of exact tokens and stores the
 statistics on top. ``cache_report`` shows the entry (``residual``) and ``C`` (``stats``). Heads
-that evict nothing store nothing extra.
+that evict nothing store nothing extra, and a head whose budget cannot hold the statistics
+besides its protected tokens (a small layer of a pyramid) evicts as the base method does.
 
 Statistics are built once per compression; chunked prefill and decode-time compression
 (which would merge them online) are not supported.
@@ -110,32 +111,31 @@ class Moments(Options):
         return 1 + (math.ceil(head_dim / 2) if self.moments_covariance else 0)
 
     def prepare(self, ctx: ScoringContext, scores: torch.Tensor,
-                keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scores and kept exact tokens ``[B, H_kv]`` once the statistics have their slots."""
-        evicts = keep < ctx.visible.sum(dim=-1)[:, None]
+                keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(scores, keep, summarised)``: the scores, the kept exact tokens ``[B, H_kv]`` once the
+        statistics have their slots, and which heads keep statistics (``[B, H_kv]`` bool: those that
+        evict and whose budget holds the statistics besides the protected tokens; the others evict
+        as the base method does)."""
         cost = 0 if self.moments_free_stats else self.slots(ctx.key.shape[-1])
-        keep = torch.where(evicts, keep - cost, keep)
         protected = ctx.protected.sum(dim=-1)[:, None]
-        if bool((keep < protected).any()):
-            raise ConfigError(
-                f"--moments takes {cost} token slots per KV head (head dim {ctx.key.shape[-1]}) from a budget that "
-                f"leaves fewer than the {int(protected.max())} protected tokens (--window_size); raise the budget, "
-                "lower the window, or use --moments_free_stats"
-            )
+        evicts = (keep < ctx.visible.sum(dim=-1)[:, None]) & (keep - cost >= protected)
+        keep = torch.where(evicts, keep - cost, keep)
         if self.moments_no_mi or not bool(evicts.any()):
-            return scores, keep
+            return scores, keep, evicts
         tentative = _evicted(ctx, select_columns(rank_keys(scores, ctx.visible, ctx.protected, ctx.layer_idx), keep))
         vectors = (ctx.key if self.moments_vector == "key" else ctx.value).float()
         residual = _residual_norms(vectors, tentative, self.moments_subspace, self.moments_rank)
         candidates = ctx.candidates[:, None, :] & evicts[..., None]
         floor = scores.float().masked_fill(~candidates, float("inf")).amin(dim=-1, keepdim=True).clamp(max=0)
         rescored = torch.where(candidates, (scores.float() - floor) * residual, scores.float())
-        return rescored, keep
+        return rescored, keep, evicts
 
-    def summarise(self, ctx: ScoringContext, columns: torch.Tensor) -> tuple[ResidualPlan, torch.Tensor | None] | None:
+    def summarise(self, ctx: ScoringContext, columns: torch.Tensor,
+                  summarised: torch.Tensor) -> tuple[ResidualPlan, torch.Tensor | None] | None:
         """The evicted set's entry (``ResidualPlan`` of one slot per head) and covariance
-        ``[B, H_kv, 1, d, d]`` (None with ``--no-moments_covariance``); None if nothing was evicted."""
-        evicted = _evicted(ctx, columns)
+        ``[B, H_kv, 1, d, d]`` (None with ``--no-moments_covariance``) of the ``summarised`` heads;
+        None if none of them evicted anything."""
+        evicted = _evicted(ctx, columns) & summarised[..., None]
         counts = evicted.sum(dim=-1)  # [B, H_kv]
         if not bool(counts.any()):
             return None
