@@ -126,7 +126,8 @@ class Moments(Options):
         vectors = (ctx.key if self.moments_vector == "key" else ctx.value).float()
         residual = _residual_norms(vectors, tentative, self.moments_subspace, self.moments_rank)
         candidates = ctx.candidates[:, None, :] & evicts[..., None]
-        floor = scores.float().masked_fill(~candidates, float("inf")).amin(dim=-1, keepdim=True).clamp(max=0)
+        finite = candidates & torch.isfinite(scores)
+        floor = scores.float().masked_fill(~finite, float("inf")).amin(dim=-1, keepdim=True).clamp(max=0)
         rescored = torch.where(candidates, (scores.float() - floor) * residual, scores.float())
         return rescored, keep, evicts
 
