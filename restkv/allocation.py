@@ -432,6 +432,10 @@ class ModelRanked(Allocation):
     name = "model_ranked"
     model_wide = True
 
+    def reserved(self, candidate_budget: int) -> int:
+        """Candidates every (layer, KV head) keeps before the model-wide ranking (none here)."""
+        return 0
+
     def allocate(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
         """A single layer ranks its heads alone (the model of one layer)."""
         return self.allocate_model({ctx.layer_idx: ctx}, {ctx.layer_idx: scores})[ctx.layer_idx]
@@ -450,7 +454,12 @@ class ModelRanked(Allocation):
                 if shape.candidate_budget >= shape.candidates:  # the row fits in this layer
                     keeps[layer][row] += shape.candidates
                     continue
-                competing.append((layer, scores[layer][row][:, ctx.candidates[row]].float().cpu()))
+                part = scores[layer][row][:, ctx.candidates[row]].float().cpu()
+                reserved = min(self.reserved(shape.candidate_budget), part.shape[1])
+                if reserved:  # each head's own top candidates win first
+                    top = torch.sort(part, dim=-1, descending=True, stable=True).indices[:, :reserved]
+                    part = part.scatter(1, top, float("inf"))
+                competing.append((layer, part))
                 total += ctx.num_kv_heads * shape.candidate_budget
             if not competing:
                 continue
@@ -464,3 +473,21 @@ class ModelRanked(Allocation):
                 keeps[layer][row] += torch.bincount(head[mine], minlength=part.shape[0])
         device = first.budgets.device
         return {layer: keep.to(device) for layer, keep in keeps.items()}
+
+
+@register("allocation")
+@dataclass(frozen=True)
+class LaProxAllocation(ModelRanked):
+    """LaProx's model-wide selection (ALGORITHMS.md 5.1, NEWER_METHODS.md 1.1): ``model_ranked``
+    over layer-normalised scores, with an optional per-head floor (an AdaKV-style safeguard that
+    the paper, as read, does not have)."""
+
+    name = "laprox"
+
+    laprox_floor: float = option(
+        0.0, "LaProx: every (layer, KV head) keeps at least floor * (budget - window) candidates before the "
+        "model-wide ranking (ALGORITHMS.md 5.1 proposes 0.1; not in the paper as read)", minimum=0, maximum=1,
+    )
+
+    def reserved(self, candidate_budget: int) -> int:
+        return int(self.laprox_floor * candidate_budget)

@@ -32,7 +32,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from restkv.cache import CompressedLayer, native_layer
+from restkv.cache import CompressedLayer, native_layer, readout_of
 from restkv.compat import CACHE_ARGUMENT, output_cache, with_cache
 from restkv.compress import compress_layer
 from restkv.config import CompressionConfig
@@ -121,10 +121,9 @@ def restkv_attention_forward(
         else:
             output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
             ctx = ScoringContext.of(query, key, value, plan, params.scaling, params.softcap, self.o_proj.weight)
-            residual = config.switch("residual")
             cache.layers[self.layer_idx] = compressed = CompressedLayer.from_selection(
                 compress_layer(config, ctx), query.shape[2], params.sliding_window, config,
-                readout=residual.readout() if residual is not None else None, padding=plan.padding,
+                readout=readout_of(config), padding=plan.padding,
             )
             if config.run.decode_budget is not None:
                 compressed.remember_queries(query, config.run.window_size)

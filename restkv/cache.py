@@ -57,13 +57,17 @@ class Segment:
     keys, values: ``[B, H_kv, S, d]``. visible: bool, broadcastable to ``[B, H_kv, 1, q, S]``
     (given as ``[B, H_kv | 1, q | 1, S]``). log_counts: optional float32 broadcastable to
     ``[B, H_kv, G, q, S]`` (given as ``[B, H_kv, 1, 1, S]``): a finite value marks the slot as a
-    ResKV residual entry with that log member count, ``-inf`` an exact token.
+    ResKV residual entry with that log member count, ``-inf`` an exact token. value_maps: optional
+    ``[B, H_kv, M, d, d]`` query-dependent value terms of the segment's last ``M`` slots: such a slot
+    gives query ``q`` the value ``values[s] + scaling * value_maps[s] q`` (MomentKV's first-order
+    summary of the evicted tokens); zero maps leave a slot's value as it is.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     visible: torch.Tensor
     log_counts: torch.Tensor | None = None
+    value_maps: torch.Tensor | None = None
 
 
 class OutputCorrection(Protocol):
@@ -86,6 +90,15 @@ class OutputCorrection(Protocol):
 #: how residual entries are read when the caller gives no readout: ``beta log c`` with beta = 1,
 #: no gate, one softmax
 PLAIN_READOUT = ResidualReadout(gate=False)
+
+
+def readout_of(config: Any) -> ResidualReadout | None:
+    """How a config's summary entries are read: the readout of the switch that builds them
+    (``--residual``, ``--moments``), None when no switch does."""
+    for part in getattr(config, "switches", ()):
+        if hasattr(part, "readout"):
+            return part.readout()
+    return None
 
 
 def attend_segments(
@@ -123,6 +136,8 @@ def attend_segments(
     for segment in segments:
         width = segment.keys.shape[-2]
         part = torch.matmul(weights[..., start : start + width], segment.values)
+        if segment.value_maps is not None:
+            part = part + _query_value_terms(weights[..., start : start + width], stacked, segment.value_maps, scaling)
         output = part if output is None else output + part
         start += width
     output = output.view(batch, num_heads, q_len, head_dim).transpose(1, 2)
@@ -151,6 +166,15 @@ def fused_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, num_kv_heads, groups * q_len, -1)
     output = F.scaled_dot_product_attention(stacked, keys, values, attn_mask=mask, scale=scaling)
     return output.view(batch, num_heads, q_len, head_dim).transpose(1, 2)
+
+
+def _query_value_terms(weights: torch.Tensor, stacked: torch.Tensor, value_maps: torch.Tensor,
+                       scaling: float) -> torch.Tensor:
+    """``sum_s w_s * scaling * value_maps[s] q`` over a segment's last ``M`` slots (``weights``
+    ``[B, H_kv, Gq, S]``, ``stacked`` queries ``[B, H_kv, Gq, d]``), in float32."""
+    mapped = torch.einsum("bkmvd,bkqd->bkqmv", value_maps.float(), stacked.float())
+    terms = torch.einsum("bkqm,bkqmv->bkqv", weights[..., -value_maps.shape[2]:].float(), mapped) * scaling
+    return terms.to(stacked.dtype)
 
 
 def tail_visibility(attention_mask, batch: int, q_len: int, tail_length: int, device) -> torch.Tensor:
@@ -190,9 +214,12 @@ class CompressedLayer(CacheLayerMixin):
         config: Any = None,
         prompt_padding: torch.Tensor | None = None,
         output_correction: OutputCorrection | None = None,
+        residual_value_maps: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.residual_log_counts = residual_log_counts
+        #: ``[B, H_kv, M, d, d]`` query-dependent value terms of the last ``M`` residual slots (``Segment.value_maps``)
+        self.residual_value_maps = residual_value_maps
         # Columns index the padded batch (what attention masks index); -1 = no exact token in the slot.
         self.entries = entries_for(kept_keys, kept_values, kept_columns, self.residual_counts_of(kept_columns))
         # Sliding-window layers only: the padded-batch column of each entry's oldest member; an
@@ -229,7 +256,8 @@ class CompressedLayer(CacheLayerMixin):
         ``padding``: each row's left padding)."""
         residual = {}
         if selection.residual_log_counts is not None:
-            residual = {"residual_log_counts": selection.residual_log_counts, "residual_readout": readout}
+            residual = {"residual_log_counts": selection.residual_log_counts, "residual_readout": readout,
+                        "residual_value_maps": selection.residual_value_maps}
             if sliding_window is not None:  # entries leave the window with their oldest member
                 residual["residual_columns"] = selection.residual_columns
         return cls(selection.keys, selection.values, selection.columns, tokens_seen=tokens_seen,
@@ -294,10 +322,12 @@ class CompressedLayer(CacheLayerMixin):
         return output
 
     def _fusable(self, softcap: float | None) -> bool:
-        """Whether SDPA computes this layer's softmax: no soft-cap, and residual entries (if any)
-        read with a fixed bias (``beta log c``: no gate, one softmax)."""
+        """Whether SDPA computes this layer's softmax: no soft-cap, no query-dependent values
+        (MomentKV's covariance term), and residual entries (if any) read with a fixed bias
+        (``beta log c``: no gate, one softmax)."""
         readout = self.residual_readout or PLAIN_READOUT
-        return softcap is None and (self.residual_width == 0 or not (readout.gate or readout.separate_softmax))
+        return softcap is None and self.residual_value_maps is None and (
+            self.residual_width == 0 or not (readout.gate or readout.separate_softmax))
 
     def _joined(self, kept_keys: torch.Tensor, kept_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Kept slots then tail, ``[B, H_kv, S + T, d]``: a view of the shared buffer when the
@@ -334,13 +364,21 @@ class CompressedLayer(CacheLayerMixin):
             entries = entries & (self.residual_columns[:, :, None, :] > (query_columns[:, None] - self.sliding_window))
         visible = kept_visible | torch.nn.functional.pad(entries, (exact_slots, 0), value=False)
         log_counts = torch.nn.functional.pad(self.residual_log_counts, (exact_slots, 0), value=float("-inf"))
-        return Segment(kept_keys, kept_values, visible, log_counts[:, :, None, None, :])
+        return Segment(kept_keys, kept_values, visible, log_counts[:, :, None, None, :], self.residual_value_maps)
 
     # ----------------------------------------------------------- contents
     @property
     def kept_counts(self) -> torch.Tensor:
         """``[B, H_kv]`` prompt tokens kept per row and KV head."""
         return self.entries.exact_counts()
+
+    def statistics_slots(self) -> float:
+        """Token slots per KV head held by the query-dependent value terms (a slot = one key and one
+        value, ``2 d`` numbers); 0 without them."""
+        maps = self.residual_value_maps
+        if maps is None:
+            return 0.0
+        return maps[0, 0].numel() / (2 * maps.shape[-1])
 
     @property
     def residual_width(self) -> int:
@@ -429,7 +467,8 @@ class CompressedLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         """Bytes held by every tensor of the layer (tail counted at its used length)."""
         tensors = list(self.entries.tensors())
-        tensors += [t for t in (self.residual_log_counts, self.residual_columns, self.recent_queries) if t is not None]
+        tensors += [t for t in (self.residual_log_counts, self.residual_columns, self.residual_value_maps,
+                                self.recent_queries) if t is not None]
         tensors += list(self.tail) if self.tail_length else []
         tensors += list(self.output_correction.tensors()) if self.output_correction is not None else []
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -461,14 +500,14 @@ class CompressedLayer(CacheLayerMixin):
         """Empty the layer: the next forward through it is a new prefill."""
         keys, _, columns = self.entries.read()
         self.entries = DenseEntries(keys[:, :, :0], keys[:, :, :0], columns[:, :, :0])
-        self.residual_log_counts = self.residual_columns = self.output_correction = None
+        self.residual_log_counts = self.residual_columns = self.residual_value_maps = self.output_correction = None
         self._buffer_keys = self._buffer_values = self._buffer_prefix_of = None
         self._tail_start = self.tail_length = self.tokens_seen = self.prompt_tokens = 0
 
     def _map_batch(self, fn) -> None:
         keys, values, columns = (fn(tensor) for tensor in self.entries.read())
-        for name in ("residual_log_counts", "residual_columns", "_buffer_keys", "_buffer_values", "recent_queries",
-                     "prompt_padding"):
+        for name in ("residual_log_counts", "residual_columns", "residual_value_maps", "_buffer_keys",
+                     "_buffer_values", "recent_queries", "prompt_padding"):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, fn(tensor))
@@ -520,6 +559,8 @@ class LayerReport:
     residual: float
     nbytes: int
     extra_slots: float = 0.0
+    #: token slots (of ``2 d`` numbers) per KV head that query-dependent value terms hold (MomentKV's covariance)
+    statistics: float = 0.0
 
     @property
     def compressed(self) -> bool:
@@ -537,6 +578,7 @@ def cache_report(cache: Cache) -> list[LayerReport]:
                     index, "compressed", layer.tokens_seen, int(stored.min()), int(stored.max()),
                     float(stored.float().mean()), float(layer.residual_counts.float().mean()), layer.nbytes(),
                     layer.output_correction.token_slots() if layer.output_correction is not None else 0.0,
+                    layer.statistics_slots(),
                 )
             )
         else:
@@ -557,11 +599,12 @@ def cache_nbytes(cache: Cache) -> int:
 def format_report(reports: list[LayerReport]) -> str:
     """A plain-text table of ``cache_report``."""
     lines = [f"{'layer':>5} {'kind':>10} {'seen':>7} {'stored(min/mean/max)':>22} {'residual':>8} {'extra':>6} "
+             f"{'stats':>6} "
              f"{'MiB':>8}"]
     for r in reports:
         stored = f"{r.stored_min}/{r.stored_mean:.1f}/{r.stored_max}"
         lines.append(f"{r.layer:>5} {r.kind:>10} {r.tokens_seen:>7} {stored:>22} {r.residual:>8.1f} "
-                     f"{r.extra_slots:>6.1f} {r.nbytes / 2**20:>8.3f}")
+                     f"{r.extra_slots:>6.1f} {r.statistics:>6.1f} {r.nbytes / 2**20:>8.3f}")
     compressed = sum(r.compressed for r in reports)
     lines.append(f"{compressed} of {len(reports)} layers hold fewer entries than tokens seen")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ builds the layer's plan itself and returns row-local positions. What a notebook 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -33,6 +34,8 @@ class CompressedKV:
     when no head of the layer has one.
     residual_positions: ``[B, H_kv, R]`` row-local position of each entry's oldest member
     (-1 where no entry); None likewise.
+    residual_value_maps: ``[B, H_kv, M, d, d]`` query-dependent value terms of the last ``M``
+    slots (MomentKV's value-key covariance, ``restkv.cache.Segment``); None without them.
 
     Unpacks as ``keys, values, indices`` (what callers that ignore residual entries read).
     """
@@ -42,6 +45,7 @@ class CompressedKV:
     indices: torch.Tensor
     residual_log_counts: torch.Tensor | None = None
     residual_positions: torch.Tensor | None = None
+    residual_value_maps: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter((self.keys, self.values, self.indices))
@@ -92,7 +96,8 @@ def compress_kv(
         return None if columns is None else torch.where(columns >= 0, columns - padding, columns)
 
     return CompressedKV(selection.keys, selection.values, row_local(selection.columns),
-                        selection.residual_log_counts, row_local(selection.residual_columns))
+                        selection.residual_log_counts, row_local(selection.residual_columns),
+                        selection.residual_value_maps)
 
 
 def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch.Tensor | None = None,
@@ -118,10 +123,17 @@ def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch
     residual = residual_part.build(ctx, scores, keep) if residual_part is not None else None
     if residual is not None:
         keep = keep - residual.sizes
+    moments = config.switch("moments")
+    if moments is not None:  # the statistics take their slots; moment-informed eviction rescores
+        scores, keep, summarised = moments.prepare(ctx, scores, keep)
     columns = select_columns(rank_keys(scores, plan.visible, plan.protected, plan.layer_idx), keep)
     keys, values = policy.finalize(ctx, columns, gather_columns(ctx.key, columns), gather_columns(ctx.value, columns))
     if config.merger is not None:
         keys, values = config.merger.merge(ctx, columns, keys, values)
+    if moments is not None and (summary := moments.summarise(ctx, columns, summarised)) is not None:
+        entry, covariance = summary
+        selection = _with_residual_entries(keys, values, columns, entry, keep)
+        return dataclasses.replace(selection, residual_value_maps=covariance)
     if residual is None or not bool(residual.sizes.any()):
         return Selection(keys, values, columns, output_correction=policy.summarise(ctx, columns))
     return _with_residual_entries(keys, values, columns, residual, keep)

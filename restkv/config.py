@@ -136,7 +136,11 @@ class CompressionConfig:
         for flag in switch_flags:
             if flag in explicit and not isinstance(explicit[flag], bool):
                 raise ConfigError(f"--{flag} must be a boolean (--{flag} / --no-{flag}); got {explicit[flag]!r}")
-        switch_classes = [cls for flag, cls in switch_flags.items() if explicit.get(flag)]
+        for flag in policy_cls.own_switches:
+            if explicit.get(flag) is False:
+                raise ConfigError(f"--method {run.method} is defined with --{flag}; --no-{flag} does not apply to it")
+        switch_classes = [cls for flag, cls in switch_flags.items()
+                          if explicit.get(flag) or flag in policy_cls.own_switches]
         part_classes = [policy_cls, allocation_cls, *([merge_cls] if merge_cls else []), *switch_classes]
 
         given: dict[type, dict[str, Any]] = {cls: {} for cls in part_classes}

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from restkv.cache import CompressedLayer
+from restkv.cache import CompressedLayer, readout_of
 from restkv.compat import with_cache
 from restkv.compress import compress_layer
 from restkv.context import LayerPlan, ScoringContext
@@ -175,10 +175,9 @@ def _compress_pending(cache, pending: PendingPrefill) -> None:
         for index in indices:
             layer = pending.layers[index]
             selection = compress_layer(config, contexts[index], scores=scores[index], keep=keeps.get(index))
-            residual = config.switch("residual")
             cache.layers[index] = CompressedLayer.from_selection(
                 selection, layer.plan.valid.shape[-1], layer.plan.sliding_window, config,
-                readout=residual.readout() if residual is not None else None, padding=layer.plan.padding,
+                readout=readout_of(config), padding=layer.plan.padding,
             )
 
 

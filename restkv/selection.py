@@ -79,6 +79,8 @@ class Selection:
         where no entry); None likewise.
     output_correction: what the layer adds to its attention output for the evicted tokens
         (``restkv.cache.OutputCorrection``, from ``Policy.summarise``); None for most methods.
+    residual_value_maps: ``[B, H_kv, M, d, d]`` query-dependent value terms of the last ``M``
+        slots (``restkv.cache.Segment.value_maps``; MomentKV); None without them.
     """
 
     keys: torch.Tensor
@@ -87,3 +89,4 @@ class Selection:
     residual_log_counts: torch.Tensor | None = None
     residual_columns: torch.Tensor | None = None
     output_correction: Any = None
+    residual_value_maps: torch.Tensor | None = None

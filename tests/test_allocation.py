@@ -335,8 +335,8 @@ def test_methods_keep_their_original_allocation():
     assert allocation_of(CompressionConfig(method="h2o", allocation="adakv", **base)) == "adakv"
 
 
-#: scorers whose heads keep their allocated counts in tokens (IndexMem's memory takes slots of
-#: them: tests/test_indexmem.py checks it under the allocations)
+#: scorers whose heads keep their allocated counts in tokens (MomentKV's statistics and IndexMem's
+#: memory take slots of them: tests/test_momentkv.py and tests/test_indexmem.py check the allocations)
 SCORERS = [m for m in available_methods()
            if m != "fullkv" and get_policy(m).allocation is None and not get_policy(m).summarises_evicted]
 

@@ -173,11 +173,11 @@ def registered_methods(*, uniform: bool = False, splittable: bool = False, keeps
     (a method that needs a file, such as HeadKV's scores, has its own tests), filtered by what a
     test assumes of them.
 
-    uniform: every KV head keeps the budget in tokens (no allocation of its own, no state of its own
-        that takes slots of the budget, like IndexMem's memory).
-    splittable: the residual cache can split its ranking (not positional, not merging values, no
-        summary of the evicted tokens of its own).
-    keeps_inputs: kept entries are the input keys and values (no merging).
+    uniform: every KV head keeps the budget in tokens (no allocation of its own, no summary of the
+        evicted tokens that takes slots of the budget, like MomentKV's statistics or IndexMem's memory).
+    splittable: the residual cache can split its ranking (not positional, not merging values, not
+        summarising the evicted tokens itself).
+    keeps_inputs: kept entries are the input keys and values (no merging, no summary entry).
     compresses_first_layer: layer 0 is compressed.
     """
     import warnings
@@ -196,7 +196,7 @@ def registered_methods(*, uniform: bool = False, splittable: bool = False, keeps
             continue
         if splittable and (policy.ranks_by_position or policy.merges_values or policy.summarises_evicted):
             continue
-        if (keeps_inputs and policy.merges_values) or (compresses_first_layer and not policy.compresses_layer(0)):
+        if (keeps_inputs and (policy.merges_values or policy.summarises_evicted)) or (compresses_first_layer and not policy.compresses_layer(0)):
             continue
         chosen.append(name)
     return chosen

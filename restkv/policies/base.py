@@ -58,9 +58,11 @@ class Policy(Options):
     observes_queries: ClassVar[bool] = True
     #: the observation the method is defined with (``--observation`` overrides it)
     default_observation: ClassVar[str] = "window"
-    #: keeps a summary of the tokens it evicts outside the kept entries (IndexMem's latent memory):
-    #: its numbers take token slots of the budget (``reserve``), so heads keep fewer tokens than
-    #: the budget, and the layer reads it through ``summarise``'s output correction
+    #: switches the method is defined with (``momentkv`` = ``snapkv --moments``)
+    own_switches: ClassVar[tuple[str, ...]] = ()
+    #: keeps a summary of the tokens it evicts besides the kept entries (MomentKV's statistics,
+    #: IndexMem's latent memory): its numbers take token slots of the budget, so heads keep fewer
+    #: tokens than the budget (IndexMem: ``reserve``, read through ``summarise``'s output correction)
     summarises_evicted: ClassVar[bool] = False
 
     @classmethod
