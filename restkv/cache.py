@@ -17,6 +17,17 @@ that take part in one softmax (``attend_segments``):
 * **tail**: tokens appended after compression (question chunk, generated tokens), dense
   ``[B, H_kv, T, d]`` shared by every head, grown by doubling.
 
+Two parts change how the segments are stored, not what attention computes from them:
+
+* ``--quant_method`` (``restkv.quantization``): the kept and residual entries are held as
+  packed codes (``restkv.storage.QuantizedEntries``), quantised once after eviction; the
+  tail stays exact until ``--quant_residual_length`` tokens have accumulated, then that
+  block is quantised (``tail_blocks``; sliding-window layers keep their short tail exact).
+  Attention dequantises one block at a time.
+* ``--think`` (``restkv.channel_pruning``): the kept and residual keys hold only each head's
+  ``key_channels``, which select the query channels that meet them; the newest
+  ``--recent_size`` prompt tokens keep whole keys and open the tail.
+
 ``tokens_seen`` counts every column processed (padding included, as ``DynamicLayer``
 does), separately from what is stored: transformers derives the next RoPE position from
 ``get_seq_length()`` when no position ids are passed, so it must return tokens seen.
@@ -25,11 +36,13 @@ does), separately from what is stored: transformers derives the next RoPE positi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
+from restkv.channel_pruning import split_recent
+from restkv.quantization import QuantizedTensor
 from restkv.residual import ResidualReadout, capped
 from restkv.selection import Selection
 from restkv.storage import DenseEntries, entries_for
@@ -39,16 +52,24 @@ from restkv.storage import DenseEntries, entries_for
 class Segment:
     """One block of keys/values inside the shared softmax.
 
-    keys, values: ``[B, H_kv, S, d]``. visible: bool, broadcastable to ``[B, H_kv, 1, q, S]``
-    (given as ``[B, H_kv | 1, q | 1, S]``). log_counts: optional float32 broadcastable to
-    ``[B, H_kv, G, q, S]`` (given as ``[B, H_kv, 1, 1, S]``): a finite value marks the slot as a
-    ResKV residual entry with that log member count, ``-inf`` an exact token.
+    keys, values: ``[B, H_kv, S, d]``, or functions that return them (a quantised block is
+    dequantised only when attention reads it). visible: bool, broadcastable to
+    ``[B, H_kv, 1, q, S]`` (given as ``[B, H_kv | 1, q | 1, S]``). log_counts: optional
+    float32 broadcastable to ``[B, H_kv, G, q, S]`` (given as ``[B, H_kv, 1, 1, S]``): a finite
+    value marks the slot as a ResKV residual entry with that log member count, ``-inf`` an
+    exact token. key_channels: optional ``[B, H_kv, c]``, the query channels the keys hold
+    (ThinK's pruned keys, ``[B, H_kv, S, c]``).
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    keys: torch.Tensor | Callable[[], torch.Tensor]
+    values: torch.Tensor | Callable[[], torch.Tensor]
     visible: torch.Tensor
     log_counts: torch.Tensor | None = None
+    key_channels: torch.Tensor | None = None
+
+
+def _read(tensor: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
+    return tensor() if callable(tensor) else tensor
 
 
 #: how residual entries are read when the caller gives no readout: ``beta log c`` with beta = 1,
@@ -73,12 +94,16 @@ def attend_segments(
     interface layout).
     """
     batch, num_heads, q_len, head_dim = query.shape
-    num_kv_heads = segments[0].keys.shape[1]
+    held = next((segment.keys for segment in segments if isinstance(segment.keys, torch.Tensor)), None)
+    num_kv_heads = (held if held is not None else _read(segments[0].keys)).shape[1]
     groups = num_heads // num_kv_heads
     stacked = query.reshape(batch, num_kv_heads, groups * q_len, head_dim)
     logits = []
     for segment in segments:
-        raw = torch.matmul(stacked, segment.keys.transpose(-1, -2)) * scaling
+        probe = stacked
+        if segment.key_channels is not None:
+            probe = stacked.gather(-1, segment.key_channels[:, :, None, :].expand(-1, -1, stacked.shape[2], -1))
+        raw = torch.matmul(probe, _read(segment.keys).transpose(-1, -2)) * scaling
         logits.append(capped(raw.float().view(batch, num_kv_heads, groups, q_len, -1), softcap))
     weights = (readout or PLAIN_READOUT).weights(
         logits, [segment.visible.unsqueeze(2) for segment in segments], [segment.log_counts for segment in segments]
@@ -86,9 +111,8 @@ def attend_segments(
     weights = weights.to(query.dtype).view(batch, num_kv_heads, groups * q_len, -1)
     output = None
     start = 0
-    for segment in segments:
-        width = segment.keys.shape[-2]
-        part = torch.matmul(weights[..., start : start + width], segment.values)
+    for segment, width in zip(segments, [part.shape[-1] for part in logits]):
+        part = torch.matmul(weights[..., start : start + width], _read(segment.values))
         output = part if output is None else output + part
         start += width
     return output.view(batch, num_heads, q_len, head_dim).transpose(1, 2)
@@ -130,11 +154,18 @@ class CompressedLayer(CacheLayerMixin):
         residual_readout: ResidualReadout | None = None,
         config: Any = None,
         prompt_padding: torch.Tensor | None = None,
+        key_channels: torch.Tensor | None = None,
+        quantizer: Any = None,
     ) -> None:
         super().__init__()
         self.residual_log_counts = residual_log_counts
+        #: the ``restkv.quantization`` part that stores entries and full tail blocks, or None (exact)
+        self.quantizer = quantizer
+        #: ``[B, H_kv, c]`` the key channels the kept keys hold (ThinK), or None (all of them)
+        self.key_channels = key_channels
         # Columns index the padded batch (what attention masks index); -1 = no exact token in the slot.
-        self.entries = entries_for(kept_keys, kept_values, kept_columns, self.residual_counts_of(kept_columns))
+        self.entries = entries_for(kept_keys, kept_values, kept_columns, self.residual_counts_of(kept_columns),
+                                   quantizer)
         # Sliding-window layers only: the padded-batch column of each entry's oldest member; an
         # entry is visible while all its members are (int32, -1 = no entry).
         self.residual_columns = None if residual_columns is None else residual_columns.to(torch.int32)
@@ -143,7 +174,9 @@ class CompressedLayer(CacheLayerMixin):
         self.config = config
         self.tail_keys: torch.Tensor | None = None
         self.tail_values: torch.Tensor | None = None
+        #: tail tokens, the quantised blocks (``tail_blocks``, oldest first) and the exact ones after them
         self.tail_length = 0
+        self.tail_blocks: list[tuple[QuantizedTensor, QuantizedTensor]] = []
         self.tokens_seen = tokens_seen
         self.prompt_tokens = tokens_seen
         #: ``[B]`` left-padding columns of each row's prompt (tokens seen by a row = tokens_seen - padding)
@@ -160,14 +193,23 @@ class CompressedLayer(CacheLayerMixin):
     def from_selection(cls, selection: Selection, tokens_seen: int, sliding_window: int | None, config: Any,
                        readout: ResidualReadout | None = None, padding: torch.Tensor | None = None) -> "CompressedLayer":
         """The layer that holds a compressing prefill's ``Selection`` (padded-batch columns;
-        ``padding``: each row's left padding)."""
+        ``padding``: each row's left padding), stored as ``config`` says (quantised, pruned keys)."""
         residual = {}
         if selection.residual_log_counts is not None:
             residual = {"residual_log_counts": selection.residual_log_counts, "residual_readout": readout}
             if sliding_window is not None:  # entries leave the window with their oldest member
                 residual["residual_columns"] = selection.residual_columns
-        return cls(selection.keys, selection.values, selection.columns, tokens_seen=tokens_seen,
-                   sliding_window=sliding_window, config=config, prompt_padding=padding, **residual)
+        recent_size = 0
+        if selection.key_channels is not None:  # ThinK: the recent tokens, whole, open the tail
+            recent_size = config.switch("think").recent_size
+            selection, recent_keys, recent_values = split_recent(selection, tokens_seen, recent_size)
+        layer = cls(selection.keys, selection.values, selection.columns, tokens_seen=tokens_seen - recent_size,
+                    sliding_window=sliding_window, config=config, prompt_padding=padding,
+                    key_channels=selection.key_channels, quantizer=getattr(config, "quantizer", None), **residual)
+        if recent_size:
+            layer.append(recent_keys, recent_values)
+            layer.prompt_tokens = tokens_seen
+        return layer
 
     # ----------------------------------------------------------- the kept entries
     @property
@@ -203,34 +245,43 @@ class CompressedLayer(CacheLayerMixin):
         q_len = query.shape[2]
         query_columns = torch.arange(self.tokens_seen, self.tokens_seen + q_len, device=query.device)
         self.append(key, value)
-        tail_keys, tail_values = self.tail
-        kept_keys, kept_values, kept_columns = self.entries.read()
-        kept_visible = (kept_columns >= 0)[:, :, None, :]
-        if self.sliding_window is not None:
-            in_window = kept_columns[:, :, None, :] > (query_columns[:, None] - self.sliding_window)
-            kept_visible = kept_visible & in_window
         tail_visible = tail_visibility(attention_mask, query.shape[0], q_len, self.tail_length, query.device)
-        segments = [
-            self._kept_segment(kept_keys, kept_values, kept_visible, query_columns),
-            Segment(tail_keys, tail_values, tail_visible[:, None]),
-        ]
+        segments = self._kept_segments(query_columns) + self._tail_segments(tail_visible[:, None])
         output = attend_segments(query, segments, scaling, softcap, self.residual_readout)
         self.trim_tail_to_window()
+        self._quantize_full_tail_blocks()
         return output
 
-    def _kept_segment(self, kept_keys: torch.Tensor, kept_values: torch.Tensor, kept_visible: torch.Tensor,
-                      query_columns: torch.Tensor) -> Segment:
-        """The kept slots; with residual entries (in the last ``R`` slots) the segment carries their
-        log-counts (``-inf`` on the exact slots)."""
-        if self.residual_width == 0:
-            return Segment(kept_keys, kept_values, kept_visible)
-        exact_slots = kept_keys.shape[2] - self.residual_width
-        entries = torch.isfinite(self.residual_log_counts)[:, :, None, :]
-        if self.sliding_window is not None:  # an entry is visible while its oldest member is
-            entries = entries & (self.residual_columns[:, :, None, :] > (query_columns[:, None] - self.sliding_window))
-        visible = kept_visible | torch.nn.functional.pad(entries, (exact_slots, 0), value=False)
-        log_counts = torch.nn.functional.pad(self.residual_log_counts, (exact_slots, 0), value=float("-inf"))
-        return Segment(kept_keys, kept_values, visible, log_counts[:, :, None, None, :])
+    def _kept_segments(self, query_columns: torch.Tensor) -> list[Segment]:
+        """The kept slots, one segment per block the store reads (``restkv.storage``); with
+        residual entries (in the last ``R`` slots) the segments carry their log-counts (``-inf``
+        on the exact slots)."""
+        kept_columns, blocks = self.entries.read_blocks()
+        visible = (kept_columns >= 0)[:, :, None, :]
+        if self.sliding_window is not None:
+            visible = visible & (kept_columns[:, :, None, :] > (query_columns[:, None] - self.sliding_window))
+        log_counts = None
+        if self.residual_width:
+            exact_slots = kept_columns.shape[2] - self.residual_width
+            entries = torch.isfinite(self.residual_log_counts)[:, :, None, :]
+            if self.sliding_window is not None:  # an entry is visible while its oldest member is
+                entries = entries & (self.residual_columns[:, :, None, :] > (query_columns[:, None] - self.sliding_window))
+            visible = visible | torch.nn.functional.pad(entries, (exact_slots, 0), value=False)
+            log_counts = torch.nn.functional.pad(self.residual_log_counts, (exact_slots, 0), value=float("-inf"))
+            log_counts = log_counts[:, :, None, None, :]
+        return [Segment(keys, values, visible[..., start:stop],
+                        None if log_counts is None else log_counts[..., start:stop], self.key_channels)
+                for start, stop, keys, values in blocks]
+
+    def _tail_segments(self, visible: torch.Tensor) -> list[Segment]:
+        """The tail: its quantised blocks (dequantised when read), then its exact tokens."""
+        segments, start = [], 0
+        for keys, values in self.tail_blocks:
+            stop = start + keys.shape[-2]
+            segments.append(Segment(keys.dequantize, values.dequantize, visible[..., start:stop]))
+            start = stop
+        exact_keys, exact_values = self.exact_tail
+        return segments + [Segment(exact_keys, exact_values, visible[..., start:])]
 
     # ----------------------------------------------------------- contents
     @property
@@ -250,29 +301,59 @@ class CompressedLayer(CacheLayerMixin):
 
     @property
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values appended after compression, ``[B, H_kv, T, d]``."""
+        """Keys and values appended after compression, ``[B, H_kv, T, d]`` (quantised blocks
+        dequantised: a temporary copy)."""
+        exact_keys, exact_values = self.exact_tail
+        if not self.tail_blocks:
+            return exact_keys, exact_values
+        return (torch.cat([*(keys.dequantize() for keys, _ in self.tail_blocks), exact_keys], dim=2),
+                torch.cat([*(values.dequantize() for _, values in self.tail_blocks), exact_values], dim=2))
+
+    @property
+    def exact_tail_length(self) -> int:
+        """Tail tokens held exactly (after the quantised blocks)."""
+        return self.tail_length - sum(keys.shape[-2] for keys, _ in self.tail_blocks)
+
+    @property
+    def exact_tail(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tail tokens held exactly, ``[B, H_kv, T_exact, d]``."""
         if self.tail_keys is None:
             empty = self.entries.empty()
             return empty, empty
-        return self.tail_keys[:, :, : self.tail_length], self.tail_values[:, :, : self.tail_length]
+        exact = self.exact_tail_length
+        return self.tail_keys[:, :, :exact], self.tail_values[:, :, :exact]
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Append new tokens to the tail (amortised O(1) per token: the buffer doubles)."""
         new = key_states.shape[-2]
-        needed = self.tail_length + new
+        exact = self.exact_tail_length
+        needed = exact + new
         capacity = 0 if self.tail_keys is None else self.tail_keys.shape[-2]
         if needed > capacity:
             capacity = max(needed, 2 * capacity, 16)
             shape = (*key_states.shape[:2], capacity, key_states.shape[-1])
             grown_keys, grown_values = key_states.new_empty(shape), value_states.new_empty(shape)
-            if self.tail_length:
-                grown_keys[:, :, : self.tail_length] = self.tail_keys[:, :, : self.tail_length]
-                grown_values[:, :, : self.tail_length] = self.tail_values[:, :, : self.tail_length]
+            if exact:
+                grown_keys[:, :, :exact] = self.tail_keys[:, :, :exact]
+                grown_values[:, :, :exact] = self.tail_values[:, :, :exact]
             self.tail_keys, self.tail_values = grown_keys, grown_values
-        self.tail_keys[:, :, self.tail_length : needed] = key_states
-        self.tail_values[:, :, self.tail_length : needed] = value_states
-        self.tail_length = needed
+        self.tail_keys[:, :, exact:needed] = key_states
+        self.tail_values[:, :, exact:needed] = value_states
+        self.tail_length += new
         self.tokens_seen += new
+
+    def _quantize_full_tail_blocks(self) -> None:
+        """Quantise the oldest exact tail tokens, ``--quant_residual_length`` at a time, while
+        that many have accumulated (not on sliding-window layers, whose tail is bounded)."""
+        if self.quantizer is None or self.sliding_window is not None:
+            return
+        size = self.quantizer.quant_residual_length
+        while self.exact_tail_length >= size:
+            keys, values = self.tail_keys[:, :, :size], self.tail_values[:, :, :size]
+            self.tail_blocks.append((self.quantizer.quantize_keys(keys), self.quantizer.quantize_values(values)))
+            rest = self.exact_tail_length
+            self.tail_keys[:, :, :rest] = self.tail_keys[:, :, size : size + rest].clone()
+            self.tail_values[:, :, :rest] = self.tail_values[:, :, size : size + rest].clone()
 
     def trim_tail_to_window(self) -> None:
         """Sliding-window layers: forget tail tokens that no future query can see."""
@@ -298,14 +379,19 @@ class CompressedLayer(CacheLayerMixin):
             keys = torch.cat([keys, old_keys[:, :, residual]], dim=2)
             values = torch.cat([values, old_values[:, :, residual]], dim=2)
             columns = torch.nn.functional.pad(columns, (0, width), value=-1)
-        self.entries = entries_for(keys, values, columns, self.residual_counts_of(columns))
+        self.entries = entries_for(keys, values, columns, self.residual_counts_of(columns), self.quantizer)
         self.tail_length = 0
+        self.tail_blocks = []
 
     def nbytes(self) -> int:
-        """Bytes held by every tensor of the layer (tail counted at its used length)."""
+        """Bytes held by every tensor of the layer: the stored entries (packed codes, scales,
+        zero-points and outliers when quantised), the tail's quantised blocks and its exact
+        tokens (at their used length)."""
         tensors = list(self.entries.tensors())
-        tensors += [t for t in (self.residual_log_counts, self.residual_columns, self.recent_queries) if t is not None]
-        tensors += list(self.tail) if self.tail_length else []
+        tensors += [t for t in (self.residual_log_counts, self.residual_columns, self.recent_queries,
+                                self.key_channels) if t is not None]
+        tensors += [t for keys, values in self.tail_blocks for t in (*keys.tensors(), *values.tensors())]
+        tensors += list(self.exact_tail) if self.exact_tail_length else []
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ----------------------------------------------------------- CacheLayerMixin
@@ -333,20 +419,22 @@ class CompressedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Empty the layer: the next forward through it is a new prefill."""
-        keys, _, columns = self.entries.read()
-        self.entries = DenseEntries(keys[:, :, :0], keys[:, :, :0], columns[:, :, :0])
-        self.residual_log_counts = self.residual_columns = None
+        empty = self.entries.empty()
+        self.entries = DenseEntries(empty, empty, empty[..., 0].to(torch.int32))
+        self.residual_log_counts = self.residual_columns = self.key_channels = None
         self.tail_keys = self.tail_values = None
+        self.tail_blocks = []
         self.tail_length = self.tokens_seen = self.prompt_tokens = 0
 
     def _map_batch(self, fn) -> None:
-        keys, values, columns = (fn(tensor) for tensor in self.entries.read())
+        residual_counts = fn(self.residual_counts_of(self.entries.empty()))
         for name in ("residual_log_counts", "residual_columns", "tail_keys", "tail_values", "recent_queries",
-                     "prompt_padding"):
+                     "prompt_padding", "key_channels"):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, fn(tensor))
-        self.entries = entries_for(keys, values, columns, self.residual_counts_of(columns))
+        self.tail_blocks = [(keys.map_batch(fn), values.map_batch(fn)) for keys, values in self.tail_blocks]
+        self.entries = self.entries.map_batch(fn, residual_counts)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -359,10 +447,10 @@ class CompressedLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the newest ``-tokens_to_remove`` tokens; only tokens of the tail can be removed."""
-        if tokens_to_remove > 0 or -tokens_to_remove > self.tail_length:
+        if tokens_to_remove > 0 or -tokens_to_remove > self.exact_tail_length:
             raise RuntimeError(
-                f"a compressed layer can only drop tokens appended after compression ({self.tail_length}); "
-                f"asked for crop({tokens_to_remove})"
+                f"a compressed layer can only drop tokens appended after compression and not yet quantised "
+                f"({self.exact_tail_length}); asked for crop({tokens_to_remove})"
             )
         self.tail_length += tokens_to_remove
         self.tokens_seen += tokens_to_remove

@@ -33,6 +33,8 @@ class CompressedKV:
     when no head of the layer has one.
     residual_positions: ``[B, H_kv, R]`` row-local position of each entry's oldest member
     (-1 where no entry); None likewise.
+    key_channels: ``[B, H_kv, c]`` the key channels each head keeps with ``--think`` (the
+    dropped ones are zero in ``keys`` outside the recent tokens); None otherwise.
 
     Unpacks as ``keys, values, indices`` (what callers that ignore residual entries read).
     """
@@ -42,6 +44,7 @@ class CompressedKV:
     indices: torch.Tensor
     residual_log_counts: torch.Tensor | None = None
     residual_positions: torch.Tensor | None = None
+    key_channels: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter((self.keys, self.values, self.indices))
@@ -92,7 +95,7 @@ def compress_kv(
         return None if columns is None else torch.where(columns >= 0, columns - padding, columns)
 
     return CompressedKV(selection.keys, selection.values, row_local(selection.columns),
-                        selection.residual_log_counts, row_local(selection.residual_columns))
+                        selection.residual_log_counts, row_local(selection.residual_columns), selection.key_channels)
 
 
 def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch.Tensor | None = None,
@@ -101,7 +104,15 @@ def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch
 
     ``scores`` and ``keep`` (``[B, H_kv]`` kept counts) may come from a model-wide pass
     (``restkv.deferred``); by default the policy scores and the allocation allocates here.
+    With ``--think`` the kept keys then lose their least important channels.
     """
+    selection = _select(config, ctx, scores, keep)
+    pruning = config.switch("think")
+    return pruning.prune(ctx, selection) if pruning is not None and ctx.plan.compress else selection
+
+
+def _select(config: CompressionConfig, ctx: ScoringContext, scores: torch.Tensor | None,
+            keep: torch.Tensor | None) -> Selection:
     plan = ctx.plan
     if not plan.compress:  # every visible token stays
         keep = plan.visible_counts[:, None].expand(-1, ctx.num_kv_heads)

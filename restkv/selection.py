@@ -76,6 +76,9 @@ class Selection:
         slots, ``-inf`` where that slot holds none; None when no head of the layer has one.
     residual_columns: ``[B, H_kv, R]`` padded-batch column of each entry's oldest member (-1
         where no entry); None likewise.
+    key_channels: ``[B, H_kv, c]`` ascending key channels each head keeps (ThinK,
+        ``restkv.channel_pruning``: the others are zero in ``keys`` outside the recent tokens);
+        None when every channel is kept.
     """
 
     keys: torch.Tensor
@@ -83,3 +86,4 @@ class Selection:
     columns: torch.Tensor
     residual_log_counts: torch.Tensor | None = None
     residual_columns: torch.Tensor | None = None
+    key_channels: torch.Tensor | None = None

@@ -52,8 +52,10 @@ class Policy(Options):
     #: the allocation the method is defined with (``pyramidkv`` = SnapKV + pyramid); None lets
     #: ``--allocation`` choose
     allocation: ClassVar[str | None] = None
-    #: for a method with its own allocation: the method whose scores it uses
+    #: for a method with its own allocation or switches: the method whose scores it uses
     base_method: ClassVar[str | None] = None
+    #: switches the method is defined with (``think`` = SnapKV with ``--think``)
+    switches: ClassVar[tuple[str, ...]] = ()
     #: scores with the attention of observation queries (so ``--observation`` chooses them)
     observes_queries: ClassVar[bool] = True
     #: the observation the method is defined with (``--observation`` overrides it)
