@@ -383,6 +383,14 @@ class CompressedLayer(CacheLayerMixin):
         self.tail_length = 0
         self.tail_blocks = []
 
+    @property
+    def storage(self) -> str:
+        """How the entries are held: ``exact``, or the quantisation and the key channels kept."""
+        parts = [] if self.quantizer is None else [f"{self.quantizer.name} {self.quantizer.nbits}-bit"]
+        if self.key_channels is not None:
+            parts.append(f"keys {self.key_channels.shape[-1]}/{self.entries.empty().shape[-1]} channels")
+        return ", ".join(parts) or "exact"
+
     def nbytes(self) -> int:
         """Bytes held by every tensor of the layer: the stored entries (packed codes, scales,
         zero-points and outliers when quantised), the tail's quantised blocks and its exact
@@ -467,7 +475,9 @@ def native_layer(sliding_window: int | None) -> CacheLayerMixin:
 @dataclass(frozen=True)
 class LayerReport:
     """What one cache layer holds. ``stored`` counts exact tokens per KV head (mean over rows and
-    heads), ``residual`` summary entries; ``compressed`` is False when the layer kept everything."""
+    heads), ``residual`` summary entries; ``compressed`` is False when the layer kept everything.
+    ``storage`` says how the entries are held (``exact``, ``kivi 4-bit``, ``keys 38/64 channels``...),
+    and ``nbytes`` what that costs (packed codes, scales, zero-points, outliers and exact tail)."""
 
     layer: int
     kind: str
@@ -477,6 +487,7 @@ class LayerReport:
     stored_mean: float
     residual: float
     nbytes: int
+    storage: str = "exact"
 
     @property
     def compressed(self) -> bool:
@@ -493,6 +504,7 @@ def cache_report(cache: Cache) -> list[LayerReport]:
                 LayerReport(
                     index, "compressed", layer.tokens_seen, int(stored.min()), int(stored.max()),
                     float(stored.float().mean()), float(layer.residual_counts.float().mean()), layer.nbytes(),
+                    layer.storage,
                 )
             )
         else:
@@ -512,10 +524,11 @@ def cache_nbytes(cache: Cache) -> int:
 
 def format_report(reports: list[LayerReport]) -> str:
     """A plain-text table of ``cache_report``."""
-    lines = [f"{'layer':>5} {'kind':>10} {'seen':>7} {'stored(min/mean/max)':>22} {'residual':>8} {'MiB':>8}"]
+    lines = [f"{'layer':>5} {'kind':>10} {'seen':>7} {'stored(min/mean/max)':>22} {'residual':>8} {'MiB':>8}  storage"]
     for r in reports:
         stored = f"{r.stored_min}/{r.stored_mean:.1f}/{r.stored_max}"
-        lines.append(f"{r.layer:>5} {r.kind:>10} {r.tokens_seen:>7} {stored:>22} {r.residual:>8.1f} {r.nbytes / 2**20:>8.3f}")
+        lines.append(f"{r.layer:>5} {r.kind:>10} {r.tokens_seen:>7} {stored:>22} {r.residual:>8.1f} "
+                     f"{r.nbytes / 2**20:>8.3f}  {r.storage}")
     compressed = sum(r.compressed for r in reports)
     lines.append(f"{compressed} of {len(reports)} layers hold fewer entries than tokens seen")
     return "\n".join(lines)

@@ -56,8 +56,8 @@ class DenseEntries:
         return (self.columns >= 0).sum(dim=-1)
 
     def empty(self) -> torch.Tensor:
-        """``[B, H_kv, 0, d]`` (the shape of no token)."""
-        return self.keys[:, :, :0]
+        """``[B, H_kv, 0, d]`` (the shape of no token; ``d`` of the values, whole when keys are pruned)."""
+        return self.values[:, :, :0]
 
     def read_blocks(self) -> tuple[torch.Tensor, list[Block]]:
         """The padded view's columns and its entries as blocks of slots (one block here)."""
@@ -123,7 +123,7 @@ class RaggedEntries:
 
     def empty(self) -> torch.Tensor:
         batch, heads = self.exact.shape
-        return self.keys.new_zeros(batch, heads, 0, self.keys.shape[-1])
+        return self.values.new_zeros(batch, heads, 0, self.values.shape[-1])
 
     def read_blocks(self) -> tuple[torch.Tensor, list[Block]]:
         return _one_block(*self.read())
