@@ -149,7 +149,7 @@ class CompressionConfig:
         for flag in policy_cls.switches:
             if explicit.get(flag) is False:
                 raise ConfigError(f"--method {run.method} is --method {policy_cls.base_method} with --{flag}; "
-                                  f"for it without --{flag} use --method {policy_cls.base_method}")
+                                  f"for --no-{flag} use --method {policy_cls.base_method}")
         switch_classes = [cls for flag, cls in switch_flags.items()
                           if explicit.get(flag) or flag in policy_cls.switches]
         part_classes = [policy_cls, allocation_cls, *([merge_cls] if merge_cls else []),
