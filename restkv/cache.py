@@ -94,16 +94,17 @@ def attend_segments(
     interface layout).
     """
     batch, num_heads, q_len, head_dim = query.shape
-    held = next((segment.keys for segment in segments if isinstance(segment.keys, torch.Tensor)), None)
-    num_kv_heads = (held if held is not None else _read(segments[0].keys)).shape[1]
+    first_keys = _read(segments[0].keys)
+    num_kv_heads = first_keys.shape[1]
     groups = num_heads // num_kv_heads
     stacked = query.reshape(batch, num_kv_heads, groups * q_len, head_dim)
     logits = []
-    for segment in segments:
+    for index, segment in enumerate(segments):
         probe = stacked
         if segment.key_channels is not None:
             probe = stacked.gather(-1, segment.key_channels[:, :, None, :].expand(-1, -1, stacked.shape[2], -1))
-        raw = torch.matmul(probe, _read(segment.keys).transpose(-1, -2)) * scaling
+        keys = first_keys if index == 0 else _read(segment.keys)
+        raw = torch.matmul(probe, keys.transpose(-1, -2)) * scaling
         logits.append(capped(raw.float().view(batch, num_kv_heads, groups, q_len, -1), softcap))
     weights = (readout or PLAIN_READOUT).weights(
         logits, [segment.visible.unsqueeze(2) for segment in segments], [segment.log_counts for segment in segments]
@@ -265,7 +266,8 @@ class CompressedLayer(CacheLayerMixin):
             exact_slots = kept_columns.shape[2] - self.residual_width
             entries = torch.isfinite(self.residual_log_counts)[:, :, None, :]
             if self.sliding_window is not None:  # an entry is visible while its oldest member is
-                entries = entries & (self.residual_columns[:, :, None, :] > (query_columns[:, None] - self.sliding_window))
+                oldest = self.residual_columns[:, :, None, :]
+                entries = entries & (oldest > (query_columns[:, None] - self.sliding_window))
             visible = visible | torch.nn.functional.pad(entries, (exact_slots, 0), value=False)
             log_counts = torch.nn.functional.pad(self.residual_log_counts, (exact_slots, 0), value=float("-inf"))
             log_counts = log_counts[:, :, None, None, :]

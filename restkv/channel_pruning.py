@@ -44,7 +44,8 @@ class KeyChannelPruning(Options):
     def check(self, config) -> None:
         policy = config.policy
         if not policy.evicts:
-            raise ConfigError(f"--think prunes a compressed layer's keys; --method {policy.name} keeps the native cache")
+            raise ConfigError(f"--think prunes a compressed layer's keys; --method {policy.name} keeps the native "
+                              "cache")
         if config.rescores:
             raise ConfigError("--think prunes key channels once after eviction; --prefill_chunk_size and "
                               "--decode_budget evict again from whole keys (not supported together)")
@@ -120,10 +121,9 @@ def split_recent(selection: Selection, tokens_seen: int, recent_size: int) -> tu
     used = (slot < older[..., None]) | (slot >= new_width - tail)
     source = torch.where(used, source, 0)
     compact = keys.gather(-1, selection.key_channels[:, :, None, :].expand(-1, -1, width, -1))
-    rest = dataclasses.replace(
-        selection,
-        keys=compact.gather(2, source[..., None].expand(-1, -1, -1, compact.shape[-1])).masked_fill(~used[..., None], 0),
-        values=values.gather(2, source[..., None].expand(-1, -1, -1, values.shape[-1])).masked_fill(~used[..., None], 0),
-        columns=torch.where(used, columns.gather(2, source), -1),  # residual slots hold -1 already
-    )
+    def slots(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.gather(2, source[..., None].expand(-1, -1, -1, tensor.shape[-1])).masked_fill(~used[..., None], 0)
+
+    rest = dataclasses.replace(selection, keys=slots(compact), values=slots(values),
+                               columns=torch.where(used, columns.gather(2, source), -1))  # residual slots: -1
     return rest, recent_keys, recent_values

@@ -99,7 +99,8 @@ class QuantizedTensor:
             groups = slice(start // self.group, -(-stop // self.group))
             scale, zero = (_spread(t[..., groups, :], self.group, -2, stop - start) for t in (self.scale, self.zero))
         else:
-            scale, zero = (_spread(t[..., start:stop, :], self.group, -1, self.channels) for t in (self.scale, self.zero))
+            scale, zero = (_spread(t[..., start:stop, :], self.group, -1, self.channels)
+                           for t in (self.scale, self.zero))
         block = (codes * scale.float() + zero.float()).to(self.dtype)
         if self.outlier_index is not None and self.outlier_index.numel():
             rows = self.packed.shape[-2]
