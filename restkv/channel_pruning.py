@@ -35,7 +35,7 @@ class KeyChannelPruning(Options):
 
     pruning_ratio: float = option(0.4, "--think: fraction of each KV head's key channels dropped", minimum=0)
     recent_size: int = option(32, "--think: the newest prompt tokens whose keys keep every channel (at most "
-                                  "--window_size, the tokens every head keeps)", minimum=0)
+                                  "--window_size, or what the method always keeps)", minimum=0)
 
     def validate(self) -> None:
         if self.pruning_ratio >= 1:
@@ -49,9 +49,15 @@ class KeyChannelPruning(Options):
         if config.rescores:
             raise ConfigError("--think prunes key channels once after eviction; --prefill_chunk_size and "
                               "--decode_budget evict again from whole keys (not supported together)")
-        if self.recent_size > config.run.window_size:
-            raise ConfigError(f"--recent_size {self.recent_size} must not exceed --window_size "
-                              f"{config.run.window_size}: the recent tokens are the ones every head keeps")
+        window = config.run.window_size
+        budget = config.run.max_capacity_prompts or config.run.decode_budget or self.recent_size + window + 1
+        protected = min(window, config.policy.protected_count(window, budget))
+        if self.recent_size > protected:
+            raise ConfigError(
+                f"--recent_size {self.recent_size} must not exceed the {protected} newest tokens --method "
+                f"{policy.name} always keeps (at most --window_size {window}): the recent tokens are the ones every "
+                "head keeps"
+            )
 
     def pruned_channels(self, head_dim: int) -> int:
         """Key channels each head drops."""

@@ -229,3 +229,21 @@ def test_compress_kv_is_unchanged_by_quantisation_options():
     quantized = compress_kv(query, key, value, dict(method="snapkv", max_capacity_prompts=24, window_size=8,
                                                     quant_method="kivi", nbits=2))
     assert torch.equal(exact.indices, quantized.indices) and torch.equal(exact.keys, quantized.keys)
+
+
+def test_layers_compressed_after_the_whole_prefill_are_stored_quantised_and_pruned():
+    """KVzip's model-wide allocation (restkv.deferred) keeps the same entries, quantised and pruned."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    ids = random_prompt(1, 70)
+    base = dict(method="kvzip", max_capacity_prompts=12, reconstruction_chunk=32)
+    replace_for("llama")(**base)
+    exact = greedy(model, ids, new_tokens=3)
+    replace_for("llama")(**base, quant_method="kivi", nbits=8, **SMALL)
+    quantized = greedy(model, ids, new_tokens=3)
+    for ours, theirs in zip(quantized.past_key_values.layers, exact.past_key_values.layers):
+        assert isinstance(ours.entries, QuantizedEntries) and torch.equal(ours.kept_columns, theirs.kept_columns)
+    for ours, theirs in zip(quantized.logits, exact.logits):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=5e-3)
+    replace_for("llama")(**base, think=True, recent_size=0, pruning_ratio=0.5)
+    pruned = greedy(model, ids, new_tokens=3).past_key_values
+    assert all(layer.storage == "keys 8/16 channels" for layer in pruned.layers)

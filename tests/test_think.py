@@ -118,8 +118,10 @@ def test_composes_with_quantisation_and_the_residual_cache():
 def test_config_names_the_flags():
     with pytest.raises(ConfigError, match="--no-think"):
         CompressionConfig(method="think", think=False, max_capacity_prompts=64)
-    with pytest.raises(ConfigError, match="--recent_size 32 must not exceed --window_size 8"):
+    with pytest.raises(ConfigError, match="--recent_size 32 must not exceed the 8 newest tokens --method think"):
         CompressionConfig(method="think", max_capacity_prompts=64, window_size=8)
+    with pytest.raises(ConfigError, match="the 1 newest tokens --method tova"):
+        CompressionConfig(method="tova", think=True, max_capacity_prompts=64)
     with pytest.raises(ConfigError, match="--pruning_ratio"):
         CompressionConfig(method="think", max_capacity_prompts=64, pruning_ratio=1.0)
     with pytest.raises(ConfigError, match="--decode_budget"):
