@@ -202,8 +202,8 @@ class CompressedLayer(CacheLayerMixin):
                 residual["residual_columns"] = selection.residual_columns
         recent_size = 0
         if selection.key_channels is not None:  # ThinK: the recent tokens, whole, open the tail
-            recent_size = config.switch("think").recent_size
-            selection, recent_keys, recent_values = split_recent(selection, tokens_seen, recent_size)
+            recent_size = config.switch("think").recent_tokens(config)
+            selection, recent_keys, recent_values = split_recent(selection, tokens_seen, recent_size, padding)
         layer = cls(selection.keys, selection.values, selection.columns, tokens_seen=tokens_seen - recent_size,
                     sliding_window=sliding_window, config=config, prompt_padding=padding,
                     key_channels=selection.key_channels, quantizer=getattr(config, "quantizer", None), **residual)

@@ -34,8 +34,8 @@ class KeyChannelPruning(Options):
                   "the kept ones)"
 
     pruning_ratio: float = option(0.4, "--think: fraction of each KV head's key channels dropped", minimum=0)
-    recent_size: int = option(32, "--think: the newest prompt tokens whose keys keep every channel (at most "
-                                  "--window_size, or what the method always keeps)", minimum=0)
+    recent_size: int = option(32, "--think: the newest prompt tokens whose keys keep every channel (capped at "
+                                  "those every head keeps: --window_size for SnapKV)", minimum=0)
 
     def validate(self) -> None:
         if self.pruning_ratio >= 1:
@@ -49,28 +49,27 @@ class KeyChannelPruning(Options):
         if config.rescores:
             raise ConfigError("--think prunes key channels once after eviction; --prefill_chunk_size and "
                               "--decode_budget evict again from whole keys (not supported together)")
-        window = config.run.window_size
-        budget = config.run.max_capacity_prompts or config.run.decode_budget or self.recent_size + window + 1
-        protected = min(window, config.policy.protected_count(window, budget))
-        if self.recent_size > protected:
-            raise ConfigError(
-                f"--recent_size {self.recent_size} must not exceed the {protected} newest tokens --method "
-                f"{policy.name} always keeps (at most --window_size {window}): the recent tokens are the ones every "
-                "head keeps"
-            )
+
+    def recent_tokens(self, config) -> int:
+        """The newest prompt tokens kept whole: ``--recent_size``, capped at those every head keeps
+        (the method's protected tokens, at most ``--window_size``: 1 for TOVA, 0 for KVzip)."""
+        run = config.run
+        budget = run.max_capacity_prompts or run.decode_budget or run.window_size + self.recent_size + 1
+        return min(self.recent_size, run.window_size, config.policy.protected_count(run.window_size, budget))
 
     def pruned_channels(self, head_dim: int) -> int:
         """Key channels each head drops."""
         return int(self.pruning_ratio * head_dim)
 
-    def prune(self, ctx, selection: Selection) -> Selection:
-        """``selection`` with each head's dropped key channels zeroed outside the recent tokens, and
-        ``key_channels`` ``[B, H_kv, d - pruned]`` (ascending) set; unchanged when nothing is dropped."""
+    def prune(self, ctx, selection: Selection, recent_size: int) -> Selection:
+        """``selection`` with each head's dropped key channels zeroed outside the ``recent_size``
+        newest tokens (``recent_tokens``), and ``key_channels`` ``[B, H_kv, d - pruned]``
+        (ascending) set; unchanged when nothing is dropped."""
         keys = selection.keys
         dropped = self.pruned_channels(keys.shape[-1])
         if dropped == 0:
             return selection
-        recent = selection.columns >= ctx.key.shape[2] - self.recent_size
+        recent = selection.columns >= ctx.key.shape[2] - recent_size
         pruned = held_slots(selection) & ~recent
         window = ctx.query[:, :, -max(ctx.window_size, 1) :].float()
         query_power = ctx.reduce_groups(window.pow(2).mean(dim=2), "mean")  # [B, H_kv, d]
@@ -94,21 +93,22 @@ def held_slots(selection: Selection) -> torch.Tensor:
     return held
 
 
-def split_recent(selection: Selection, tokens_seen: int, recent_size: int) -> tuple[Selection, torch.Tensor,
-                                                                                      torch.Tensor]:
+def split_recent(selection: Selection, tokens_seen: int, recent_size: int,
+                 padding: torch.Tensor | None = None) -> tuple[Selection, torch.Tensor, torch.Tensor]:
     """A pruned ``selection`` as a layer stores it: the entries without the recent tokens, keys
     compacted to their ``key_channels``, and the recent tokens' whole keys and values
     ``[B, H_kv, recent_size, d]`` (zeros where a row's prompt is shorter), in position order.
 
-    Every head keeps the same recent tokens (they are protected); the others keep their
-    slots, residual entries their place in the last slots.
+    Every head keeps every real recent token (they are protected; ``padding`` ``[B]``: each
+    row's left padding); the others keep their slots, residual entries their place in the last slots.
     """
     keys, values, columns = selection.keys, selection.values, selection.columns
     first = tokens_seen - recent_size
     recent = columns >= first
-    if bool((recent.sum(dim=-1) != recent.sum(dim=-1)[:, :1]).any()):
-        raise ConfigError(f"--recent_size {recent_size}: the KV heads of a layer keep different recent tokens; "
-                          "lower it to at most the protected window")
+    real = recent_size - (padding.to(columns.device) - first).clamp(min=0) if padding is not None else recent_size
+    if bool((recent.sum(dim=-1) != torch.as_tensor(real, device=columns.device).reshape(-1, 1)).any()):
+        raise ConfigError(f"--recent_size {recent_size}: some KV head dropped one of the newest tokens; lower it "
+                          "to the tokens the method always keeps")
     batch, heads, width, dim = keys.shape
     # The recent tokens, by position (a spare last slot takes the others).
     where = torch.where(recent, columns - first, recent_size).long()

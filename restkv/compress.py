@@ -108,7 +108,9 @@ def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch
     """
     selection = _select(config, ctx, scores, keep)
     pruning = config.switch("think")
-    return pruning.prune(ctx, selection) if pruning is not None and ctx.plan.compress else selection
+    if pruning is None or not ctx.plan.compress:
+        return selection
+    return pruning.prune(ctx, selection, pruning.recent_tokens(config))
 
 
 def _select(config: CompressionConfig, ctx: ScoringContext, scores: torch.Tensor | None,

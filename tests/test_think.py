@@ -118,10 +118,10 @@ def test_composes_with_quantisation_and_the_residual_cache():
 def test_config_names_the_flags():
     with pytest.raises(ConfigError, match="--no-think"):
         CompressionConfig(method="think", think=False, max_capacity_prompts=64)
-    with pytest.raises(ConfigError, match="--recent_size 32 must not exceed the 8 newest tokens --method think"):
-        CompressionConfig(method="think", max_capacity_prompts=64, window_size=8)
-    with pytest.raises(ConfigError, match="the 1 newest tokens --method tova"):
-        CompressionConfig(method="tova", think=True, max_capacity_prompts=64)
+    for options, recent in ((dict(method="think"), 32), (dict(method="think", window_size=8), 8),
+                            (dict(method="tova", think=True), 1), (dict(method="kvzip", think=True), 0)):
+        config = CompressionConfig(**options, max_capacity_prompts=64)
+        assert config.switch("think").recent_tokens(config) == recent
     with pytest.raises(ConfigError, match="--pruning_ratio"):
         CompressionConfig(method="think", max_capacity_prompts=64, pruning_ratio=1.0)
     with pytest.raises(ConfigError, match="--decode_budget"):
