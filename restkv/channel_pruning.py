@@ -30,6 +30,8 @@ class KeyChannelPruning(Options):
     """ThinK: drop each KV head's least important key channels after selection."""
 
     name = "think"
+    #: the kept keys are not the input keys (dropped channels are zero)
+    changes_entries = True
     switch_help = "ThinK: after selection, drop each KV head's least important key channels (decode queries read " \
                   "the kept ones)"
 

@@ -175,7 +175,8 @@ def registered_methods(*, uniform: bool = False, splittable: bool = False, keeps
 
     uniform: every KV head keeps the budget (no allocation of its own).
     splittable: the residual cache can split its ranking (not positional, not merging values).
-    keeps_inputs: kept entries are the input keys and values (no merging).
+    keeps_inputs: kept entries are the input keys and values (no merging, no switch of the method's
+        that changes them, such as ThinK's channel pruning).
     compresses_first_layer: layer 0 is compressed.
     """
     import warnings
@@ -187,14 +188,16 @@ def registered_methods(*, uniform: bool = False, splittable: bool = False, keeps
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                policy = CompressionConfig(method=name, max_capacity_prompts=64, window_size=8).policy
+                config = CompressionConfig(method=name, max_capacity_prompts=64, window_size=8)
+                policy = config.policy
         except ConfigError:
             continue
         if not policy.evicts or (uniform and policy.allocation is not None):
             continue
         if splittable and (policy.ranks_by_position or policy.merges_values):
             continue
-        if (keeps_inputs and policy.merges_values) or (compresses_first_layer and not policy.compresses_layer(0)):
+        changes = policy.merges_values or any(getattr(part, "changes_entries", False) for part in config.switches)
+        if (keeps_inputs and changes) or (compresses_first_layer and not policy.compresses_layer(0)):
             continue
         chosen.append(name)
     return chosen
