@@ -17,12 +17,16 @@ that take part in one softmax (``attend_segments``):
 * **tail**: tokens appended after compression (question chunk, generated tokens), dense
   ``[B, H_kv, T, d]`` shared by every head, grown by doubling.
 
-When the kept entries are stored dense (``restkv.storage``) they and the tail share one
-buffer, kept slots first, so the segments are already one contiguous block of keys and
-values and a step runs torch's fused ``scaled_dot_product_attention`` over it with a mask
-(``fused_attention``): no per-segment logits, no copy of the kept entries per step. The
-segmented float32 softmax (``attend_segments``) stays the reference, and the path for what
-SDPA cannot express (Gemma 2's soft-cap, the ResKV gate, the separate-softmax ablation).
+Two parts change how the segments are stored, not what attention computes from them:
+
+* ``--quant_method`` (``restkv.quantization``): the kept and residual entries are held as
+  packed codes (``restkv.storage.QuantizedEntries``), quantised once after eviction; the
+  tail stays exact until ``--quant_residual_length`` tokens have accumulated, then that
+  block is quantised (``tail_blocks``; sliding-window layers keep their short tail exact).
+  Attention dequantises one block at a time.
+* ``--think`` (``restkv.channel_pruning``): the kept and residual keys hold only each head's
+  ``key_channels``, which select the query channels that meet them; the newest
+  ``--recent_size`` prompt tokens keep whole keys and open the tail.
 
 A method that summarises the tokens it evicts outside the softmax (IndexMem's latent memory)
 gives the layer an ``output_correction`` (``OutputCorrection``): after the one softmax it maps
@@ -37,13 +41,15 @@ does), separately from what is stored: transformers derives the next RoPE positi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
+from restkv.channel_pruning import split_recent
+from restkv.quantization import QuantizedTensor
 from restkv.residual import ResidualReadout, capped
 from restkv.residual.readout import MASKED
 from restkv.selection import Selection
@@ -54,20 +60,24 @@ from restkv.storage import DenseEntries, entries_for
 class Segment:
     """One block of keys/values inside the shared softmax.
 
-    keys, values: ``[B, H_kv, S, d]``. visible: bool, broadcastable to ``[B, H_kv, 1, q, S]``
-    (given as ``[B, H_kv | 1, q | 1, S]``). log_counts: optional float32 broadcastable to
-    ``[B, H_kv, G, q, S]`` (given as ``[B, H_kv, 1, 1, S]``): a finite value marks the slot as a
-    ResKV residual entry with that log member count, ``-inf`` an exact token. value_maps: optional
+    keys, values: ``[B, H_kv, S, d]``, or functions that return them (a quantised block is
+    dequantised only when attention reads it). visible: bool, broadcastable to
+    ``[B, H_kv, 1, q, S]`` (given as ``[B, H_kv | 1, q | 1, S]``). log_counts: optional
+    float32 broadcastable to ``[B, H_kv, G, q, S]`` (given as ``[B, H_kv, 1, 1, S]``): a finite
+    value marks the slot as a ResKV residual entry with that log member count, ``-inf`` an
+    exact token. key_channels: optional ``[B, H_kv, c]``, the query channels the keys hold
+    (ThinK's pruned keys, ``[B, H_kv, S, c]``). value_maps: optional
     ``[B, H_kv, M, d, d]`` query-dependent value terms of the segment's last ``M`` slots: such a slot
     gives query ``q`` the value ``values[s] + scaling * value_maps[s] q`` (MomentKV's first-order
-    summary of the evicted tokens); zero maps leave a slot's value as it is.
+    summary of the evicted tokens).
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    keys: torch.Tensor | Callable[[], torch.Tensor]
+    values: torch.Tensor | Callable[[], torch.Tensor]
     visible: torch.Tensor
     log_counts: torch.Tensor | None = None
     value_maps: torch.Tensor | None = None
+    key_channels: torch.Tensor | None = None
 
 
 class OutputCorrection(Protocol):
@@ -85,6 +95,10 @@ class OutputCorrection(Protocol):
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "OutputCorrection":
         """The correction with ``fn`` applied along the batch of each of its tensors."""
+
+
+def _read(tensor: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
+    return tensor() if callable(tensor) else tensor
 
 
 #: how residual entries are read when the caller gives no readout: ``beta log c`` with beta = 1,
@@ -120,12 +134,17 @@ def attend_segments(
     logits (residual entries counted as plain logits).
     """
     batch, num_heads, q_len, head_dim = query.shape
-    num_kv_heads = segments[0].keys.shape[1]
+    first_keys = _read(segments[0].keys)
+    num_kv_heads = first_keys.shape[1]
     groups = num_heads // num_kv_heads
     stacked = query.reshape(batch, num_kv_heads, groups * q_len, head_dim)
     logits = []
-    for segment in segments:
-        raw = torch.matmul(stacked, segment.keys.transpose(-1, -2)) * scaling
+    for index, segment in enumerate(segments):
+        probe = stacked
+        if segment.key_channels is not None:
+            probe = stacked.gather(-1, segment.key_channels[:, :, None, :].expand(-1, -1, stacked.shape[2], -1))
+        keys = first_keys if index == 0 else _read(segment.keys)
+        raw = torch.matmul(probe, keys.transpose(-1, -2)) * scaling
         logits.append(capped(raw.float().view(batch, num_kv_heads, groups, q_len, -1), softcap))
     weights = (readout or PLAIN_READOUT).weights(
         logits, [segment.visible.unsqueeze(2) for segment in segments], [segment.log_counts for segment in segments]
@@ -133,9 +152,8 @@ def attend_segments(
     weights = weights.to(query.dtype).view(batch, num_kv_heads, groups * q_len, -1)
     output = None
     start = 0
-    for segment in segments:
-        width = segment.keys.shape[-2]
-        part = torch.matmul(weights[..., start : start + width], segment.values)
+    for segment, width in zip(segments, [part.shape[-1] for part in logits]):
+        part = torch.matmul(weights[..., start : start + width], _read(segment.values))
         if segment.value_maps is not None:
             part = part + _query_value_terms(weights[..., start : start + width], stacked, segment.value_maps, scaling)
         output = part if output is None else output + part
@@ -145,27 +163,6 @@ def attend_segments(
         return output
     masked = [raw.masked_fill(~segment.visible.unsqueeze(2), MASKED) for raw, segment in zip(logits, segments)]
     return output, torch.logsumexp(torch.cat(masked, dim=-1), dim=-1).view(batch, num_heads, q_len)
-
-
-def fused_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                    scaling: float) -> torch.Tensor:
-    """``attend_segments``' one softmax for segments already joined along the keys, through
-    torch's fused SDPA kernel.
-
-    query: ``[B, H, q, d]``; keys, values: ``[B, H_kv, S, d]`` (never repeated per query head:
-    the ``G`` query heads of a group are stacked as rows); mask: ``[B, H_kv, q | 1, S]``, bool
-    (True = visible) or an additive float bias (``-inf`` = masked, ``beta log c`` on residual
-    entries). Equal to ``attend_segments`` up to float rounding; a query that sees nothing gets
-    zeros. Returns ``[B, q, H, d]``.
-    """
-    batch, num_heads, q_len, head_dim = query.shape
-    num_kv_heads = keys.shape[1]
-    groups = num_heads // num_kv_heads
-    stacked = query.reshape(batch, num_kv_heads, groups * q_len, head_dim)
-    if mask.shape[2] > 1:  # rows are (query head of the group, query): each head sees what its query sees
-        mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, num_kv_heads, groups * q_len, -1)
-    output = F.scaled_dot_product_attention(stacked, keys, values, attn_mask=mask, scale=scaling)
-    return output.view(batch, num_heads, q_len, head_dim).transpose(1, 2)
 
 
 def _query_value_terms(weights: torch.Tensor, stacked: torch.Tensor, value_maps: torch.Tensor,
@@ -215,13 +212,20 @@ class CompressedLayer(CacheLayerMixin):
         prompt_padding: torch.Tensor | None = None,
         output_correction: OutputCorrection | None = None,
         residual_value_maps: torch.Tensor | None = None,
+        key_channels: torch.Tensor | None = None,
+        quantizer: Any = None,
     ) -> None:
         super().__init__()
         self.residual_log_counts = residual_log_counts
         #: ``[B, H_kv, M, d, d]`` query-dependent value terms of the last ``M`` residual slots (``Segment.value_maps``)
         self.residual_value_maps = residual_value_maps
+        #: the ``restkv.quantization`` part that stores entries and full tail blocks, or None (exact)
+        self.quantizer = quantizer
+        #: ``[B, H_kv, c]`` the key channels the kept keys hold (ThinK), or None (all of them)
+        self.key_channels = key_channels
         # Columns index the padded batch (what attention masks index); -1 = no exact token in the slot.
-        self.entries = entries_for(kept_keys, kept_values, kept_columns, self.residual_counts_of(kept_columns))
+        self.entries = entries_for(kept_keys, kept_values, kept_columns, self.residual_counts_of(kept_columns),
+                                   quantizer)
         # Sliding-window layers only: the padded-batch column of each entry's oldest member; an
         # entry is visible while all its members are (int32, -1 = no entry).
         self.residual_columns = None if residual_columns is None else residual_columns.to(torch.int32)
@@ -230,13 +234,11 @@ class CompressedLayer(CacheLayerMixin):
         self.output_correction = output_correction
         #: the ``CompressionConfig`` that built the layer (what a benchmark run checks against its settings)
         self.config = config
-        # One buffer per K and V, ``[B, H_kv, P + capacity, d]``: the dense kept entries in the
-        # first ``P`` slots (``_buffer_prefix_of``: the store they came from), then the tail.
-        self._buffer_keys: torch.Tensor | None = None
-        self._buffer_values: torch.Tensor | None = None
-        self._buffer_prefix_of: DenseEntries | None = None
-        self._tail_start = 0
+        self.tail_keys: torch.Tensor | None = None
+        self.tail_values: torch.Tensor | None = None
+        #: tail tokens, the quantised blocks (``tail_blocks``, oldest first) and the exact ones after them
         self.tail_length = 0
+        self.tail_blocks: list[tuple[QuantizedTensor, QuantizedTensor]] = []
         self.tokens_seen = tokens_seen
         self.prompt_tokens = tokens_seen
         #: ``[B]`` left-padding columns of each row's prompt (tokens seen by a row = tokens_seen - padding)
@@ -253,16 +255,25 @@ class CompressedLayer(CacheLayerMixin):
     def from_selection(cls, selection: Selection, tokens_seen: int, sliding_window: int | None, config: Any,
                        readout: ResidualReadout | None = None, padding: torch.Tensor | None = None) -> "CompressedLayer":
         """The layer that holds a compressing prefill's ``Selection`` (padded-batch columns;
-        ``padding``: each row's left padding)."""
+        ``padding``: each row's left padding), stored as ``config`` says (quantised, pruned keys)."""
         residual = {}
         if selection.residual_log_counts is not None:
             residual = {"residual_log_counts": selection.residual_log_counts, "residual_readout": readout,
                         "residual_value_maps": selection.residual_value_maps}
             if sliding_window is not None:  # entries leave the window with their oldest member
                 residual["residual_columns"] = selection.residual_columns
-        return cls(selection.keys, selection.values, selection.columns, tokens_seen=tokens_seen,
-                   sliding_window=sliding_window, config=config, prompt_padding=padding,
-                   output_correction=selection.output_correction, **residual)
+        recent_size = 0
+        if selection.key_channels is not None:  # ThinK: the recent tokens, whole, open the tail
+            recent_size = config.switch("think").recent_tokens(config)
+            selection, recent_keys, recent_values = split_recent(selection, tokens_seen, recent_size, padding)
+        layer = cls(selection.keys, selection.values, selection.columns, tokens_seen=tokens_seen - recent_size,
+                    sliding_window=sliding_window, config=config, prompt_padding=padding,
+                    key_channels=selection.key_channels, quantizer=getattr(config, "quantizer", None),
+                    output_correction=selection.output_correction, **residual)
+        if recent_size:
+            layer.append(recent_keys, recent_values)
+            layer.prompt_tokens = tokens_seen
+        return layer
 
     # ----------------------------------------------------------- the kept entries
     @property
@@ -288,83 +299,61 @@ class CompressedLayer(CacheLayerMixin):
 
     # ----------------------------------------------------------- reading
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-               scaling: float, softcap: float | None = None, fused: bool = True) -> torch.Tensor:
+               scaling: float, softcap: float | None = None) -> torch.Tensor:
         """Append the new tokens ``key``/``value`` ``[B, H_kv, q, d]`` and attend ``query``
         ``[B, H, q, d]`` over kept tokens, residual entries and tail in one softmax.
 
         Used for decode steps and for a question chunk fed after a context-only compression;
-        ``attention_mask`` is the mask the model built for this step. ``fused``: through SDPA
-        where it can (``fused_attention``); False: the segmented reference (``attend_segments``).
-        Returns ``[B, q, H, d]``.
+        ``attention_mask`` is the mask the model built for this step. Returns ``[B, q, H, d]``.
         """
         q_len = query.shape[2]
         query_columns = torch.arange(self.tokens_seen, self.tokens_seen + q_len, device=query.device)
         self.append(key, value)
-        tail_keys, tail_values = self.tail
-        kept_keys, kept_values, kept_columns = self.entries.read()
-        kept_visible = (kept_columns >= 0)[:, :, None, :]
-        if self.sliding_window is not None:
-            in_window = kept_columns[:, :, None, :] > (query_columns[:, None] - self.sliding_window)
-            kept_visible = kept_visible & in_window
         tail_visible = tail_visibility(attention_mask, query.shape[0], q_len, self.tail_length, query.device)
-        kept = self._kept_segment(kept_keys, kept_values, kept_visible, query_columns)
-        correction = self.output_correction
-        if fused and correction is None and self._fusable(softcap):
-            keys, values = self._joined(kept_keys, kept_values)
-            output = fused_attention(query, keys, values, self._joined_mask(kept, tail_visible), scaling)
-        else:  # the reference softmax; an output correction also needs its log-sum-exp
-            segments = [kept, Segment(tail_keys, tail_values, tail_visible[:, None])]
-            output = attend_segments(query, segments, scaling, softcap, self.residual_readout,
-                                     with_lse=correction is not None)
-            if correction is not None:
-                output = correction.correct(query, *output)
+        segments = self._kept_segments(query_columns) + self._tail_segments(tail_visible[:, None])
+        correction = self.output_correction  # it reads the log-sum-exp of the exact logits
+        output = attend_segments(query, segments, scaling, softcap, self.residual_readout,
+                                 with_lse=correction is not None)
+        if correction is not None:
+            output = correction.correct(query, *output)
         self.trim_tail_to_window()
+        self._quantize_full_tail_blocks()
         return output
 
-    def _fusable(self, softcap: float | None) -> bool:
-        """Whether SDPA computes this layer's softmax: no soft-cap, no query-dependent values
-        (MomentKV's covariance term), and residual entries (if any) read with a fixed bias
-        (``beta log c``: no gate, one softmax)."""
-        readout = self.residual_readout or PLAIN_READOUT
-        return softcap is None and self.residual_value_maps is None and (
-            self.residual_width == 0 or not (readout.gate or readout.separate_softmax))
+    def _kept_segments(self, query_columns: torch.Tensor) -> list[Segment]:
+        """The kept slots, one segment per block the store reads (``restkv.storage``); with
+        residual entries (in the last ``R`` slots) the segments carry their log-counts (``-inf``
+        on the exact slots)."""
+        kept_columns, blocks = self.entries.read_blocks()
+        visible = (kept_columns >= 0)[:, :, None, :]
+        if self.sliding_window is not None:
+            visible = visible & (kept_columns[:, :, None, :] > (query_columns[:, None] - self.sliding_window))
+        log_counts = None
+        if self.residual_width:
+            exact_slots = kept_columns.shape[2] - self.residual_width
+            entries = torch.isfinite(self.residual_log_counts)[:, :, None, :]
+            if self.sliding_window is not None:  # an entry is visible while its oldest member is
+                oldest = self.residual_columns[:, :, None, :]
+                entries = entries & (oldest > (query_columns[:, None] - self.sliding_window))
+            visible = visible | torch.nn.functional.pad(entries, (exact_slots, 0), value=False)
+            log_counts = torch.nn.functional.pad(self.residual_log_counts, (exact_slots, 0), value=float("-inf"))
+            log_counts = log_counts[:, :, None, None, :]
+        segments = [Segment(keys, values, visible[..., start:stop],
+                            None if log_counts is None else log_counts[..., start:stop], key_channels=self.key_channels)
+                    for start, stop, keys, values in blocks]
+        if self.residual_value_maps is not None:  # MomentKV's terms belong to the last slots
+            segments[-1] = dataclasses.replace(segments[-1], value_maps=self.residual_value_maps)
+        return segments
 
-    def _joined(self, kept_keys: torch.Tensor, kept_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Kept slots then tail, ``[B, H_kv, S + T, d]``: a view of the shared buffer when the
-        kept entries live in it (dense storage), else joined here (ragged storage)."""
-        end = self._tail_start + self.tail_length
-        if self._tail_start and self._buffer_prefix_of is self.entries:
-            return self._buffer_keys[:, :, :end], self._buffer_values[:, :, :end]
-        tail_keys, tail_values = self.tail
-        return torch.cat([kept_keys, tail_keys], dim=2), torch.cat([kept_values, tail_values], dim=2)
-
-    def _joined_mask(self, kept: Segment, tail_visible: torch.Tensor) -> torch.Tensor:
-        """``[B, H_kv, q | 1, S + T]`` SDPA mask of the kept segment and the tail: bool, or with
-        residual entries an additive bias (``beta log c`` on visible entries, ``-inf`` where masked)."""
-        kept_visible, tail_visible = kept.visible, tail_visible[:, None]
-        rows = max(kept_visible.shape[2], tail_visible.shape[2])
-        shape = (kept_visible.shape[0], kept_visible.shape[1], rows)
-        mask = torch.cat([kept_visible.expand(*shape, -1), tail_visible.expand(*shape, -1)], dim=-1)
-        if kept.log_counts is None:
-            return mask
-        beta = (self.residual_readout or PLAIN_READOUT).beta
-        counts = torch.where(torch.isfinite(kept.log_counts[:, :, 0]), beta * kept.log_counts[:, :, 0], 0.0)
-        bias = F.pad(counts, (0, tail_visible.shape[-1]))
-        return torch.where(mask, bias, float("-inf")).to(self._buffer_keys.dtype)
-
-    def _kept_segment(self, kept_keys: torch.Tensor, kept_values: torch.Tensor, kept_visible: torch.Tensor,
-                      query_columns: torch.Tensor) -> Segment:
-        """The kept slots; with residual entries (in the last ``R`` slots) the segment carries their
-        log-counts (``-inf`` on the exact slots)."""
-        if self.residual_width == 0:
-            return Segment(kept_keys, kept_values, kept_visible)
-        exact_slots = kept_keys.shape[2] - self.residual_width
-        entries = torch.isfinite(self.residual_log_counts)[:, :, None, :]
-        if self.sliding_window is not None:  # an entry is visible while its oldest member is
-            entries = entries & (self.residual_columns[:, :, None, :] > (query_columns[:, None] - self.sliding_window))
-        visible = kept_visible | torch.nn.functional.pad(entries, (exact_slots, 0), value=False)
-        log_counts = torch.nn.functional.pad(self.residual_log_counts, (exact_slots, 0), value=float("-inf"))
-        return Segment(kept_keys, kept_values, visible, log_counts[:, :, None, None, :], self.residual_value_maps)
+    def _tail_segments(self, visible: torch.Tensor) -> list[Segment]:
+        """The tail: its quantised blocks (dequantised when read), then its exact tokens."""
+        segments, start = [], 0
+        for keys, values in self.tail_blocks:
+            stop = start + keys.shape[-2]
+            segments.append(Segment(keys.dequantize, values.dequantize, visible[..., start:stop]))
+            start = stop
+        exact_keys, exact_values = self.exact_tail
+        return segments + [Segment(exact_keys, exact_values, visible[..., start:])]
 
     # ----------------------------------------------------------- contents
     @property
@@ -392,53 +381,68 @@ class CompressedLayer(CacheLayerMixin):
 
     @property
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values appended after compression, ``[B, H_kv, T, d]``."""
-        if self._buffer_keys is None:
+        """Keys and values appended after compression, ``[B, H_kv, T, d]`` (quantised blocks
+        dequantised: a temporary copy)."""
+        exact_keys, exact_values = self.exact_tail
+        if not self.tail_blocks:
+            return exact_keys, exact_values
+        return (torch.cat([*(keys.dequantize() for keys, _ in self.tail_blocks), exact_keys], dim=2),
+                torch.cat([*(values.dequantize() for _, values in self.tail_blocks), exact_values], dim=2))
+
+    @property
+    def exact_tail_length(self) -> int:
+        """Tail tokens held exactly (after the quantised blocks)."""
+        return self.tail_length - sum(keys.shape[-2] for keys, _ in self.tail_blocks)
+
+    @property
+    def exact_tail(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tail tokens held exactly, ``[B, H_kv, T_exact, d]``."""
+        if self.tail_keys is None:
             empty = self.entries.empty()
             return empty, empty
-        used = slice(self._tail_start, self._tail_start + self.tail_length)
-        return self._buffer_keys[:, :, used], self._buffer_values[:, :, used]
+        exact = self.exact_tail_length
+        return self.tail_keys[:, :, :exact], self.tail_values[:, :, :exact]
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Append new tokens to the tail (amortised O(1) per token: the buffer doubles). The
         buffer is rebuilt, dense kept entries first, when it is full or its kept slots are
         stale (new entries: re-compression, batch reordering)."""
         new = key_states.shape[-2]
-        needed = self.tail_length + new
-        capacity = 0 if self._buffer_keys is None else self._buffer_keys.shape[-2] - self._tail_start
-        dense = self.entries if isinstance(self.entries, DenseEntries) else None
-        if needed > capacity or self._buffer_prefix_of is not dense:
-            self._rebuild_buffer(dense, max(needed, 2 * capacity, 16), key_states, value_states)
-        start = self._tail_start + self.tail_length
-        self._buffer_keys[:, :, start : start + new] = key_states
-        self._buffer_values[:, :, start : start + new] = value_states
-        self.tail_length = needed
+        exact = self.exact_tail_length
+        needed = exact + new
+        capacity = 0 if self.tail_keys is None else self.tail_keys.shape[-2]
+        if needed > capacity:
+            capacity = max(needed, 2 * capacity, 16)
+            shape = (*key_states.shape[:2], capacity, key_states.shape[-1])
+            grown_keys, grown_values = key_states.new_empty(shape), value_states.new_empty(shape)
+            if exact:
+                grown_keys[:, :, :exact] = self.tail_keys[:, :, :exact]
+                grown_values[:, :, :exact] = self.tail_values[:, :, :exact]
+            self.tail_keys, self.tail_values = grown_keys, grown_values
+        self.tail_keys[:, :, exact:needed] = key_states
+        self.tail_values[:, :, exact:needed] = value_states
+        self.tail_length += new
         self.tokens_seen += new
 
-    def _rebuild_buffer(self, dense: DenseEntries | None, capacity: int, like_keys: torch.Tensor,
-                        like_values: torch.Tensor) -> None:
-        """A buffer of ``capacity`` tail slots after the ``dense`` store's kept slots (none for a
-        ragged store), holding the tail so far; the dense store then lives in the buffer."""
-        prefix = 0 if dense is None else dense.keys.shape[2]
-        shape = (*like_keys.shape[:2], prefix + capacity, like_keys.shape[-1])
-        keys, values = like_keys.new_empty(shape), like_values.new_empty(shape)
-        tail_keys, tail_values = self.tail
-        keys[:, :, prefix : prefix + self.tail_length] = tail_keys
-        values[:, :, prefix : prefix + self.tail_length] = tail_values
-        if dense is not None:
-            keys[:, :, :prefix], values[:, :, :prefix] = dense.keys, dense.values
-            dense = self.entries = DenseEntries(keys[:, :, :prefix], values[:, :, :prefix], dense.columns)
-        self._buffer_keys, self._buffer_values = keys, values
-        self._buffer_prefix_of, self._tail_start = dense, prefix
+    def _quantize_full_tail_blocks(self) -> None:
+        """Quantise the oldest exact tail tokens, ``--quant_residual_length`` at a time, while
+        that many have accumulated (not on sliding-window layers, whose tail is bounded)."""
+        if self.quantizer is None or self.sliding_window is not None:
+            return
+        size = self.quantizer.quant_residual_length
+        while self.exact_tail_length >= size:
+            keys, values = self.tail_keys[:, :, :size], self.tail_values[:, :, :size]
+            self.tail_blocks.append((self.quantizer.quantize_keys(keys), self.quantizer.quantize_values(values)))
+            rest = self.exact_tail_length
+            self.tail_keys[:, :, :rest] = self.tail_keys[:, :, size : size + rest].clone()
+            self.tail_values[:, :, :rest] = self.tail_values[:, :, size : size + rest].clone()
 
     def trim_tail_to_window(self) -> None:
         """Sliding-window layers: forget tail tokens that no future query can see."""
         if self.sliding_window is not None and self.tail_length > self.sliding_window - 1:
             drop = self.tail_length - (self.sliding_window - 1)
             keys, values = self.tail
-            keep = slice(self._tail_start, self._tail_start + self.tail_length - drop)
-            self._buffer_keys[:, :, keep] = keys[:, :, drop:].clone()
-            self._buffer_values[:, :, keep] = values[:, :, drop:].clone()
+            self.tail_keys, self.tail_values = keys[:, :, drop:].clone(), values[:, :, drop:].clone()
             self.tail_length -= drop
 
     def remember_queries(self, query: torch.Tensor, count: int) -> None:
@@ -461,15 +465,27 @@ class CompressedLayer(CacheLayerMixin):
             keys = torch.cat([keys, residual[0]], dim=2)
             values = torch.cat([values, residual[1]], dim=2)
             columns = torch.nn.functional.pad(columns, (0, residual[2].shape[-1]), value=-1)
-        self.entries = entries_for(keys, values, columns, self.residual_counts_of(columns))
+        self.entries = entries_for(keys, values, columns, self.residual_counts_of(columns), self.quantizer)
         self.tail_length = 0
+        self.tail_blocks = []
+
+    @property
+    def storage(self) -> str:
+        """How the entries are held: ``exact``, or the quantisation and the key channels kept."""
+        parts = [] if self.quantizer is None else [f"{self.quantizer.name} {self.quantizer.nbits}-bit"]
+        if self.key_channels is not None:
+            parts.append(f"keys {self.key_channels.shape[-1]}/{self.entries.empty().shape[-1]} channels")
+        return ", ".join(parts) or "exact"
 
     def nbytes(self) -> int:
-        """Bytes held by every tensor of the layer (tail counted at its used length)."""
+        """Bytes held by every tensor of the layer: the stored entries (packed codes, scales,
+        zero-points and outliers when quantised), the tail's quantised blocks and its exact
+        tokens (at their used length)."""
         tensors = list(self.entries.tensors())
         tensors += [t for t in (self.residual_log_counts, self.residual_columns, self.residual_value_maps,
-                                self.recent_queries) if t is not None]
-        tensors += list(self.tail) if self.tail_length else []
+                                self.recent_queries, self.key_channels) if t is not None]
+        tensors += [t for keys, values in self.tail_blocks for t in (*keys.tensors(), *values.tensors())]
+        tensors += list(self.exact_tail) if self.exact_tail_length else []
         tensors += list(self.output_correction.tensors()) if self.output_correction is not None else []
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -498,22 +514,25 @@ class CompressedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Empty the layer: the next forward through it is a new prefill."""
-        keys, _, columns = self.entries.read()
-        self.entries = DenseEntries(keys[:, :, :0], keys[:, :, :0], columns[:, :, :0])
-        self.residual_log_counts = self.residual_columns = self.residual_value_maps = self.output_correction = None
-        self._buffer_keys = self._buffer_values = self._buffer_prefix_of = None
-        self._tail_start = self.tail_length = self.tokens_seen = self.prompt_tokens = 0
+        empty = self.entries.empty()
+        self.entries = DenseEntries(empty, empty, empty[..., 0].to(torch.int32))
+        self.residual_log_counts = self.residual_columns = self.key_channels = None
+        self.residual_value_maps = self.output_correction = None
+        self.tail_keys = self.tail_values = None
+        self.tail_blocks = []
+        self.tail_length = self.tokens_seen = self.prompt_tokens = 0
 
     def _map_batch(self, fn) -> None:
-        keys, values, columns = (fn(tensor) for tensor in self.entries.read())
-        for name in ("residual_log_counts", "residual_columns", "residual_value_maps", "_buffer_keys",
-                     "_buffer_values", "recent_queries", "prompt_padding"):
+        residual_counts = fn(self.residual_counts_of(self.entries.empty()))
+        for name in ("residual_log_counts", "residual_columns", "tail_keys", "tail_values", "recent_queries",
+                     "prompt_padding", "key_channels", "residual_value_maps"):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, fn(tensor))
+        self.tail_blocks = [(keys.map_batch(fn), values.map_batch(fn)) for keys, values in self.tail_blocks]
         if self.output_correction is not None:
             self.output_correction = self.output_correction.map_batch(fn)
-        self.entries = entries_for(keys, values, columns, self.residual_counts_of(columns))
+        self.entries = self.entries.map_batch(fn, residual_counts)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -526,10 +545,10 @@ class CompressedLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the newest ``-tokens_to_remove`` tokens; only tokens of the tail can be removed."""
-        if tokens_to_remove > 0 or -tokens_to_remove > self.tail_length:
+        if tokens_to_remove > 0 or -tokens_to_remove > self.exact_tail_length:
             raise RuntimeError(
-                f"a compressed layer can only drop tokens appended after compression ({self.tail_length}); "
-                f"asked for crop({tokens_to_remove})"
+                f"a compressed layer can only drop tokens appended after compression and not yet quantised "
+                f"({self.exact_tail_length}); asked for crop({tokens_to_remove})"
             )
         self.tail_length += tokens_to_remove
         self.tokens_seen += tokens_to_remove
@@ -548,7 +567,9 @@ class LayerReport:
     """What one cache layer holds. ``stored`` counts exact tokens per KV head (mean over rows and
     heads), ``residual`` summary entries, ``extra_slots`` the token-slot equivalents of other state a
     method keeps per row and KV head (``OutputCorrection``); ``compressed`` is False when the layer
-    kept everything."""
+    kept everything.
+    ``storage`` says how the entries are held (``exact``, ``kivi 4-bit``, ``keys 38/64 channels``...),
+    and ``nbytes`` what that costs (packed codes, scales, zero-points, outliers and exact tail)."""
 
     layer: int
     kind: str
@@ -561,6 +582,7 @@ class LayerReport:
     extra_slots: float = 0.0
     #: token slots (of ``2 d`` numbers) per KV head that query-dependent value terms hold (MomentKV's covariance)
     statistics: float = 0.0
+    storage: str = "exact"
 
     @property
     def compressed(self) -> bool:
@@ -579,6 +601,7 @@ def cache_report(cache: Cache) -> list[LayerReport]:
                     float(stored.float().mean()), float(layer.residual_counts.float().mean()), layer.nbytes(),
                     layer.output_correction.token_slots() if layer.output_correction is not None else 0.0,
                     layer.statistics_slots(),
+                    layer.storage,
                 )
             )
         else:
@@ -599,12 +622,11 @@ def cache_nbytes(cache: Cache) -> int:
 def format_report(reports: list[LayerReport]) -> str:
     """A plain-text table of ``cache_report``."""
     lines = [f"{'layer':>5} {'kind':>10} {'seen':>7} {'stored(min/mean/max)':>22} {'residual':>8} {'extra':>6} "
-             f"{'stats':>6} "
-             f"{'MiB':>8}"]
+             f"{'stats':>6} {'MiB':>8}  storage"]
     for r in reports:
         stored = f"{r.stored_min}/{r.stored_mean:.1f}/{r.stored_max}"
         lines.append(f"{r.layer:>5} {r.kind:>10} {r.tokens_seen:>7} {stored:>22} {r.residual:>8.1f} "
-                     f"{r.extra_slots:>6.1f} {r.statistics:>6.1f} {r.nbytes / 2**20:>8.3f}")
+                     f"{r.extra_slots:>6.1f} {r.statistics:>6.1f} {r.nbytes / 2**20:>8.3f}  {r.storage}")
     compressed = sum(r.compressed for r in reports)
     lines.append(f"{compressed} of {len(reports)} layers hold fewer entries than tokens seen")
     return "\n".join(lines)

@@ -36,6 +36,8 @@ class CompressedKV:
     (-1 where no entry); None likewise.
     residual_value_maps: ``[B, H_kv, M, d, d]`` query-dependent value terms of the last ``M``
     slots (MomentKV's value-key covariance, ``restkv.cache.Segment``); None without them.
+    key_channels: ``[B, H_kv, c]`` the key channels each head keeps with ``--think`` (the
+    dropped ones are zero in ``keys`` outside the recent tokens); None otherwise.
 
     Unpacks as ``keys, values, indices`` (what callers that ignore residual entries read).
     """
@@ -46,6 +48,7 @@ class CompressedKV:
     residual_log_counts: torch.Tensor | None = None
     residual_positions: torch.Tensor | None = None
     residual_value_maps: torch.Tensor | None = None
+    key_channels: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter((self.keys, self.values, self.indices))
@@ -97,7 +100,7 @@ def compress_kv(
 
     return CompressedKV(selection.keys, selection.values, row_local(selection.columns),
                         selection.residual_log_counts, row_local(selection.residual_columns),
-                        selection.residual_value_maps)
+                        selection.residual_value_maps, selection.key_channels)
 
 
 def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch.Tensor | None = None,
@@ -106,7 +109,17 @@ def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch
 
     ``scores`` and ``keep`` (``[B, H_kv]`` kept counts) may come from a model-wide pass
     (``restkv.deferred``); by default the policy scores and the allocation allocates here.
+    With ``--think`` the kept keys then lose their least important channels.
     """
+    selection = _select(config, ctx, scores, keep)
+    pruning = config.switch("think")
+    if pruning is None or not ctx.plan.compress:
+        return selection
+    return pruning.prune(ctx, selection, pruning.recent_tokens(config))
+
+
+def _select(config: CompressionConfig, ctx: ScoringContext, scores: torch.Tensor | None,
+            keep: torch.Tensor | None) -> Selection:
     plan = ctx.plan
     if not plan.compress:  # every visible token stays
         keep = plan.visible_counts[:, None].expand(-1, ctx.num_kv_heads)

@@ -6,7 +6,11 @@ A run is composed of registered parts (``restkv.options``), each owning its opti
 * the **allocation** (``--allocation``): how the budget is spread over layers and KV heads
   (``restkv.allocation``; a method such as ``pyramidkv`` fixes its own);
 * the **merge** (``--merge``): an optional step that folds evicted tokens into kept ones;
-* **switches** turned on by a boolean flag named after them (``--residual``: ResKV).
+* **switches** turned on by a boolean flag named after them (``--residual``: ResKV;
+  ``--think``: ThinK's key-channel pruning; a method may be defined with a switch on, as
+  ``--method think`` is SnapKV with ``--think``);
+* the **quantisation** (``--quant_method``): how the compressed cache stores its entries
+  (``restkv.quantization``: KIVI or KVQuant codes; default: exact).
 
 Around them sit the options every run has (``RunOptions``): the budget, the observation
 window, the seed. Budget semantics (as in the original ReST-KV release):
@@ -64,6 +68,10 @@ class RunOptions(Options):
         "adakv for adakv, headkv for headkv, uniform for the rest)",
     )
     merge: str = option("none", "merge evicted tokens into kept ones after selection (pivot: LOOK-M)")
+    quant_method: str = option(
+        "none", "store the compressed cache quantised (kivi: KIVI's per-channel keys and per-token values; kvquant: "
+        "the same with exact outliers; see restkv.quantization); default: exact"
+    )
     observation: str | None = option(
         None,
         "the queries that score the prompt: the last --window_size prompt tokens (window), or the model repeating "
@@ -101,7 +109,7 @@ class RunOptions(Options):
 
 
 _RUN_NAMES = tuple(option_specs(RunOptions))
-_KIND_FLAGS = {"method": "method", "allocation": "allocation", "merge": "merge"}
+_KIND_FLAGS = {"method": "method", "allocation": "allocation", "merge": "merge", "quantization": "quant_method"}
 
 
 class CompressionConfig:
@@ -113,7 +121,8 @@ class CompressionConfig:
     policy: the method's policy, built with its options (``restkv.policies``).
     allocator: the allocation part (``restkv.allocation``).
     merger: the merge part, or None.
-    switches: the parts turned on by their flag (``--residual``), as a tuple.
+    quantizer: the quantisation part (``--quant_method``), or None.
+    switches: the parts turned on by their flag (``--residual``) or by the method, as a tuple.
     """
 
     def __init__(self, method: str = "snapkv", **options: Any) -> None:
@@ -132,16 +141,19 @@ class CompressionConfig:
         allocation = _resolve_allocation(policy_cls, run, explicit)
         allocation_cls = lookup("allocation", allocation)
         merge_cls = None if run.merge == "none" else lookup("merge", run.merge)
+        quant_cls = None if run.quant_method == "none" else lookup("quantization", run.quant_method, "quant_method")
         switch_flags = {cls.name: cls for cls in registered("switch")}
         for flag in switch_flags:
             if flag in explicit and not isinstance(explicit[flag], bool):
                 raise ConfigError(f"--{flag} must be a boolean (--{flag} / --no-{flag}); got {explicit[flag]!r}")
         for flag in policy_cls.own_switches:
             if explicit.get(flag) is False:
-                raise ConfigError(f"--method {run.method} is defined with --{flag}; --no-{flag} does not apply to it")
+                raise ConfigError(f"--method {run.method} is --method {policy_cls.base_method} with --{flag}; "
+                                  f"for --no-{flag} use --method {policy_cls.base_method}")
         switch_classes = [cls for flag, cls in switch_flags.items()
                           if explicit.get(flag) or flag in policy_cls.own_switches]
-        part_classes = [policy_cls, allocation_cls, *([merge_cls] if merge_cls else []), *switch_classes]
+        part_classes = [policy_cls, allocation_cls, *([merge_cls] if merge_cls else []),
+                        *([quant_cls] if quant_cls else []), *switch_classes]
 
         given: dict[type, dict[str, Any]] = {cls: {} for cls in part_classes}
         unused: dict[str, Any] = {}
@@ -174,6 +186,7 @@ class CompressionConfig:
         set_(self, "policy", policy_cls(**given[policy_cls]))
         set_(self, "allocator", allocation_cls(**given[allocation_cls]))
         set_(self, "merger", merge_cls(**given[merge_cls]) if merge_cls else None)
+        set_(self, "quantizer", quant_cls(**given[quant_cls]) if quant_cls else None)
         set_(self, "switches", tuple(cls(**given[cls]) for cls in switch_classes))
         set_(self, "_explicit", {**kept, **unused})
         set_(self, "_unused", unused)
@@ -197,8 +210,9 @@ class CompressionConfig:
 
     @property
     def parts(self) -> tuple[Options, ...]:
-        """The active parts: policy, allocation, merge (if any), switches."""
-        return (self.policy, self.allocator, *([self.merger] if self.merger else []), *self.switches)
+        """The active parts: policy, allocation, merge and quantisation (if any), switches."""
+        return (self.policy, self.allocator, *([self.merger] if self.merger else []),
+                *([self.quantizer] if self.quantizer else []), *self.switches)
 
     def _check_recompression(self) -> None:
         """Chunked prefill and decode-time compression score a layer again and again with its
@@ -307,7 +321,7 @@ class CompressionConfig:
         raise dataclasses.FrozenInstanceError(f"CompressionConfig is immutable; use .replace({name}=...)")
 
     def _key(self) -> tuple:
-        return (self.run, self.policy, self.allocator, self.merger, self.switches)
+        return (self.run, self.policy, self.allocator, self.merger, self.quantizer, self.switches)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, CompressionConfig) and self._key() == other._key()
@@ -327,7 +341,7 @@ def _checked_unused(options: dict[str, Any]) -> dict[str, Any]:
     choices, and the value checks of the allocation, merge or switch that declares them), so a
     bad value fails now rather than in the run that needs it."""
     checked = {name: _flat_specs()[name][0][1].check(value) for name, value in options.items()}
-    for kind in ("allocation", "merge", "switch"):
+    for kind in ("allocation", "merge", "quantization", "switch"):
         for cls in registered(kind):
             mine = {name: value for name, value in checked.items() if name in option_specs(cls)}
             if mine:
@@ -359,7 +373,10 @@ def _describe(run: RunOptions, switch_classes) -> str:
         parts.append(f"--allocation {run.allocation}")
     if run.merge != "none":
         parts.append(f"--merge {run.merge}")
-    parts += [f"--{cls.name}" for cls in switch_classes]
+    if run.quant_method != "none":
+        parts.append(f"--quant_method {run.quant_method}")
+    own = lookup("method", run.method).own_switches
+    parts += [f"--{cls.name}" for cls in switch_classes if cls.name not in own]
     return " ".join(parts)
 
 
@@ -391,7 +408,7 @@ def _build_flat_specs() -> dict[str, list[tuple[type, OptionSpec]]]:
     for cls in registered("switch"):
         table[cls.name] = [(cls, OptionSpec(cls.name, bool, None, False, False, cls.switch_help,
                                             None, None, None, False))]
-    for kind in ("method", "allocation", "merge", "switch"):
+    for kind in ("method", "allocation", "merge", "quantization", "switch"):
         for cls in registered(kind):
             for name, spec in option_specs(cls).items():
                 table.setdefault(name, []).append((cls, spec))

@@ -49,9 +49,10 @@ def _argument(name: str, declarations: list) -> tuple[dict[str, Any], str]:
 
 def _activation(cls: type) -> str:
     """The flag that makes a part active (``--method restkv``, ``--residual``)."""
-    for kind in ("method", "allocation", "merge"):
+    for kind, flag in (("method", "method"), ("allocation", "allocation"), ("merge", "merge"),
+                       ("quantization", "quant_method")):
         if cls in registered(kind):
-            return f"--{kind} {cls.name}"
+            return f"--{flag} {cls.name}"
     return f"--{cls.name}"
 
 

@@ -8,9 +8,9 @@ are checked when the part is built, so a bad value fails with the flag's name be
 anything runs. ``restkv.config`` composes the parts of one run; the runners build their
 command-line flags from the same declarations.
 
-Parts register under a kind (``method``, ``allocation``, ``merge``) with ``register``; the
-policies, allocations and merges do so when their modules are imported (``import restkv``
-imports them all).
+Parts register under a kind (``method``, ``allocation``, ``merge``, ``switch``,
+``quantization``) with ``register``; the policies, allocations, merges, switches and
+quantisers do so when their modules are imported (``import restkv`` imports them all).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-#: kinds of registered parts; a ``switch`` is turned on by a boolean flag named after it (``--residual``)
-KINDS = ("method", "allocation", "merge", "switch")
+#: kinds of registered parts; a ``switch`` is turned on by a boolean flag named after it (``--residual``);
+#: a ``quantization`` is chosen by ``--quant_method``
+KINDS = ("method", "allocation", "merge", "switch", "quantization")
 
 
 class ConfigError(ValueError):
@@ -212,13 +213,14 @@ def unregister(kind: str, name: str) -> None:
     _VERSION[0] += 1
 
 
-def lookup(kind: str, name: str) -> type:
-    """The part registered as ``name``; the error names the flag and lists the known names."""
+def lookup(kind: str, name: str, flag: str | None = None) -> type:
+    """The part registered as ``name``; the error names the flag (``--<kind>`` unless ``flag``
+    is given) and lists the known names."""
     try:
         return _REGISTRY[kind][name]
     except (KeyError, TypeError):
         raise ConfigError(
-            f"--{kind} {name!r} is not a known {kind}; choose one of {', '.join(names(kind))}"
+            f"--{flag or kind} {name!r} is not a known {kind}; choose one of {', '.join(names(kind))}"
         ) from None
 
 

@@ -81,6 +81,9 @@ class Selection:
         (``restkv.cache.OutputCorrection``, from ``Policy.summarise``); None for most methods.
     residual_value_maps: ``[B, H_kv, M, d, d]`` query-dependent value terms of the last ``M``
         slots (``restkv.cache.Segment.value_maps``; MomentKV); None without them.
+    key_channels: ``[B, H_kv, c]`` ascending key channels each head keeps (ThinK,
+        ``restkv.channel_pruning``: the others are zero in ``keys`` outside the recent tokens);
+        None when every channel is kept.
     """
 
     keys: torch.Tensor
@@ -90,3 +93,4 @@ class Selection:
     residual_columns: torch.Tensor | None = None
     output_correction: Any = None
     residual_value_maps: torch.Tensor | None = None
+    key_channels: torch.Tensor | None = None

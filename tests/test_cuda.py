@@ -87,6 +87,8 @@ FLASH_METHODS = [
     dict(method="adakv"),
     dict(method="restkv", use_wo=False),  # its W_o Gram matrices are zero in the model below
     dict(method="snapkv", residual=True),
+    dict(method="snapkv", quant_method="kvquant", nbits=4, quant_group_size=8, quant_residual_length=8),
+    dict(method="think", recent_size=8),
 ]
 
 

@@ -201,7 +201,7 @@ def test_a_zero_gate_is_plain_eviction_bit_for_bit(tmp_path):
     step = torch.randn(1, 6, 2, 8), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8)
     # the same (reference) softmax: a layer with a correction never takes the fused path
     assert torch.equal(gated.attend(*step, None, 1 / math.sqrt(8)),
-                       plain.attend(*step, None, 1 / math.sqrt(8), fused=False))
+                       plain.attend(*step, None, 1 / math.sqrt(8)))
     # A gate that is open changes the output.
     with torch.no_grad():
         gated.output_correction.layer.gate_bias.fill_(0.0)

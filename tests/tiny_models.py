@@ -177,7 +177,8 @@ def registered_methods(*, uniform: bool = False, splittable: bool = False, keeps
         evicted tokens that takes slots of the budget, like MomentKV's statistics or IndexMem's memory).
     splittable: the residual cache can split its ranking (not positional, not merging values, not
         summarising the evicted tokens itself).
-    keeps_inputs: kept entries are the input keys and values (no merging, no summary entry).
+    keeps_inputs: kept entries are the input keys and values (no merging, no summary entry, no switch
+        of the method's that changes them, such as ThinK's channel pruning).
     compresses_first_layer: layer 0 is compressed.
     """
     import warnings
@@ -189,14 +190,17 @@ def registered_methods(*, uniform: bool = False, splittable: bool = False, keeps
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                policy = CompressionConfig(method=name, max_capacity_prompts=64, window_size=8).policy
+                config = CompressionConfig(method=name, max_capacity_prompts=64, window_size=8)
+                policy = config.policy
         except ConfigError:
             continue
         if not policy.evicts or (uniform and (policy.allocation is not None or policy.summarises_evicted)):
             continue
         if splittable and (policy.ranks_by_position or policy.merges_values or policy.summarises_evicted):
             continue
-        if (keeps_inputs and (policy.merges_values or policy.summarises_evicted)) or (compresses_first_layer and not policy.compresses_layer(0)):
+        changes = (policy.merges_values or policy.summarises_evicted
+                   or any(getattr(part, "changes_entries", False) for part in config.switches))
+        if (keeps_inputs and changes) or (compresses_first_layer and not policy.compresses_layer(0)):
             continue
         chosen.append(name)
     return chosen

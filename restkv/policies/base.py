@@ -52,13 +52,14 @@ class Policy(Options):
     #: the allocation the method is defined with (``pyramidkv`` = SnapKV + pyramid); None lets
     #: ``--allocation`` choose
     allocation: ClassVar[str | None] = None
-    #: for a method with its own allocation: the method whose scores it uses
+    #: for a method with its own allocation or switches: the method whose scores it uses
     base_method: ClassVar[str | None] = None
     #: scores with the attention of observation queries (so ``--observation`` chooses them)
     observes_queries: ClassVar[bool] = True
     #: the observation the method is defined with (``--observation`` overrides it)
     default_observation: ClassVar[str] = "window"
-    #: switches the method is defined with (``momentkv`` = ``snapkv --moments``)
+    #: switches the method is defined with (``think`` = SnapKV with ``--think``, ``momentkv`` =
+    #: SnapKV with ``--moments``)
     own_switches: ClassVar[tuple[str, ...]] = ()
     #: keeps a summary of the tokens it evicts besides the kept entries (MomentKV's statistics,
     #: IndexMem's latent memory): its numbers take token slots of the budget, so heads keep fewer

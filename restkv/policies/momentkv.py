@@ -194,5 +194,6 @@ class MomentKV(SnapKV):
     """SnapKV's scores with ``--moments`` (the evicted set's moments, read as one softmax entry)."""
 
     name = "momentkv"
+    base_method = "snapkv"
     own_switches = ("moments",)
     summarises_evicted = True

@@ -1,0 +1,248 @@
+"""Quantised storage of the compressed cache (``--quant_method kivi|kvquant``).
+
+The maths, and the two parts that choose it:
+
+* ``kivi`` (Liu et al., 2024, arXiv 2402.02750): asymmetric uniform integers of ``--nbits``
+  bits with a scale and a zero-point (the group's minimum) per group; keys are quantised
+  **per channel** (a group is ``--quant_group_size`` consecutive tokens of one channel, so
+  the outlier channels of keys get their own ranges), values **per token** (a group is
+  ``--quant_group_size`` consecutive channels of one token). Codes are packed into uint8
+  (four 2-bit, two 4-bit or one 8-bit code per byte) along the channel axis.
+* ``kvquant``: the original release's variant of KVQuant (Hooper et al., 2024, arXiv
+  2401.18079): the same codes, with every element beyond ``+-quant_outlier_threshold``
+  kept exactly in a sparse side store (flat int32/int64 index and value) and left out of
+  its group's range (KVQuant's dense-and-sparse split). KVQuant's paper also quantises keys
+  **before** RoPE (per channel), uses non-uniform, sensitivity-weighted levels (``nuq``),
+  picks outliers per vector by a percentile calibrated offline, and keeps the first token
+  (attention sink) in full precision; none of those are implemented here: keys are the
+  post-RoPE keys the cache holds, levels are uniform and the threshold is fixed.
+
+A quantise-dequantise round trip is off by at most half a step (``scale / 2``) per
+element, outliers restored exactly. Scales and zero-points are stored in the tensor's own
+dtype (as KIVI does); the codes are computed from the stored (rounded) scale.
+
+Where it is used: ``restkv.storage.QuantizedEntries`` holds a compressed layer's kept
+tokens and residual entries this way, quantised once after eviction; ``restkv.cache``
+quantises the tokens appended during decoding in blocks of ``--quant_residual_length``
+(until then they stay exact), and attention dequantises one block at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from restkv.options import ConfigError, Options, option, register
+
+#: bit widths the packing supports, and how many codes each byte holds
+CODES_PER_BYTE = {2: 4, 4: 2, 8: 1}
+
+
+def pack(codes: torch.Tensor, nbits: int) -> torch.Tensor:
+    """uint8 codes ``[..., n]`` (each below ``2**nbits``) packed along the last axis into
+    ``[..., ceil(n * nbits / 8)]`` uint8 (the first code in the lowest bits)."""
+    per_byte = CODES_PER_BYTE[nbits]
+    if per_byte == 1:
+        return codes.to(torch.uint8)
+    grow = -codes.shape[-1] % per_byte
+    codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, grow)).view(*codes.shape[:-1], -1, per_byte)
+    shifts = torch.arange(0, 8, nbits, dtype=torch.uint8, device=codes.device)
+    return (codes << shifts).sum(dim=-1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor, nbits: int, count: int) -> torch.Tensor:
+    """The first ``count`` codes of each row of ``pack``'s output, as uint8 ``[..., count]``."""
+    if CODES_PER_BYTE[nbits] == 1:
+        return packed[..., :count]
+    shifts = torch.arange(0, 8, nbits, dtype=torch.uint8, device=packed.device)
+    codes = (packed[..., None] >> shifts) & ((1 << nbits) - 1)
+    return codes.flatten(-2)[..., :count]
+
+
+@dataclass
+class QuantizedTensor:
+    """A ``[..., S, d]`` tensor as packed codes with a scale and a zero-point per group.
+
+    packed: uint8 ``[..., S, ceil(d * nbits / 8)]``.
+    scale, zero: ``[..., ceil(S / g), d]`` (``per_channel``: groups of ``g`` tokens of one
+        channel) or ``[..., S, ceil(d / g)]`` (per token: groups of ``g`` channels of one token).
+    outlier_index, outlier_value: the exact side store (flat indices into the tensor, and its
+        values), or None.
+    """
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    nbits: int
+    group: int
+    per_channel: bool
+    channels: int
+    outlier_index: torch.Tensor | None = None
+    outlier_value: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], self.channels)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scale.dtype
+
+    def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Tokens ``start:stop`` (along ``S``; ``start`` a multiple of the group for per-channel
+        codes) in the stored dtype, outliers restored exactly."""
+        stop = self.packed.shape[-2] if stop is None else stop
+        codes = unpack(self.packed[..., start:stop, :], self.nbits, self.channels).to(torch.float32)
+        if self.per_channel:
+            groups = slice(start // self.group, -(-stop // self.group))
+            scale, zero = (_spread(t[..., groups, :], self.group, -2, stop - start) for t in (self.scale, self.zero))
+        else:
+            scale, zero = (_spread(t[..., start:stop, :], self.group, -1, self.channels)
+                           for t in (self.scale, self.zero))
+        block = (codes * scale.float() + zero.float()).to(self.dtype)
+        if self.outlier_index is not None and self.outlier_index.numel():
+            rows = self.packed.shape[-2]
+            token = (self.outlier_index // self.channels) % rows
+            inside = (token >= start) & (token < stop)
+            index = self.outlier_index[inside].long()
+            local = (index // (rows * self.channels)) * ((stop - start) * self.channels) + \
+                (token[inside].long() - start) * self.channels + index % self.channels
+            block.view(-1)[local] = self.outlier_value[inside]
+        return block
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the tensor holds (for the memory report)."""
+        side = [self.outlier_index, self.outlier_value] if self.outlier_index is not None else []
+        return [self.packed, self.scale, self.zero, *side]
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "QuantizedTensor":
+        """The same tensor with ``fn`` (a batch reorder, repeat or selection) applied to its rows."""
+        mapped = QuantizedTensor(fn(self.packed), fn(self.scale), fn(self.zero), self.nbits, self.group,
+                                 self.per_channel, self.channels)
+        if self.outlier_index is not None:
+            rows = self.packed.shape[0]
+            per_row = self.packed[0].numel() // self.packed.shape[-1] * self.channels if rows else 0
+            source = fn(torch.arange(rows, device=self.packed.device))  # the old row of each new row
+            match = (self.outlier_index.long() // per_row)[None, :] == source[:, None]
+            new_row, which = match.nonzero(as_tuple=True)
+            index = new_row * per_row + self.outlier_index[which].long() % per_row
+            mapped.outlier_index, mapped.outlier_value = index.to(self.outlier_index.dtype), self.outlier_value[which]
+        return mapped
+
+
+def _spread(groups: torch.Tensor, size: int, dim: int, length: int) -> torch.Tensor:
+    """Per-group statistics repeated over their members along ``dim``, cut to ``length``."""
+    return groups.repeat_interleave(size, dim=dim).narrow(dim, 0, length)
+
+
+def quantize(x: torch.Tensor, nbits: int, group: int, per_channel: bool, valid: torch.Tensor | None = None,
+             outlier_threshold: float | None = None) -> QuantizedTensor:
+    """Asymmetric ``nbits`` codes of ``x`` ``[..., S, d]`` in groups of ``group`` tokens per
+    channel (``per_channel``) or ``group`` channels per token.
+
+    valid: optional bool ``[..., S]``, the slots that hold entries (unused slots of a padded
+    layer do not widen a group's range). outlier_threshold: elements with ``|x|`` above it
+    go to the exact side store and are left out of their group's range.
+    """
+    if nbits not in CODES_PER_BYTE:
+        raise ValueError(f"nbits must be one of {sorted(CODES_PER_BYTE)}; got {nbits}")
+    tokens, channels = x.shape[-2:]
+    member = torch.ones_like(x, dtype=torch.bool) if valid is None else valid[..., None].expand_as(x).clone()
+    outliers = None
+    if outlier_threshold is not None:
+        outliers = member & (x.abs() > outlier_threshold)
+        member &= ~outliers
+    dim, length = (-2, tokens) if per_channel else (-1, channels)
+    grow = -length % group
+    pad = (0, 0, 0, grow) if per_channel else (0, grow)
+    grouped_x = torch.nn.functional.pad(x.float(), pad)
+    grouped_member = torch.nn.functional.pad(member, pad, value=False)
+    if per_channel:
+        shape = (*x.shape[:-2], -1, group, channels)
+        grouped_x, grouped_member, reduce = grouped_x.view(shape), grouped_member.view(shape), -2
+    else:
+        shape = (*x.shape[:-1], -1, group)
+        grouped_x, grouped_member, reduce = grouped_x.view(shape), grouped_member.view(shape), -1
+    low = grouped_x.masked_fill(~grouped_member, float("inf")).amin(dim=reduce)
+    high = grouped_x.masked_fill(~grouped_member, float("-inf")).amax(dim=reduce)
+    empty = ~grouped_member.any(dim=reduce)
+    low, high = low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
+    top = (1 << nbits) - 1
+    zero = low.to(x.dtype)
+    scale = ((high - zero.float()) / top).to(x.dtype)
+    step = _spread(scale, group, dim, length).float()
+    offset = _spread(zero, group, dim, length).float()
+    codes = torch.round((x.float() - offset) / torch.where(step > 0, step, 1.0)).clamp(0, top).to(torch.uint8)
+    quantized = QuantizedTensor(pack(codes, nbits), scale, zero, nbits, group, per_channel, channels)
+    if outliers is not None:
+        index = outliers.flatten().nonzero().squeeze(-1)
+        quantized.outlier_index = index.to(torch.int32 if x.numel() < 2**31 else torch.int64)
+        quantized.outlier_value = x.flatten()[index]
+    return quantized
+
+
+# ---------------------------------------------------------------- the parts
+@register("quantization")
+@dataclass(frozen=True)
+class KIVI(Options):
+    """KIVI: keys per channel, values per token, asymmetric ``--nbits`` codes in groups."""
+
+    name = "kivi"
+
+    nbits: int = option(8, "--quant_method: bits per quantised key/value element (2, 4 or 8)")
+    quant_group_size: int = option(
+        64, "--quant_method: elements per scale/zero-point group (tokens of a key channel, channels of a value "
+        "token; at most the head dimension for values)", minimum=1,
+    )
+    quant_residual_length: int = option(
+        128, "--quant_method: tokens appended after compression stay exact until this many have accumulated, "
+        "then they are quantised as one block (a multiple of --quant_group_size)", minimum=1,
+    )
+
+    #: the exact side store's threshold (None: no outliers)
+    outlier_threshold = None
+
+    def validate(self) -> None:
+        if self.nbits not in CODES_PER_BYTE:
+            raise ConfigError(f"--nbits must be one of 2, 4, 8; got {self.nbits}")
+        if self.quant_residual_length % self.quant_group_size:
+            raise ConfigError(
+                f"--quant_residual_length {self.quant_residual_length} must be a multiple of --quant_group_size "
+                f"{self.quant_group_size} (a quantised block holds whole key groups)"
+            )
+
+    def check(self, config) -> None:
+        if not config.policy.evicts:
+            raise ConfigError(f"--quant_method quantises the compressed cache; --method {config.policy.name} "
+                              "keeps the native cache")
+        if config.rescores:
+            raise ConfigError("--quant_method stores evicted layers quantised once; --prefill_chunk_size and "
+                              "--decode_budget evict again from exact entries (not supported together)")
+
+    def quantize_keys(self, keys: torch.Tensor, valid: torch.Tensor | None = None) -> QuantizedTensor:
+        """``[..., S, d]`` keys, per channel (groups of ``--quant_group_size`` tokens)."""
+        return quantize(keys, self.nbits, self.quant_group_size, True, valid, self.outlier_threshold)
+
+    def quantize_values(self, values: torch.Tensor, valid: torch.Tensor | None = None) -> QuantizedTensor:
+        """``[..., S, d]`` values, per token (groups of ``--quant_group_size`` channels, at most ``d``)."""
+        group = min(self.quant_group_size, values.shape[-1])
+        return quantize(values, self.nbits, group, False, valid, self.outlier_threshold)
+
+
+@register("quantization")
+@dataclass(frozen=True)
+class KVQuant(KIVI):
+    """KIVI's codes with an exact sparse store of the outliers (the release's KVQuant variant)."""
+
+    name = "kvquant"
+
+    quant_outlier_threshold: float = option(
+        6.0, "--quant_method kvquant: elements with a magnitude above this are kept exactly in a sparse side store",
+        minimum=0, exclusive_minimum=True,
+    )
+
+    @property
+    def outlier_threshold(self) -> float:
+        return self.quant_outlier_threshold
