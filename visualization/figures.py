@@ -143,6 +143,8 @@ EFFICIENCY_PANELS = (
     ("decode_s_per_token", "decode (ms / token)", 1000.0),
     ("cache_bytes", "KV cache (MiB)", 1 / 2**20),
 )
+#: drawn when every row has it (``scripts/efficiency.py --peak_memory``)
+PEAK_PANEL = ("peak_above_ready_bytes", "peak memory above the model (MiB)", 1 / 2**20)
 
 
 def efficiency_plot(rows: Iterable[Mapping], out_path: str | Path, title: str = ""):
@@ -150,7 +152,8 @@ def efficiency_plot(rows: Iterable[Mapping], out_path: str | Path, title: str = 
 
     ``rows`` are ``results/efficiency.json`` rows ``{method, prompt_tokens, prefill_s,
     decode_s_per_token, cache_bytes}`` (``budget`` optional: a method run at several budgets
-    gets a line per budget). Repeated rows of one point are averaged.
+    gets a line per budget); rows of ``--peak_memory`` add a peak-memory panel. Repeated rows
+    of one point are averaged.
     """
     rows = list(rows)
     if not rows:
@@ -164,8 +167,9 @@ def efficiency_plot(rows: Iterable[Mapping], out_path: str | Path, title: str = 
         if len(budgets_per_method[label]) > 1:
             label = f"{label} ({row.get('budget')})"
         series[label][int(row["prompt_tokens"])].append(row)
-    figure, axes_list = plt.subplots(1, len(EFFICIENCY_PANELS), figsize=(15, 4))
-    for axes, (key, label, scale) in zip(axes_list, EFFICIENCY_PANELS):
+    panels = EFFICIENCY_PANELS + ((PEAK_PANEL,) if all(PEAK_PANEL[0] in row for row in rows) else ())
+    figure, axes_list = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    for axes, (key, label, scale) in zip(axes_list, panels):
         for name in sorted(series):
             lengths = sorted(series[name])
             values = [scale * float(np.mean([r[key] for r in series[name][n]])) for n in lengths]
