@@ -3,9 +3,7 @@
 import pytest
 import torch
 
-from restkv.cache import Segment, attend_segments
-from restkv.residual import ResidualReadout
-from restkv.cache import CompressedLayer, cache_nbytes, cache_report, format_report
+from restkv.cache import CompressedLayer, Segment, attend_segments, cache_nbytes, cache_report, format_report
 from restkv.compat import output_cache, with_cache
 from restkv.generation import prefill
 from tiny_models import FAMILY_BACKENDS, decode_in_chunks, left_padded, random_prompt, replace_for, tiny_model

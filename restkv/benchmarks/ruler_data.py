@@ -51,10 +51,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, given_essays, load_essays, split_sentences
-from restkv.benchmarks.haystack import wonderwords_list, wonderwords_version
 from restkv.benchmarks.ruler import FAMILIES, RulerTask, get_task, niah_prompt, parse_task_list, SYNTHETIC_TASKS
 from restkv.benchmarks.errors import FlagError, command_line
 from restkv.benchmarks.prompts import chat_wrap
+from restkv.text import wonderwords_list, wonderwords_version
 
 NOISE_LINE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
