@@ -28,7 +28,8 @@ class Clusters(NamedTuple):
 
 
 def lloyd_kmeans(
-    points: torch.Tensor, members: torch.Tensor, init: torch.Tensor, iterations: int, empty: str = "drop"
+    points: torch.Tensor, members: torch.Tensor, init: torch.Tensor, iterations: int, empty: str = "drop",
+    weights: torch.Tensor | None = None,
 ) -> Clusters:
     """Partition the ``members`` of ``points`` around ``init`` centres (ALGORITHMS.md 3.4).
 
@@ -42,6 +43,8 @@ def lloyd_kmeans(
         mean of its members.
     empty: ``drop`` a cluster that loses all its members (its slot stays unused), or
         ``reseed`` it with the members farthest from their centres.
+    weights: optional ``[H, n]`` float weight of each point (centres are weighted means and
+        ``counts`` the total weight per cluster, float32).
 
     The final clusters are those of the last assignment, so each centre is exactly the mean of
     its members. An assignment equal to the previous one is a fixed point, so the steps left
@@ -62,7 +65,7 @@ def lloyd_kmeans(
             assignment = _reseed_empty(assignment, distance, active)
         if torch.equal(assignment, previous):  # a fixed point: every further step would repeat this one
             break
-        sums, counts = cluster_sums(points, assignment, init.shape[1])
+        sums, counts = cluster_sums(points, assignment, init.shape[1], weights)
         active = active & (counts > 0)
         centres = torch.where(active[..., None], sums / counts.clamp(min=1)[..., None], centres)
     return Clusters(assignment, counts * active, centres)
@@ -144,19 +147,12 @@ def fold_into_entries(entry_keys: torch.Tensor, entry_values: torch.Tensor, entr
     point_values = torch.cat([entry_values.float(), values.float()])[None]
     weights = torch.cat([entry_counts.float(), keys.new_ones(keys.shape[0], dtype=torch.float32)])[None]
     slots = entry_keys.shape[0]
-    centres, active = points[:, :slots], torch.ones(1, slots, dtype=torch.bool, device=points.device)
-    assignment = None
-    for _ in range(iterations):
-        nearest, _ = _nearest_centres(points, centres, active, want_distance=False)
-        if assignment is not None and torch.equal(nearest, assignment):
-            break
-        assignment = nearest
-        sums, mass = cluster_sums(points, assignment, slots, weights)
-        active = mass > 0
-        centres = torch.where(active[..., None], sums / mass.clamp(min=1)[..., None], centres)
-    value_sums, mass = cluster_sums(point_values, assignment, slots, weights)
-    used = mass[0] > 0
-    return centres[0, used], (value_sums[0] / mass[0].clamp(min=1)[:, None])[used], mass[0, used]
+    members = torch.ones(points.shape[:2], dtype=torch.bool, device=points.device)
+    seeds = torch.arange(slots, device=points.device)[None]  # the old entries are the first points
+    clusters = lloyd_kmeans(points, members, seeds, iterations, weights=weights)
+    value_sums, mass = cluster_sums(point_values, clusters.assignment, slots, weights)
+    used = clusters.counts[0] > 0
+    return clusters.centres[0, used], (value_sums[0] / mass[0].clamp(min=1)[:, None])[used], clusters.counts[0, used]
 
 
 # ---------------------------------------------------------------- entries
