@@ -41,9 +41,11 @@ def recompress(layer, queries: torch.Tensor, config: Any, budgets: list[int], sc
     """Evict ``layer``'s exact entries (kept tokens and tail) down to ``budgets[b]`` per KV head,
     scored by ``queries`` ``[B, H, w, d]`` (the newest tokens' post-RoPE queries); the layer is
     rewritten in place, its tail emptied. Nothing happens when every head fits its budget."""
-    # Each head's exact tokens fill its first slots, its residual entries its last (restkv.storage).
-    width, tail = layer.kept_keys.shape[2], layer.tail_length
-    counts = (layer.kept_columns >= 0).sum(dim=-1)  # [B, H_kv] exact kept tokens
+    # Each head's exact tokens fill its first slots, its residual entries its last (restkv.storage);
+    # the store is read once (a ragged or quantised one rebuilds its padded view on every read).
+    held_keys, held_values, held_columns = layer.entries.read()
+    width, tail = held_keys.shape[2], layer.tail_length
+    counts = (held_columns >= 0).sum(dim=-1)  # [B, H_kv] exact kept tokens
     held = counts + layer.residual_counts
     if all(int(c) + tail <= b for row, b in enumerate(budgets) for c in held[row].tolist()):
         return
@@ -51,10 +53,10 @@ def recompress(layer, queries: torch.Tensor, config: Any, budgets: list[int], sc
     batch, num_kv_heads = counts.shape
     groups = queries.shape[1] // num_kv_heads
     tail_keys, tail_values = layer.tail
-    keys = torch.cat([layer.kept_keys, tail_keys], dim=2)
-    values = torch.cat([layer.kept_values, tail_values], dim=2)
+    keys = torch.cat([held_keys, tail_keys], dim=2)
+    values = torch.cat([held_values, tail_values], dim=2)
     tail_columns = torch.arange(layer.tokens_seen - tail, layer.tokens_seen, device=keys.device, dtype=torch.int32)
-    columns = torch.cat([layer.kept_columns, tail_columns.expand(batch, num_kv_heads, -1)], dim=2)
+    columns = torch.cat([held_columns, tail_columns.expand(batch, num_kv_heads, -1)], dim=2)
     order = _right_aligned_order(counts, width, tail)  # [B, H_kv, M] index into keys, -1 = padding
 
     kept_keys, kept_values, kept_columns, contexts, scores = [], [], [], [], []
@@ -80,7 +82,10 @@ def recompress(layer, queries: torch.Tensor, config: Any, budgets: list[int], sc
             head_keep = torch.maximum(head_keep - sizes[:, None], ctx.protected.sum(dim=-1, keepdim=True))
         chosen = select_columns(rank_keys(head_scores, ctx.visible, ctx.protected, layer_idx), head_keep)
         if residual is not None:
-            summaries.append(_head_summaries(layer, head, width - layer.residual_width, ctx, chosen, fresh, built, residual.residual_iters))
+            old = slice(width - layer.residual_width, None)  # the head's residual slots
+            summaries.append(_head_summaries(layer.residual_log_counts, held_keys[:, head, old],
+                                             held_values[:, head, old], head, ctx, chosen, fresh, built,
+                                             residual.residual_iters))
         head_keys, head_values = config.policy.finalize(ctx, chosen, gather_columns(ctx.key, chosen),
                                                         gather_columns(ctx.value, chosen))
         if config.merger is not None:
@@ -90,7 +95,7 @@ def recompress(layer, queries: torch.Tensor, config: Any, budgets: list[int], sc
         kept_keys.append(head_keys)
         kept_values.append(head_values)
         kept_columns.append(positions)
-    entries = None if residual is None else _stack_summaries(summaries, layer.kept_keys)
+    entries = None if residual is None else _stack_summaries(summaries, held_keys)
     layer.replace_exact(_stack(kept_keys), _stack(kept_values), _stack(kept_columns, fill=-1), entries,
                         readout=None if residual is None else residual.readout())
 
@@ -106,39 +111,31 @@ def _residual_sizes(residual, layer, head: int, ctx: ScoringContext, scores: tor
     return fresh, built, sizes
 
 
-def _head_summaries(layer, head: int, residual_start: int, ctx: ScoringContext, chosen: torch.Tensor, fresh: torch.Tensor,
-                    built, iterations: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _head_summaries(log_counts: torch.Tensor | None, old_keys: torch.Tensor, old_values: torch.Tensor, head: int,
+                    ctx: ScoringContext, chosen: torch.Tensor, fresh: torch.Tensor, built,
+                    iterations: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per row, ``(keys [r, d], values [r, d], counts [r])`` of KV head ``head``'s residual entries
-    after this step: the freshly built ones, or the old ones with this step's evicted tokens
-    folded in."""
+    after this step: the freshly built ones (``built`` exists whenever a row is ``fresh``), or
+    the old ones (``old_keys``/``old_values`` ``[B, R, d]``, the layer's ``log_counts``) with this
+    step's evicted tokens folded in."""
     rows = []
     for row in range(chosen.shape[0]):
         if bool(fresh[row]):
-            if built is None:
-                rows.append(_no_entries(ctx.key))
-                continue
             used = torch.isfinite(built.log_counts[row, 0])
             rows.append((built.keys[row, 0, used].float(), built.values[row, 0, used].float(),
                          built.log_counts[row, 0, used].exp().round()))
             continue
-        used = torch.isfinite(layer.residual_log_counts[row, head])
-        old_keys = layer.kept_keys[row, head, residual_start:][used]
-        old_values = layer.kept_values[row, head, residual_start:][used]
-        old_counts = layer.residual_log_counts[row, head, used].exp().round()
+        used = torch.isfinite(log_counts[row, head])
+        entry_keys, entry_values = old_keys[row, used], old_values[row, used]
+        entry_counts = log_counts[row, head, used].exp().round()
         evicted = ctx.plan.valid[row].clone()
         evicted[chosen[row, 0][chosen[row, 0] >= 0].long()] = False
         if not bool(evicted.any()):
-            rows.append((old_keys.float(), old_values.float(), old_counts))
+            rows.append((entry_keys.float(), entry_values.float(), entry_counts))
             continue
-        rows.append(fold_into_entries(old_keys, old_values, old_counts, ctx.key[row, 0, evicted],
+        rows.append(fold_into_entries(entry_keys, entry_values, entry_counts, ctx.key[row, 0, evicted],
                                       ctx.value[row, 0, evicted], iterations))
     return rows
-
-
-def _no_entries(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dim = like.shape[-1]
-    return like.new_zeros(0, dim, dtype=torch.float32), like.new_zeros(0, dim, dtype=torch.float32), \
-        like.new_zeros(0, dtype=torch.float32)
 
 
 def _stack_summaries(summaries: list[list[tuple[torch.Tensor, ...]]], like: torch.Tensor):
