@@ -24,8 +24,8 @@ residual_share}. A measurement, not a test: nothing is asserted.
 
 ``--peak_memory`` measures what a prefill and its decode hold at their peak instead, each
 method and length in a fresh process (the high-water mark of its resident memory, ``VmHWM``,
-less what the process held once the model and prompt were ready; on a GPU
-``torch.cuda.max_memory_allocated`` over the run). With ``--config tiny-wide`` (a random
+less what the process held once the model and prompt were ready; ``scripts/gpu_bench.py``
+reports ``torch.cuda.max_memory_allocated`` on a GPU). With ``--config tiny-wide`` (a random
 Llama shape, ``scripts/model_shapes.py``) and a fixed ``--budget`` it shows what chunked
 prefill bounds:
 
@@ -153,6 +153,15 @@ def decode(model, cache, token: torch.Tensor, steps: int) -> torch.Tensor:
     return token
 
 
+def set_method(model, spec: str, budget: int) -> bool:
+    """Give ``model`` a fresh config for method ``spec`` at ``budget`` (switches of the previous
+    variant must not linger); whether it compresses."""
+    options = method_spec_options(spec)
+    compressing = options["method"] != "fullkv"
+    replace_for_model(model, **options, **({"max_capacity_prompts": budget} if compressing else {}))
+    return compressing
+
+
 def interleaved_runs(model, prompt: torch.Tensor, specs: list[str], budget: int, repeats: int, decode_steps: int,
                      run: Callable[..., dict] = measure) -> dict[str, list[dict]]:
     """Each method's ``run(model, prompt, decode_steps, compressing)`` rows: every repetition runs
@@ -160,11 +169,7 @@ def interleaved_runs(model, prompt: torch.Tensor, specs: list[str], budget: int,
     runs: dict[str, list[dict]] = {spec: [] for spec in specs}
     for repeat in range(repeats):
         for spec in rotated(specs, repeat):
-            options = method_spec_options(spec)
-            # A fresh config each time: switches of the previous variant must not linger.
-            replace_for_model(model, **options, **({} if options["method"] == "fullkv" else
-                                                   {"max_capacity_prompts": budget}))
-            runs[spec].append(run(model, prompt, decode_steps, options["method"] != "fullkv"))
+            runs[spec].append(run(model, prompt, decode_steps, set_method(model, spec, budget)))
             print(f"  {prompt.shape[1]} tokens, budget {budget}, repeat {repeat}: {spec:18s} "
                   f"prefill {runs[spec][-1]['prefill_s']:.3f} s", flush=True)
     return runs
@@ -226,15 +231,11 @@ def peak_run(args: argparse.Namespace) -> None:
     length, budget, spec = job["length"], job["budget"], job["method"]
     model, tokenizer = load(args, length + args.decode_steps + 1)
     prompt = make_prompt(tokenizer, model.config.vocab_size, length, args.prompt)
-    options = method_spec_options(spec)
-    replace_for_model(model, **options, **({} if options["method"] == "fullkv" else {"max_capacity_prompts": budget}))
-    cuda = torch.cuda.is_available() and model.device.type == "cuda"
+    compressing = set_method(model, spec, budget)
     with torch.no_grad():
-        ready = torch.cuda.memory_allocated() if cuda else resident_bytes("VmRSS")
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        row = measure(model, prompt, args.decode_steps, options["method"] != "fullkv")
-        peak = torch.cuda.max_memory_allocated() if cuda else resident_bytes("VmHWM")
+        ready = resident_bytes("VmRSS")
+        row = measure(model, prompt, args.decode_steps, compressing)
+        peak = resident_bytes("VmHWM")
     row.update(method=spec, prompt_tokens=length, budget=None if spec == "fullkv" else budget,
                peak_memory_bytes=peak, peak_above_ready_bytes=peak - ready)
     print(json.dumps(row))
