@@ -614,6 +614,45 @@ def cache_report(cache: Cache) -> list[LayerReport]:
     return reports
 
 
+@dataclass(frozen=True)
+class KeptPositions:
+    """What one cache layer keeps, as row-local positions (0 = a row's first real token).
+
+    exact: ``[B][H_kv]`` sorted positions of the exact tokens held (kept prompt tokens and tokens
+    appended later). summaries: ``[B][H_kv]`` how many summary entries (ResKV's residual entries,
+    MomentKV's entry) the head holds beside them; they stand for evicted tokens and have no
+    single position.
+    """
+
+    exact: list[list[list[int]]]
+    summaries: list[list[int]]
+
+
+def kept_positions(cache: Cache) -> list[KeptPositions]:
+    """Per layer, the positions each row and KV head keeps (``KeptPositions``): what parity
+    tests compare with another library's kept sets. A native layer (nothing evicted) lists
+    every column it holds: it does not know a row's left padding, so read it on unpadded rows."""
+    result = []
+    for layer in cache.layers:
+        if isinstance(layer, CompressedLayer):
+            columns = layer.kept_columns
+            padding = layer.prompt_padding.to(columns.device)[:, None, None]
+            positions = torch.where(columns >= 0, columns - padding, -1)
+            tail_start = layer.tokens_seen - layer.tail_length
+            tail = torch.arange(tail_start, layer.tokens_seen, device=columns.device)
+            summaries = layer.residual_counts.tolist()
+            exact = [[sorted(head[head >= 0].tolist() + (tail - int(padding[row])).tolist())
+                      for head in positions[row]] for row in range(positions.shape[0])]
+        else:
+            keys = layer.keys if layer.is_initialized else None
+            held = keys.shape[-2] if keys is not None and keys.dim() == 4 else 0
+            batch, heads = (keys.shape[0], keys.shape[1]) if held else (0, 0)
+            exact = [[list(range(held)) for _ in range(heads)] for _ in range(batch)]
+            summaries = [[0] * heads for _ in range(batch)]
+        result.append(KeptPositions(exact, summaries))
+    return result
+
+
 def cache_nbytes(cache: Cache) -> int:
     """Bytes held by every layer of ``cache``."""
     return sum(report.nbytes for report in cache_report(cache))

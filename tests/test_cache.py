@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from restkv.cache import CompressedLayer, Segment, attend_segments, cache_nbytes, cache_report, format_report
+from restkv.cache import (
+    CompressedLayer, Segment, attend_segments, cache_nbytes, cache_report, format_report, kept_positions,
+)
 from restkv.compat import output_cache, with_cache
 from restkv.generation import prefill
 from tiny_models import FAMILY_BACKENDS, decode_in_chunks, left_padded, random_prompt, replace_for, tiny_model
@@ -125,3 +127,33 @@ def test_unpatched_forward_refuses_a_compressed_layer():
     with pytest.raises(RuntimeError, match="compressed by restkv"):
         layer.update(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4))
 
+
+
+def test_kept_positions_are_row_local_and_match_the_kept_columns():
+    model = tiny_model("llama")
+    input_ids, attention_mask = left_padded([60, 45])
+    replace_for("llama")(method="snapkv", max_capacity_prompts=20, window_size=4)
+    cache = prefill(model, input_ids, attention_mask)
+    layers = kept_positions(cache)
+    assert len(layers) == len(cache.layers)
+    for kept, layer in zip(layers, cache.layers):
+        for row, length in enumerate((60, 45)):
+            for head in range(model.config.num_key_value_heads):
+                positions = kept.exact[row][head]
+                assert len(positions) == 20 and positions == sorted(positions)
+                assert positions[-4:] == list(range(length - 4, length))  # the window, row-local
+                columns = layer.kept_columns[row, head]
+                padding = 60 - length
+                assert positions == sorted((columns[columns >= 0] - padding).tolist())
+        assert kept.summaries == [[0, 0], [0, 0]]
+
+
+def test_kept_positions_count_residual_entries_apart():
+    model = tiny_model("llama")
+    replace_for("llama")(method="snapkv", max_capacity_prompts=24, window_size=4, residual=True,
+                         residual_no_validation=True, residual_fixed_ratio=0.25)
+    cache = prefill(model, random_prompt(1, 90))
+    for kept in kept_positions(cache):
+        for head, positions in enumerate(kept.exact[0]):
+            assert len(positions) + kept.summaries[0][head] == 24
+            assert kept.summaries[0][head] == 6
