@@ -33,7 +33,7 @@ from restkv.benchmarks.benchmark import Sample
 from restkv.benchmarks.prompts import encode_prompt
 from restkv.benchmarks.scoring import format_table
 from restkv.config import method_spec_options
-from restkv.deferred import set_reconstruction_prompt
+from restkv.reconstruction_prompt import set_reconstruction_prompt
 from restkv.generation import answer_nll
 from restkv.models import load_model, load_tokenizer
 from restkv.monkeypatch import replace_for_model
