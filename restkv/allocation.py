@@ -82,6 +82,9 @@ class Allocation(Options):
     """
 
     model_wide: ClassVar[bool] = False
+    #: spreads a row's budget unequally over the KV heads of a layer (AdaKV, HeadKV): heads
+    #: compressed apart (``restkv.recompress``) then share one row budget
+    head_adaptive: ClassVar[bool] = False
 
     def allocate(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
         """``[B, H_kv]`` tokens kept per row and KV head, protected tokens included."""
@@ -161,6 +164,7 @@ class AdaKVAllocation(Allocation):
     """AdaKV's head-adaptive budgets within a layer (``adakv_caps``)."""
 
     name = "adakv"
+    head_adaptive = True
 
     floor: float = option(0.2, "AdaKV safeguard: every head keeps at least floor * (budget - window) candidates",
                           minimum=0, maximum=1)
@@ -187,6 +191,7 @@ class HeadKVAllocation(Allocation):
     """HeadKV's per-head budgets from a head-score file, model-wide (``headkv_table``)."""
 
     name = "headkv"
+    head_adaptive = True
 
     head_scores: str | None = option(
         None, "HeadKV: JSON file of per-head importance scores (python -m restkv.benchmarks.head_scores computes one)"
@@ -416,6 +421,7 @@ class LayerRanked(Allocation):
     (AdaKV without its floor or normalisation; KVzip's ``--kvzip_layerwise``)."""
 
     name = "layer_ranked"
+    head_adaptive = True
 
     def candidate_counts(self, layer, scores, shape, available):
         return adakv_caps(scores, shape.candidate_budget, 0.0, normalize=False)
@@ -430,6 +436,7 @@ class ModelRanked(Allocation):
     Ties go to the lower layer, head and position."""
 
     name = "model_ranked"
+    head_adaptive = True
     model_wide = True
 
     def reserved(self, candidate_budget: int) -> int:

@@ -32,7 +32,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from restkv.cache import CompressedLayer, native_layer, readout_of
+from restkv.cache import CompressedLayer, native_layer
 from restkv.compat import CACHE_ARGUMENT, output_cache, with_cache
 from restkv.compress import compress_layer
 from restkv.config import CompressionConfig
@@ -121,10 +121,8 @@ def restkv_attention_forward(
         else:
             output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
             ctx = ScoringContext.of(query, key, value, plan, params.scaling, params.softcap, self.o_proj.weight)
-            cache.layers[self.layer_idx] = compressed = CompressedLayer.from_selection(
-                compress_layer(config, ctx), query.shape[2], params.sliding_window, config,
-                readout=readout_of(config), padding=plan.padding,
-            )
+            cache.layers[self.layer_idx] = compressed = CompressedLayer.from_state(
+                compress_layer(config, ctx), query.shape[2], params.sliding_window, config, plan.padding)
             if config.run.decode_budget is not None:
                 compressed.remember_queries(query, config.run.window_size)
     else:
@@ -236,7 +234,7 @@ def _compress_again(module, config, cache, layer: CompressedLayer, query, params
 def _due(layer: CompressedLayer, budget: int, interval: int) -> bool:
     """Decode-time compression runs every ``interval`` new tokens, or sooner if the layer would
     otherwise hold more than ``budget + interval`` entries (a prompt kept above the budget)."""
-    held = int((layer.kept_counts + layer.residual_counts).max()) + layer.tail_length
+    held = int((layer.held_counts + layer.summary_slots).max())
     return layer.tail_length >= interval or held > budget + interval
 
 

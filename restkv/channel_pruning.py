@@ -6,11 +6,11 @@ window's queries of the head's query group, ``k``: the entries whose channels ar
 the squared form of ThinK's ``|Q_c| |K_c|``. The newest ``--recent_size`` prompt tokens keep
 every channel (they are what the next queries read most), as do tokens appended later.
 
-Storage (``restkv.cache.CompressedLayer``): the pruned keys hold only the kept channels
-(``[B, H_kv, S, d - pruned]``) with their indices per head (``key_channels``); the query
-channels that meet them are selected at decode, which is the same as masking the dropped
-ones. The recent tokens, whole, open the layer's tail. ``compress_kv`` and ``Selection``
-show the pruned keys with zeros in the dropped channels and ``key_channels`` beside them.
+Storage: a ``PrunedKeyTokens`` segment of the compressed layer holds the pruned keys with only
+the kept channels (``[B, H_kv, S, d - pruned]``) and their indices per head; a read selects the
+query channels that meet them, which is the same as masking the dropped ones. The recent
+tokens, whole, open the layer's tail. ``compress_kv`` shows the pruned keys with zeros in the
+dropped channels and ``key_channels`` beside them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.options import ConfigError, Options, option, register
-from restkv.selection import Selection
+from restkv.storage import tensor_bytes
 
 
 @register("switch")
@@ -52,7 +52,7 @@ class KeyChannelPruning(Options):
             raise ConfigError("--think prunes key channels once after eviction; --prefill_chunk_size and "
                               "--decode_budget evict again from whole keys (not supported together)")
 
-    def recent_tokens(self, config) -> int:
+    def exact_recent_tokens(self, config) -> int:
         """The newest prompt tokens kept whole: ``--recent_size``, capped at those every head keeps
         (the method's protected tokens, at most ``--window_size``: 1 for TOVA, 0 for KVzip)."""
         run = config.run
@@ -63,75 +63,74 @@ class KeyChannelPruning(Options):
         """Key channels each head drops."""
         return int(self.pruning_ratio * head_dim)
 
-    def prune(self, ctx, selection: Selection, recent_size: int) -> Selection:
-        """``selection`` with each head's dropped key channels zeroed outside the ``recent_size``
-        newest tokens (``recent_tokens``), and ``key_channels`` ``[B, H_kv, d - pruned]``
-        (ascending) set; unchanged when nothing is dropped."""
-        keys = selection.keys
+    def choose_channels(self, ctx, keys: torch.Tensor, columns: torch.Tensor, first_recent: int) -> torch.Tensor | None:
+        """``[B, H_kv, d - pruned]`` the key channels each head keeps (ascending), scored over its kept
+        tokens ``keys`` ``[B, H_kv, K, d]`` at ``columns`` (-1 = unused) older than ``first_recent``
+        (the newest tokens stay whole); None when nothing is dropped."""
         dropped = self.pruned_channels(keys.shape[-1])
         if dropped == 0:
-            return selection
-        recent = selection.columns >= ctx.key.shape[2] - recent_size
-        pruned = held_slots(selection) & ~recent
+            return None
+        pruned = (columns >= 0) & (columns < first_recent)
         window = ctx.query[:, :, -max(ctx.window_size, 1) :].float()
         query_power = ctx.reduce_groups(window.pow(2).mean(dim=2), "mean")  # [B, H_kv, d]
         key_power = (keys.float().pow(2) * pruned[..., None]).sum(dim=2) / pruned.sum(dim=2, keepdim=True).clamp(min=1)
         importance = query_power * key_power
         # Most important first, ties to the lower channel; the kept ones in ascending order.
         order = torch.sort(importance, dim=-1, descending=True, stable=True).indices
-        channels = order[..., : keys.shape[-1] - dropped].sort(dim=-1).values
-        kept = torch.zeros_like(keys, dtype=torch.bool).scatter_(
-            -1, channels[:, :, None, :].expand(-1, -1, keys.shape[2], -1), True)
-        keys = keys.masked_fill(~kept & pruned[..., None], 0)
-        return dataclasses.replace(selection, keys=keys, key_channels=channels)
+        return order[..., : keys.shape[-1] - dropped].sort(dim=-1).values
 
 
-def held_slots(selection: Selection) -> torch.Tensor:
-    """``[B, H_kv, S]`` bool: slots that hold an exact token or a residual entry."""
-    held = selection.columns >= 0
-    if selection.residual_log_counts is not None:
-        width = selection.residual_log_counts.shape[-1]
-        held[..., held.shape[-1] - width :] |= torch.isfinite(selection.residual_log_counts)
-    return held
+class PrunedKeyTokens:
+    """Exact tokens whose keys hold only each head's kept channels (ThinK): a segment that reads
+    its ``inner`` segment (dense, ragged or quantised, holding the compact ``[.., d - pruned]``
+    keys) with the query channels that meet them, the same as masking the dropped ones.
 
-
-def split_recent(selection: Selection, tokens_seen: int, recent_size: int,
-                 padding: torch.Tensor | None = None) -> tuple[Selection, torch.Tensor, torch.Tensor]:
-    """A pruned ``selection`` as a layer stores it: the entries without the recent tokens, keys
-    compacted to their ``key_channels``, and the recent tokens' whole keys and values
-    ``[B, H_kv, recent_size, d]`` (zeros where a row's prompt is shorter), in position order.
-
-    Every head keeps every real recent token (they are protected; ``padding`` ``[B]``: each
-    row's left padding); the others keep their slots, residual entries their place in the last slots.
+    channels: ``[B, H_kv, c]`` ascending kept channels per head; head_dim: the keys' full width.
     """
-    keys, values, columns = selection.keys, selection.values, selection.columns
-    first = tokens_seen - recent_size
-    recent = columns >= first
-    real = recent_size - (padding.to(columns.device) - first).clamp(min=0) if padding is not None else recent_size
-    if bool((recent.sum(dim=-1) != torch.as_tensor(real, device=columns.device).reshape(-1, 1)).any()):
-        raise ConfigError(f"--recent_size {recent_size}: some KV head dropped one of the newest tokens; lower it "
-                          "to the tokens the method always keeps")
-    batch, heads, width, dim = keys.shape
-    # The recent tokens, by position (a spare last slot takes the others).
-    where = torch.where(recent, columns - first, recent_size).long()
-    recent_keys = keys.new_zeros(batch, heads, recent_size + 1, dim).scatter_(
-        2, where[..., None].expand(-1, -1, -1, dim), keys)[:, :, :recent_size]
-    recent_values = values.new_zeros(batch, heads, recent_size + 1, values.shape[-1]).scatter_(
-        2, where[..., None].expand(-1, -1, -1, values.shape[-1]), values)[:, :, :recent_size]
-    # The rest: each head's older exact tokens first, residual entries still in the last slots.
-    tail = 0 if selection.residual_log_counts is None else selection.residual_log_counts.shape[-1]
-    older = ((columns >= 0) & ~recent).sum(dim=-1)  # [B, H_kv]
-    residual = held_slots(selection)[..., width - tail :].sum(dim=-1) if tail else torch.zeros_like(older)
-    new_width = int((older + residual).max()) if older.numel() else 0
-    new_width = max(new_width, tail)
-    slot = torch.arange(new_width, device=keys.device)
-    source = torch.where(slot >= new_width - tail, slot + (width - new_width), slot).expand(batch, heads, -1)
-    used = (slot < older[..., None]) | (slot >= new_width - tail)
-    source = torch.where(used, source, 0)
-    compact = keys.gather(-1, selection.key_channels[:, :, None, :].expand(-1, -1, width, -1))
-    def slots(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.gather(2, source[..., None].expand(-1, -1, -1, tensor.shape[-1])).masked_fill(~used[..., None], 0)
 
-    rest = dataclasses.replace(selection, keys=slots(compact), values=slots(values),
-                               columns=torch.where(used, columns.gather(2, source), -1))  # residual slots: -1
-    return rest, recent_keys, recent_values
+    def __init__(self, inner, channels: torch.Tensor, head_dim: int) -> None:
+        self.inner, self.channels, self.head_dim = inner, channels, head_dim
+
+    @property
+    def kind(self) -> str:
+        return f"{self.inner.kind}, keys {self.channels.shape[-1]}/{self.head_dim} channels"
+
+    @property
+    def storage(self) -> str:
+        inner = getattr(self.inner, "storage", "exact")
+        pruned = f"keys {self.channels.shape[-1]}/{self.head_dim} channels"
+        return pruned if inner == "exact" else f"{inner}, {pruned}"
+
+    def attend(self, probe):
+        stacked = probe.stacked
+        index = self.channels[:, :, None, :].expand(-1, -1, stacked.shape[2], -1)
+        return self.inner.attend(probe.with_queries(stacked.gather(-1, index)))
+
+    def padded(self, appended: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kept tokens with whole keys (zeros in the dropped channels)."""
+        compact, values, columns = self.inner.padded()
+        keys = compact.new_zeros(*compact.shape[:-1], self.head_dim)
+        keys.scatter_(-1, self.channels[:, :, None, :].expand(-1, -1, compact.shape[2], -1), compact)
+        return keys, values, columns
+
+    def kept_counts(self) -> torch.Tensor:
+        return self.inner.kept_counts()
+
+    def held_counts(self) -> torch.Tensor:
+        return self.inner.held_counts()
+
+    def report(self):
+        inner = self.inner.report()
+        return dataclasses.replace(inner, kind=self.kind, nbytes=inner.nbytes + tensor_bytes([self.channels]))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.inner.tensors(), self.channels]
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes() + tensor_bytes([self.channels])
+
+    def fork(self) -> "PrunedKeyTokens":
+        return self  # built once, never appended to
+
+    def map_batch(self, fn) -> "PrunedKeyTokens":
+        return PrunedKeyTokens(self.inner.map_batch(fn), fn(self.channels), self.head_dim)

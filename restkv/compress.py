@@ -1,45 +1,202 @@
-"""Compressing one layer's prompt K/V: plan, score, allocate, select, merge, residual entries.
+"""Compressing one layer's prompt K/V: the one pipeline, and the tensor-level entry point.
 
-``compress_layer`` is the pipeline the patched attention runs on every compressing
-prefill; ``compress_kv`` is the tensor-level entry point for notebooks and tests, which
-builds the layer's plan itself and returns row-local positions. What a notebook gets from
-``compress_kv`` is exactly what the model keeps.
+``compress_layer(config, ctx)`` is the pipeline every compression runs (a compressing prefill,
+compression after the whole prefill, and recompression under chunked prefill and decode
+budgets): score → allocate → reserve → select → finalize → summarise → store. It returns a
+``LayerState``, the segments a ``restkv.cache.CompressedLayer`` is made of. Parts take part by
+what they do, never by their name:
+
+* a part with ``reserve`` and ``summarise`` (``Summariser``: the policy itself, ResKV's
+  ``--residual``, MomentKV's ``--moments``) keeps a summary of the tokens it evicts: ``reserve``
+  takes its token slots from the budgets (and may rescore), ``summarise`` returns its segments
+  (summaries that join the softmax, output corrections applied after it) from the kept columns;
+* a part with ``choose_channels`` (``KeyPruner``: ThinK's ``--think``) stores the kept keys with
+  fewer channels; one with ``quantize_keys`` (``--quant_method``) stores them as codes; both keep
+  their ``exact_recent_tokens`` newest prompt tokens whole, in the segment that takes appended tokens.
+
+``compress_kv`` is the notebook entry point: it builds the layer's plan itself and returns the
+layer's state as padded tensors with row-local positions, exactly what the model keeps.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Iterator, Mapping, Protocol, runtime_checkable
 
 import torch
 
+from restkv.channel_pruning import PrunedKeyTokens
 from restkv.config import CompressionConfig
 from restkv.context import ScoringContext, plan_layer, valid_from_mask
-from restkv.residual import ResidualPlan
-from restkv.selection import Selection, gather_columns, rank_keys, select_columns
+from restkv.quantization import QuantizedTokens
+from restkv.selection import Reservation, gather_columns, rank_keys, select_columns
+from restkv.storage import DenseTokens, exact_tokens, joined_view
 
 
+@runtime_checkable
+class Summariser(Protocol):
+    """A part that summarises what it evicts (see the module docstring)."""
+
+    def reserve(self, ctx: ScoringContext, scores: torch.Tensor, keep: torch.Tensor, previous=()) -> Reservation: ...
+
+    def summarise(self, ctx: ScoringContext, columns: torch.Tensor, memo: Any) -> list: ...
+
+
+@runtime_checkable
+class KeyPruner(Protocol):
+    """A part that stores kept keys with fewer channels (ThinK)."""
+
+    def exact_recent_tokens(self, config: Any) -> int: ...
+
+    def choose_channels(self, ctx: ScoringContext, keys: torch.Tensor, columns: torch.Tensor,
+                        first_recent: int) -> torch.Tensor | None: ...
+
+
+@runtime_checkable
+class Quantiser(Protocol):
+    """A part that stores kept tokens as integer codes (``restkv.quantization``)."""
+
+    def quantize_keys(self, keys: torch.Tensor, valid: torch.Tensor | None = None): ...
+
+    def quantize_values(self, values: torch.Tensor, valid: torch.Tensor | None = None): ...
+
+
+@dataclass
+class LayerState:
+    """The segments of one compressed layer.
+
+    kept: exact-token segments (kept tokens), oldest first; the last one takes appended tokens
+    (``restkv.storage``). summaries: segments that join the exact tokens' softmax (ResKV's
+    entries, MomentKV's entry). corrections: what is applied to the merged output (IndexMem's
+    memory).
+    """
+
+    kept: list
+    summaries: list = field(default_factory=list)
+    corrections: list = field(default_factory=list)
+    #: turns a block of appended tokens ``(keys, values, columns)`` into a stored segment (a
+    #: quantiser's codes), or None: appended tokens stay exact
+    seal: Callable | None = field(default=None, repr=False)
+    #: appended tokens ``seal`` takes at once (once that many have accumulated)
+    seal_every: int = 0
+
+
+def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch.Tensor | None = None,
+                   keep: torch.Tensor | None = None, previous=()) -> LayerState:
+    """The segments one layer keeps, following its plan (``ctx.plan``).
+
+    ``scores`` and ``keep`` (``[B, H_kv]`` kept counts) may come from a model-wide pass
+    (``restkv.deferred``) or a recompression's allocation across heads; by default the policy
+    scores and the allocation allocates here. ``previous``: the summary segments of the layer's
+    last compression, which absorb what this one evicts (``restkv.recompress``).
+    """
+    plan = ctx.plan
+    if not plan.compress:  # every visible token stays
+        counts = plan.visible_counts[:, None].expand(-1, ctx.num_kv_heads)
+        columns = select_columns(rank_keys(torch.zeros(ctx.key.shape[:3], device=ctx.key.device), plan.visible,
+                                           plan.protected), counts)
+        return LayerState([exact_tokens(gather_columns(ctx.key, columns), gather_columns(ctx.value, columns),
+                                        columns)])
+    policy = config.policy
+    if scores is None:
+        scores = policy.score(ctx)
+    if keep is None:
+        keep = config.allocator.allocate(ctx, scores)
+    memos = []
+    for part in summarisers(config):
+        reservation = part.reserve(ctx, scores, keep, previous)
+        scores, keep = reservation.scores, reservation.keep
+        memos.append((part, reservation.memo))
+    columns = select_columns(rank_keys(scores, plan.visible, plan.protected, plan.layer_idx), keep)
+    keys, values = policy.finalize(ctx, columns, gather_columns(ctx.key, columns), gather_columns(ctx.value, columns))
+    if config.merger is not None:
+        keys, values = config.merger.merge(ctx, columns, keys, values)
+    made = [segment for part, memo in memos for segment in part.summarise(ctx, columns, memo)]
+    quantiser = _part(config, Quantiser)
+    return LayerState(store(config, ctx, keys, values, columns),
+                      [segment for segment in made if hasattr(segment, "join")],
+                      [segment for segment in made if hasattr(segment, "correct")],
+                      None if quantiser is None else partial(QuantizedTokens, quantizer=quantiser),
+                      0 if quantiser is None else quantiser.quant_residual_length)
+
+
+def summarisers(config: CompressionConfig) -> list[Summariser]:
+    """The parts of ``config`` that summarise what they evict, in composition order."""
+    return [part for part in config.parts if isinstance(part, Summariser)]
+
+
+def _part(config: CompressionConfig, protocol: type):
+    return next((part for part in config.parts if isinstance(part, protocol)), None)
+
+
+def store(config: CompressionConfig, ctx: ScoringContext, keys: torch.Tensor, values: torch.Tensor,
+          columns: torch.Tensor) -> list:
+    """The exact-token segments of the kept ``keys``/``values`` ``[B, H_kv, K, d]`` at ``columns``
+    (indices of ``ctx``'s keys): one exact segment, or with a key pruner or a quantiser the older
+    tokens stored their way and the newest ``exact_recent_tokens`` whole in the segment that
+    takes appended tokens. The segments hold the keys' padded-batch columns (``ctx.positions_of``)."""
+    pruner, quantiser = _part(config, KeyPruner), _part(config, Quantiser)
+    recent = max((part.exact_recent_tokens(config) for part in (pruner, quantiser) if part is not None), default=0)
+    first_recent = ctx.key.shape[2] - recent
+    channels = None if pruner is None else pruner.choose_channels(ctx, keys, columns, first_recent)
+    if channels is None and quantiser is None:  # every token whole and exact
+        return [exact_tokens(keys, values, ctx.positions_of(columns))]
+    older = (columns >= 0) & (columns < first_recent)
+    width = int(older.sum(dim=-1).max()) if older.numel() else 0
+    older_columns = torch.where(older, ctx.positions_of(columns), -1)[..., :width]
+    older_keys = keys[:, :, :width].masked_fill(~older[..., :width, None], 0)
+    older_values = values[:, :, :width].masked_fill(~older[..., :width, None], 0)
+    if channels is not None:
+        older_keys = older_keys.gather(-1, channels[:, :, None, :].expand(-1, -1, width, -1))
+    if quantiser is not None:
+        segment = QuantizedTokens(older_keys, older_values, older_columns, quantiser)
+    else:
+        segment = exact_tokens(older_keys, older_values, older_columns, capacity=0)
+    if channels is not None:
+        segment = PrunedKeyTokens(segment, channels, keys.shape[-1])
+    return [segment, _recent_tokens(ctx, keys, values, columns, first_recent, recent)]
+
+
+def _recent_tokens(ctx: ScoringContext, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor,
+                   first_recent: int, recent: int) -> DenseTokens:
+    """The segment that holds the ``recent`` newest prompt tokens whole (every head keeps every real
+    one: they are protected) and takes the tokens appended later."""
+    batch, heads = columns.shape[:2]
+    slot = torch.where(columns >= first_recent, columns - first_recent, recent).long()  # others: a spare slot
+    recent_keys = keys.new_zeros(batch, heads, recent + 1, keys.shape[-1]).scatter_(
+        2, slot[..., None].expand(-1, -1, -1, keys.shape[-1]), keys)[:, :, :recent]
+    recent_values = values.new_zeros(batch, heads, recent + 1, values.shape[-1]).scatter_(
+        2, slot[..., None].expand(-1, -1, -1, values.shape[-1]), values)[:, :, :recent]
+    recent_columns = torch.full((batch, heads, recent + 1), -1, dtype=torch.int32, device=columns.device).scatter_(
+        2, slot, ctx.positions_of(columns))[:, :, :recent]
+    return DenseTokens(recent_keys, recent_values, recent_columns)
+
+
+# ---------------------------------------------------------------- the notebook entry point
 @dataclass(frozen=True)
 class CompressedKV:
     """One layer's compressed K/V, with positions local to each row.
 
     keys, values: ``[B, H_kv, S, d]``. Each head's kept prompt tokens fill its first slots in
-    ascending position order; with ``--residual`` its residual entries fill its last slots;
-    slots in between are unused (zeros).
+    ascending position order; its summary entries (ResKV's residual entries, MomentKV's entry)
+    fill its last slots; slots in between are unused (zeros). Quantised tokens are shown
+    dequantised, pruned keys with zeros in the dropped channels: what attention reads.
     indices: ``[B, H_kv, S]`` row-local prompt positions of the kept tokens (0 = the row's
-    first real token); -1 in residual and unused slots.
+    first real token); -1 in summary and unused slots.
     residual_log_counts: ``[B, H_kv, R]`` float32, ``log c`` (member count) of the entry in
-    each of the last ``R`` slots, ``-inf`` where that slot holds no residual entry; None
-    when no head of the layer has one.
+    each of the last ``R`` slots, ``-inf`` where that slot holds no entry; None when no head of
+    the layer has one.
     residual_positions: ``[B, H_kv, R]`` row-local position of each entry's oldest member
-    (-1 where no entry); None likewise.
+    (-1 where no entry, or unknown off sliding-window layers); None likewise.
     residual_value_maps: ``[B, H_kv, M, d, d]`` query-dependent value terms of the last ``M``
-    slots (MomentKV's value-key covariance, ``restkv.cache.Segment``); None without them.
-    key_channels: ``[B, H_kv, c]`` the key channels each head keeps with ``--think`` (the
-    dropped ones are zero in ``keys`` outside the recent tokens); None otherwise.
+    slots (MomentKV's value-key covariance: the slot's value for query ``q`` is
+    ``value + scaling * map q``); None without them.
+    key_channels: ``[B, H_kv, c]`` the key channels each head keeps with ``--think``; None otherwise.
+    state: the ``LayerState`` itself (the segments the model holds: codes and scales of a
+    quantised layer, the pruned keys, the summaries).
 
-    Unpacks as ``keys, values, indices`` (what callers that ignore residual entries read).
+    Unpacks as ``keys, values, indices`` (what callers that ignore summary entries read).
     """
 
     keys: torch.Tensor
@@ -49,6 +206,7 @@ class CompressedKV:
     residual_positions: torch.Tensor | None = None
     residual_value_maps: torch.Tensor | None = None
     key_channels: torch.Tensor | None = None
+    state: LayerState | None = field(default=None, repr=False, compare=False)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter((self.keys, self.values, self.indices))
@@ -85,88 +243,42 @@ def compress_kv(
 
     Returns
     -------
-    ``CompressedKV`` (keys, values, row-local indices, and with ``--residual`` the residual
-    entries' log-counts and oldest positions). A row whose length does not exceed its budget
-    keeps every real token.
+    ``CompressedKV`` (keys, values, row-local indices, and the summary entries' log-counts,
+    oldest positions and value maps). A row whose length does not exceed its budget keeps
+    every real token.
     """
     config = CompressionConfig.from_any(config)
     valid = _validate_inputs(query, key, value, attention_mask)
     plan = plan_layer(config, valid, layer_idx, num_layers, sliding_window)
-    selection = compress_layer(config, ScoringContext.of(query, key, value, plan, scaling, softcap, o_proj_weight))
-    padding = plan.padding[:, None, None]
-
-    def row_local(columns: torch.Tensor | None) -> torch.Tensor | None:
-        return None if columns is None else torch.where(columns >= 0, columns - padding, columns)
-
-    return CompressedKV(selection.keys, selection.values, row_local(selection.columns),
-                        selection.residual_log_counts, row_local(selection.residual_columns),
-                        selection.residual_value_maps, selection.key_channels)
+    state = compress_layer(config, ScoringContext.of(query, key, value, plan, scaling, softcap, o_proj_weight))
+    return public_view(state, plan.padding)
 
 
-def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch.Tensor | None = None,
-                   keep: torch.Tensor | None = None) -> Selection:
-    """What one layer keeps, following its plan (``ctx.plan``); columns index the padded batch.
+def public_view(state: LayerState, padding: torch.Tensor) -> CompressedKV:
+    """``state`` as ``CompressedKV`` (``padding`` ``[B]``: each row's left padding)."""
+    keys, values, columns = joined_view(state.kept)
+    channels = next((segment.channels for segment in state.kept if isinstance(segment, PrunedKeyTokens)), None)
+    shift = padding.to(columns.device)[:, None, None]
 
-    ``scores`` and ``keep`` (``[B, H_kv]`` kept counts) may come from a model-wide pass
-    (``restkv.deferred``); by default the policy scores and the allocation allocates here.
-    With ``--think`` the kept keys then lose their least important channels.
-    """
-    selection = _select(config, ctx, scores, keep)
-    pruning = config.switch("think")
-    if pruning is None or not ctx.plan.compress:
-        return selection
-    return pruning.prune(ctx, selection, pruning.recent_tokens(config))
+    def row_local(positions: torch.Tensor | None) -> torch.Tensor | None:
+        return None if positions is None else torch.where(positions >= 0, positions - shift, -1)
 
-
-def _select(config: CompressionConfig, ctx: ScoringContext, scores: torch.Tensor | None,
-            keep: torch.Tensor | None) -> Selection:
-    plan = ctx.plan
-    if not plan.compress:  # every visible token stays
-        keep = plan.visible_counts[:, None].expand(-1, ctx.num_kv_heads)
-        columns = select_columns(rank_keys(torch.zeros(ctx.key.shape[:3], device=ctx.key.device), plan.visible,
-                                           plan.protected), keep)
-        return Selection(gather_columns(ctx.key, columns), gather_columns(ctx.value, columns), columns)
-    policy = config.policy
-    if scores is None:
-        scores = policy.score(ctx)
-    if keep is None:
-        keep = config.allocator.allocate(ctx, scores)
-    keep = policy.reserve(ctx, keep)
-    residual_part = config.switch("residual")
-    residual = residual_part.build(ctx, scores, keep) if residual_part is not None else None
-    if residual is not None:
-        keep = keep - residual.sizes
-    moments = config.switch("moments")
-    if moments is not None:  # the statistics take their slots; moment-informed eviction rescores
-        scores, keep, summarised = moments.prepare(ctx, scores, keep)
-    columns = select_columns(rank_keys(scores, plan.visible, plan.protected, plan.layer_idx), keep)
-    keys, values = policy.finalize(ctx, columns, gather_columns(ctx.key, columns), gather_columns(ctx.value, columns))
-    if config.merger is not None:
-        keys, values = config.merger.merge(ctx, columns, keys, values)
-    if moments is not None and (summary := moments.summarise(ctx, columns, summarised)) is not None:
-        entry, covariance = summary
-        selection = _with_residual_entries(keys, values, columns, entry, keep)
-        return dataclasses.replace(selection, residual_value_maps=covariance)
-    if residual is None or not bool(residual.sizes.any()):
-        return Selection(keys, values, columns, output_correction=policy.summarise(ctx, columns))
-    return _with_residual_entries(keys, values, columns, residual, keep)
-
-
-def _with_residual_entries(
-    keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, plan: ResidualPlan, main: torch.Tensor
-) -> Selection:
-    """Place each head's residual entries in its last slots; the layer stays ``max(m + r)``
-    slots wide, the width the base method stores."""
-    width = int((main + plan.sizes).max())
+    summary = next(iter(state.summaries), None)
+    if summary is None:
+        return CompressedKV(keys, values, row_local(columns), key_channels=channels, state=state)
+    entry_keys, entry_values, log_counts, oldest, maps = summary.as_slots()
+    # A head's entries take its last slots: the view is as wide as the widest head's tokens and entries.
+    slots = log_counts.shape[-1]
+    entries = torch.isfinite(log_counts)
+    width = max(int(((columns >= 0).sum(dim=-1) + entries.sum(dim=-1)).max()), slots)
     grow = width - keys.shape[2]
     keys = torch.nn.functional.pad(keys, (0, 0, 0, grow))
     values = torch.nn.functional.pad(values, (0, 0, 0, grow))
     columns = torch.nn.functional.pad(columns, (0, grow), value=-1)
-    slots = plan.log_counts.shape[-1]
-    reserved = torch.arange(slots, device=keys.device) >= slots - plan.sizes[..., None]  # [B, H_kv, R]
-    keys[:, :, width - slots :] = torch.where(reserved[..., None], plan.keys, keys[:, :, width - slots :])
-    values[:, :, width - slots :] = torch.where(reserved[..., None], plan.values, values[:, :, width - slots :])
-    return Selection(keys, values, columns, plan.log_counts, plan.first_columns)
+    last = slice(width - slots, width)
+    keys[:, :, last] = torch.where(entries[..., None], entry_keys.to(keys.dtype), keys[:, :, last])
+    values[:, :, last] = torch.where(entries[..., None], entry_values.to(values.dtype), values[:, :, last])
+    return CompressedKV(keys, values, row_local(columns), log_counts, row_local(oldest), maps, channels, state)
 
 
 def _validate_inputs(query, key, value, attention_mask) -> torch.Tensor:

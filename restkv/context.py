@@ -134,6 +134,9 @@ class ScoringContext:
     observation: what the scorers read of the observation queries (``restkv.observation``;
         default: the window of the last ``window_size`` prompt queries). Its reductions are
         computed once and shared by every part of the layer's compression.
+    positions: ``[B, H_kv, N]`` the padded-batch column of every key, when the keys are not the
+        prompt itself (recompression scores each head's held tokens as its own sequence); None:
+        key ``j`` is column ``j``.
     """
 
     query: torch.Tensor
@@ -144,6 +147,7 @@ class ScoringContext:
     softcap: float | None = None
     o_proj_weight: torch.Tensor | None = None
     observation: Any = field(default=None, repr=False)
+    positions: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.observation is None:
@@ -151,9 +155,16 @@ class ScoringContext:
 
     @classmethod
     def of(cls, query, key, value, plan: LayerPlan, scaling: float | None = None, softcap=None,
-           o_proj_weight=None, observation=None) -> "ScoringContext":
+           o_proj_weight=None, observation=None, positions=None) -> "ScoringContext":
         return cls(query, key, value, plan, scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1]),
-                   softcap, o_proj_weight, observation)
+                   softcap, o_proj_weight, observation, positions)
+
+    def positions_of(self, columns: torch.Tensor) -> torch.Tensor:
+        """``[B, H_kv, K]`` int32 padded-batch columns of the keys at ``columns`` (-1 stays -1)."""
+        if self.positions is None:
+            return columns.to(torch.int32)
+        picked = self.positions.gather(2, columns.clamp(min=0).long())
+        return torch.where(columns >= 0, picked, -1).to(torch.int32)
 
     # The plan's fields, as scorers read them.
     @property

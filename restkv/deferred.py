@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from restkv.cache import CompressedLayer, readout_of
+from restkv.cache import CompressedLayer
 from restkv.compat import with_cache
 from restkv.compress import compress_layer
 from restkv.context import LayerPlan, ScoringContext
@@ -172,11 +172,9 @@ def _compress_pending(cache, pending: PendingPrefill) -> None:
         keeps = allocator.allocate_model({i: contexts[i] for i in indices}, scores) if allocator.model_wide else {}
         for index in indices:
             layer = pending.layers[index]
-            selection = compress_layer(config, contexts[index], scores=scores[index], keep=keeps.get(index))
-            cache.layers[index] = CompressedLayer.from_selection(
-                selection, layer.plan.valid.shape[-1], layer.plan.sliding_window, config,
-                readout=readout_of(config), padding=layer.plan.padding,
-            )
+            state = compress_layer(config, contexts[index], scores=scores[index], keep=keeps.get(index))
+            cache.layers[index] = CompressedLayer.from_state(state, layer.plan.valid.shape[-1],
+                                                             layer.plan.sliding_window, config, layer.plan.padding)
 
 
 def _scoring_context(layer: PendingLayer) -> ScoringContext:

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from restkv.options import ConfigError
 from restkv.scoring import key_visibility, window_attention
+from restkv.storage import SegmentReport, tensor_bytes
 
 #: the file format ``save_weights`` writes and ``load_weights`` accepts
 WEIGHTS_FORMAT = "restkv-indexmem-v1"
@@ -190,7 +191,10 @@ class IndexMemLayer(torch.nn.Module):
 
 @dataclass
 class MemoryState:
-    """One layer's latent memory of its evicted tokens (a ``restkv.cache.OutputCorrection``)."""
+    """One layer's latent memory of its evicted tokens: an output correction of the compressed
+    layer (``restkv.cache``), applied after its segments' merged softmax."""
+
+    kind = "indexmem memory"
 
     log_mass: torch.Tensor  # [B, H_kv, F] float32 log b (-inf: nothing written)
     feature_values: torch.Tensor  # [B, H_kv, F, d] float32 M / b
@@ -214,6 +218,12 @@ class MemoryState:
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "MemoryState":
         return MemoryState(fn(self.log_mass), fn(self.feature_values), self.layer, self.fusion, self.scaling,
                            self.slot_bytes)
+
+    def report(self) -> SegmentReport:
+        return SegmentReport(self.kind, None, float(self.token_slots()), tensor_bytes(self.tensors()))
+
+    def fork(self) -> "MemoryState":
+        return self  # never written in place
 
 
 def slots_for(features: int, head_dim: int, slot_bytes: int) -> int:

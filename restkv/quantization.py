@@ -21,10 +21,12 @@ A quantise-dequantise round trip is off by at most half a step (``scale / 2``) p
 element, outliers restored exactly. Scales and zero-points are stored in the tensor's own
 dtype (as KIVI does); the codes are computed from the stored (rounded) scale.
 
-Where it is used: ``restkv.storage.QuantizedEntries`` holds a compressed layer's kept
-tokens and residual entries this way, quantised once after eviction; ``restkv.cache``
-quantises the tokens appended during decoding in blocks of ``--quant_residual_length``
-(until then they stay exact), and attention dequantises one block at a time.
+Where it is used: ``QuantizedTokens`` is the segment of a compressed layer (``restkv.cache``)
+that holds kept tokens this way, quantised once after eviction; tokens appended during
+decoding stay exact until ``--quant_residual_length`` of them have accumulated, then that block
+becomes a ``QuantizedTokens`` segment of its own. A read dequantises ``READ_BLOCK`` slots at
+a time into a workspace every layer shares (``restkv.partial.workspace``), so no
+full-precision copy of a quantised layer persists between steps.
 """
 
 from __future__ import annotations
@@ -35,9 +37,13 @@ from typing import Callable
 import torch
 
 from restkv.options import ConfigError, Options, option, register
+from restkv.partial import Partial, Probe, attend_block, merge, workspace
+from restkv.storage import SegmentReport, tensor_bytes
 
 #: bit widths the packing supports, and how many codes each byte holds
 CODES_PER_BYTE = {2: 4, 4: 2, 8: 1}
+#: slots a quantised segment dequantises at once when attention reads it (rounded to whole key groups)
+READ_BLOCK = 1024
 
 
 def pack(codes: torch.Tensor, nbits: int) -> torch.Tensor:
@@ -90,9 +96,10 @@ class QuantizedTensor:
     def dtype(self) -> torch.dtype:
         return self.scale.dtype
 
-    def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    def dequantize(self, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens ``start:stop`` (along ``S``; ``start`` a multiple of the group for per-channel
-        codes) in the stored dtype, outliers restored exactly."""
+        codes) in the stored dtype, outliers restored exactly; written into ``out`` (a reused
+        buffer of that shape) when given."""
         stop = self.packed.shape[-2] if stop is None else stop
         codes = unpack(self.packed[..., start:stop, :], self.nbits, self.channels).to(torch.float32)
         if self.per_channel:
@@ -101,7 +108,8 @@ class QuantizedTensor:
         else:
             scale, zero = (_spread(t[..., start:stop, :], self.group, -1, self.channels)
                            for t in (self.scale, self.zero))
-        block = (codes * scale.float() + zero.float()).to(self.dtype)
+        block = torch.addcmul(zero.float(), codes, scale.float())
+        block = block.to(self.dtype) if out is None else out.copy_(block)
         if self.outlier_index is not None and self.outlier_index.numel():
             rows = self.packed.shape[-2]
             token = (self.outlier_index // self.channels) % rows
@@ -183,6 +191,87 @@ def quantize(x: torch.Tensor, nbits: int, group: int, per_channel: bool, valid: 
     return quantized
 
 
+# ---------------------------------------------------------------- the segment
+class QuantizedTokens:
+    """Exact-token slots held as packed codes (``--quant_method``): keys per channel, values per
+    token, codes of every slot and the ranges of the slots that hold a token.
+
+    keys, values: ``[B, H_kv, S, d]`` the tokens (a padded view); columns: ``[B, H_kv, S]`` their
+    padded-batch columns (-1 = unused slot, quantised too: head-adaptive budgets pay
+    ``nbits / 16`` of a 16-bit slot for each); quantizer: the ``KIVI``/``KVQuant`` part.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, quantizer) -> None:
+        held = columns >= 0
+        self.quantizer = quantizer
+        self.keys = quantizer.quantize_keys(keys, held)
+        self.values = quantizer.quantize_values(values, held)
+        self.columns = columns.to(torch.int32)
+
+    @property
+    def kind(self) -> str:
+        return f"{self.quantizer.name} {self.quantizer.nbits}-bit"
+
+    storage = kind
+
+    @classmethod
+    def _of(cls, keys: QuantizedTensor, values: QuantizedTensor, columns: torch.Tensor, quantizer) -> "QuantizedTokens":
+        segment = cls.__new__(cls)
+        segment.keys, segment.values, segment.columns, segment.quantizer = keys, values, columns, quantizer
+        return segment
+
+    def blocks(self) -> list[tuple[int, int]]:
+        """The ``(start, stop)`` slot ranges read at once: ``READ_BLOCK`` slots in whole key groups."""
+        group = self.keys.group
+        size = max(group, READ_BLOCK // group * group)
+        width = self.columns.shape[-1]
+        return [(start, min(start + size, width)) for start in range(0, width, size)]
+
+    def attend(self, probe: Probe) -> Partial:
+        """Each block dequantised into the shared workspace, read, and the partials merged."""
+        parts = []
+        batch, heads = self.columns.shape[:2]
+        for start, stop in self.blocks():
+            keys = workspace("keys", (batch, heads, stop - start, self.keys.channels), self.keys.dtype,
+                             self.columns.device)
+            values = workspace("values", (batch, heads, stop - start, self.values.channels), self.values.dtype,
+                               self.columns.device)
+            self.keys.dequantize(start, stop, out=keys)
+            self.values.dequantize(start, stop, out=values)
+            parts.append(attend_block(probe, keys, values, probe.visibility(self.columns[..., start:stop])))
+        return merge(parts)
+
+    def padded(self, appended: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, values, columns)``, dequantised (a temporary copy, for compression and inspection)."""
+        held = (self.columns >= 0)[..., None]
+        return (self.keys.dequantize().masked_fill(~held, 0), self.values.dequantize().masked_fill(~held, 0),
+                self.columns)
+
+    def kept_counts(self) -> torch.Tensor:
+        return (self.columns >= 0).sum(dim=-1)
+
+    held_counts = kept_counts
+
+    def report(self) -> SegmentReport:
+        tokens = self.held_counts()
+        return SegmentReport(self.kind, tokens, float(tokens.float().mean()) if tokens.numel() else 0.0,
+                             self.nbytes())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.keys.tensors(), *self.values.tensors(), self.columns]
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.tensors())
+
+    def fork(self) -> "QuantizedTokens":
+        return self  # never written after it is built
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "QuantizedTokens":
+        """The codes of the mapped rows (nothing is quantised again)."""
+        return QuantizedTokens._of(self.keys.map_batch(fn), self.values.map_batch(fn), fn(self.columns),
+                                   self.quantizer)
+
+
 # ---------------------------------------------------------------- the parts
 @register("quantization")
 @dataclass(frozen=True)
@@ -220,6 +309,10 @@ class KIVI(Options):
         if config.rescores:
             raise ConfigError("--quant_method stores evicted layers quantised once; --prefill_chunk_size and "
                               "--decode_budget evict again from exact entries (not supported together)")
+
+    def exact_recent_tokens(self, config) -> int:
+        """The newest prompt tokens that stay exact beside the codes (none: every kept token is quantised)."""
+        return 0
 
     def quantize_keys(self, keys: torch.Tensor, valid: torch.Tensor | None = None) -> QuantizedTensor:
         """``[..., S, d]`` keys, per channel (groups of ``--quant_group_size`` tokens)."""

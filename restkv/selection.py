@@ -11,8 +11,7 @@ ascending position order. Columns index the padded batch.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -65,32 +64,12 @@ def gather_columns(tensor: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     return picked.masked_fill((columns < 0)[..., None], 0)
 
 
-@dataclass(frozen=True)
-class Selection:
-    """What one layer keeps after compression (padded-batch columns).
+class Reservation(NamedTuple):
+    """What a part that keeps a summary of the tokens it evicts (ResKV's entries, MomentKV's
+    statistics, IndexMem's memory) makes of a layer's scores and budgets before selection:
+    the scores to rank by, the exact tokens each head keeps ``[B, H_kv]`` once the summary has
+    its slots, and what the part remembers for ``summarise``."""
 
-    keys, values: ``[B, H_kv, S, d]``. Each head's kept prompt tokens fill its first slots in
-    ascending position order; with residual entries (ResKV) those fill its last slots; slots
-    in between are unused (zeros).
-    columns: ``[B, H_kv, S]`` padded-batch column of each kept token; -1 in residual and unused slots.
-    residual_log_counts: ``[B, H_kv, R]`` float32 ``log c`` of the entry in each of the last ``R``
-        slots, ``-inf`` where that slot holds none; None when no head of the layer has one.
-    residual_columns: ``[B, H_kv, R]`` padded-batch column of each entry's oldest member (-1
-        where no entry); None likewise.
-    output_correction: what the layer adds to its attention output for the evicted tokens
-        (``restkv.cache.OutputCorrection``, from ``Policy.summarise``); None for most methods.
-    residual_value_maps: ``[B, H_kv, M, d, d]`` query-dependent value terms of the last ``M``
-        slots (``restkv.cache.Segment.value_maps``; MomentKV); None without them.
-    key_channels: ``[B, H_kv, c]`` ascending key channels each head keeps (ThinK,
-        ``restkv.channel_pruning``: the others are zero in ``keys`` outside the recent tokens);
-        None when every channel is kept.
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    columns: torch.Tensor
-    residual_log_counts: torch.Tensor | None = None
-    residual_columns: torch.Tensor | None = None
-    output_correction: Any = None
-    residual_value_maps: torch.Tensor | None = None
-    key_channels: torch.Tensor | None = None
+    scores: torch.Tensor
+    keep: torch.Tensor
+    memo: Any = None

@@ -1,204 +1,418 @@
-"""How a compressed layer holds its kept entries, so that memory follows the budgets.
+"""Exact tokens of a compressed layer: the segments that hold kept and appended tokens whole.
 
-The read path (``restkv.cache.CompressedLayer.attend``) works on a padded view, one
-``[B, H_kv, S, d]`` block per layer in which each (row, KV head) fills its first slots with
-its exact tokens (ascending positions) and its last slots with its residual entries; ``S`` is
-the widest head's count. Two stores give that view:
+Every KV head of every row holds a *sequence*: the tokens it kept at its last compression
+(ascending positions), then the tokens appended since (a question chunk, generated tokens),
+then spare capacity, so a decode step writes its token in place and never reallocates or
+re-pads (capacity doubles when it runs out). Each token carries its padded-batch column
+(``-1``: an unused slot, or an appended padding token), which is all a probe needs to say who
+sees it (``restkv.partial.Probe.visibility``). Two layouts:
 
-* ``DenseEntries`` holds the view itself: nothing to rebuild, and no waste when every head
-  keeps the same number of entries (uniform budgets);
-* ``RaggedEntries`` holds each (row, KV head)'s entries back to back (``[sum of counts, d]``
-  and the counts per head), so head-adaptive budgets (AdaKV, HeadKV, KVzip, ...) cost what
-  they allocate; the padded view is rebuilt when read, one layer at a time.
+* ``DenseTokens``: one ``[B, H_kv, W, d]`` buffer, every head's sequence at the same slots (heads
+  that keep fewer tokens leave holes, marked by their columns). A step reads one contiguous
+  block: ``[:, :, :used]``, one fused kernel call, no mask when there is no hole.
+* ``RaggedTokens``: each (row, KV head)'s sequence back to back in one ``[N, d]`` buffer, so
+  head-adaptive budgets (AdaKV, HeadKV, LaProx, KVzip) hold what they allocate. A step reads
+  each sequence where it lies (one kernel call per row and KV head; nothing is re-padded).
 
-A third store holds the padded view quantised (``--quant_method``):
-
-* ``QuantizedEntries`` keeps packed integer codes with their scales and zero-points
-  (``restkv.quantization``), and the exact columns; attention reads it one block of
-  ``READ_BLOCK`` slots at a time (``read_blocks``), so no full-precision copy of the layer
-  is ever held. Padding slots are stored too (as codes), so head-adaptive budgets pay
-  ``nbits / 16`` of a 16-bit slot for each unused one.
-
-``entries_for`` picks the quantised store when the run quantises, else the ragged one when
-padding would waste more than ``RAGGED_WASTE`` of the slots.
+``exact_tokens`` picks the ragged layout when the dense one would waste more than
+``RAGGED_WASTE`` of its kept slots. Both report their kind, tokens, token-slot equivalents and
+bytes (``SegmentReport``); bytes count the slots in use (kept and appended tokens, their int32
+columns), not the spare capacity.
 """
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-#: the share of padded slots above which a layer is stored ragged
+from restkv.partial import Partial, Probe, attend_block
+
+#: the share of padded kept slots above which a layer is stored ragged
 RAGGED_WASTE = 0.02
-#: slots a quantised store dequantises at once when attention reads it (rounded to whole key groups)
-READ_BLOCK = 1024
-
-#: one block of a store's padded view: first slot, end slot, keys and values ``[B, H_kv, stop - start, d]``
-#: (or functions that return them)
-Block = tuple[int, int, Any, Any]
+#: appended-token capacity a sequence starts with (it doubles when full)
+TAIL_CAPACITY = 64
 
 
-class DenseEntries:
-    """A layer's entries as their padded view (see the module docstring)."""
+@dataclass(frozen=True)
+class SegmentReport:
+    """What one segment holds.
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> None:
-        self.keys, self.values, self.columns = keys, values, columns
-
-    def read(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(keys, values, columns)``: ``[B, H_kv, S, d]`` twice and ``[B, H_kv, S]`` int32
-        (the position of each exact token; -1 for residual entries and unused slots)."""
-        return self.keys, self.values, self.columns
-
-    def exact_counts(self) -> torch.Tensor:
-        """``[B, H_kv]`` exact tokens per head."""
-        return (self.columns >= 0).sum(dim=-1)
-
-    def empty(self) -> torch.Tensor:
-        """``[B, H_kv, 0, d]`` (the shape of no token; ``d`` of the values, whole when keys are pruned)."""
-        return self.values[:, :, :0]
-
-    def read_blocks(self) -> tuple[torch.Tensor, list[Block]]:
-        """The padded view's columns and its entries as blocks of slots (one block here)."""
-        return _one_block(*self.read())
-
-    def tensors(self) -> list[torch.Tensor]:
-        """What the store holds (for the memory report)."""
-        return [self.keys, self.values, self.columns]
-
-    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor], residual_counts: torch.Tensor):
-        """The store with ``fn`` (a batch reorder, repeat or selection) applied to its rows;
-        ``residual_counts``: the mapped rows' residual entries per head."""
-        return entries_for(*(fn(tensor) for tensor in self.read()), residual_counts)
-
-
-class RaggedEntries:
-    """Each (row, KV head)'s exact tokens, then its residual entries, back to back (read back
-    with the exact tokens in the first slots, in their order, and the residual entries in the
-    last).
-
-    keys, values: ``[N, d]``; columns: ``[N_exact]`` int32 positions of the exact tokens;
-    exact, residual: ``[B, H_kv]`` int32 entries of each kind per head, which give every entry
-    its slot of the padded view (exact ones first, residual ones last).
+    kind: ``exact dense``, ``exact ragged``, ``kivi 4-bit``, ``keys 38/64 channels``, ``reskv entries``...
+    tokens: ``[B, H_kv]`` exact tokens it holds (None for summaries: they stand for evicted tokens).
+    slots: token-slot equivalents per row and KV head (mean), a slot being one key and one value
+        of the model dtype: what the segment takes from the budget.
+    nbytes: bytes of every tensor it holds (at their used length).
     """
 
+    kind: str
+    tokens: torch.Tensor | None
+    slots: float
+    nbytes: int
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def appended_columns(columns: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, q]`` columns of appended tokens as ``[B, H_kv, q]`` int32."""
+    return columns.to(torch.int32)[:, None, :].expand(-1, heads, -1)
+
+
+class ExactTokens:
+    """What both layouts share: the kept/appended bookkeeping and copy-on-write between forks."""
+
+    kind: str
+    storage = "exact"
+    #: tokens appended since the last compression (the same for every sequence)
+    appended: int
+    _shared: bool
+
+    def fork(self) -> "ExactTokens":
+        """A copy that shares the buffers until either side writes (``answer_many``'s snapshots)."""
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        self._shared = twin._shared = True
+        return twin
+
+    def _own(self) -> None:
+        """Copy the buffers before the first write after a fork."""
+        if self._shared:
+            self._clone_buffers()
+            self._shared = False
+
+    @property
+    def rows(self) -> int:
+        """The batch size ``B``."""
+        return self.columns.shape[0] if self.columns.dim() == 3 else self.shape[0]
+
+    def report(self) -> SegmentReport:
+        tokens = self.held_counts()
+        return SegmentReport(self.kind, tokens, float(tokens.float().mean()) if tokens.numel() else 0.0,
+                             self.nbytes())
+
+
+class DenseTokens(ExactTokens):
+    """Every head's sequence at the same slots of one ``[B, H_kv, W, d]`` buffer (see the module docstring).
+
+    keys, values: ``[B, H_kv, K, d]`` kept tokens (keys may hold fewer channels than values:
+    ThinK); columns: ``[B, H_kv, K]`` their padded-batch columns (-1 = unused slot);
+    capacity: appended tokens the buffer holds before it grows (0 for a segment that never appends).
+    """
+
+    kind = "exact dense"
+
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor,
-                 residual_counts: torch.Tensor) -> None:
-        batch, heads, width, dim = keys.shape
-        self.width = width
-        self.exact = (columns >= 0).sum(dim=-1).to(torch.int32)
-        self.residual = residual_counts.to(torch.int32)
-        # Exact tokens wherever they sit (in slot order), residual entries in the last slots.
-        slot = torch.arange(width, device=keys.device)
-        taken = (columns >= 0) | (slot >= width - self.residual[..., None])
-        self.keys, self.values = keys[taken], values[taken]
-        self.columns = columns[columns >= 0].to(torch.int32)
-
-    def _layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For every stored entry: its (row, head) segment, its slot in the padded view, and
-        whether it is an exact token."""
-        exact = self.exact.flatten().long()
-        counts = exact + self.residual.flatten().long()
-        segment = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
-        within = torch.arange(segment.numel(), device=counts.device) - (torch.cumsum(counts, 0) - counts)[segment]
-        is_exact = within < exact[segment]
-        slot = torch.where(is_exact, within, self.width - counts[segment] + within)
-        return segment, slot, is_exact
-
-    def read(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The padded view (see ``DenseEntries.read``), rebuilt."""
-        batch, heads = self.exact.shape
-        segment, slot, exact = self._layout()
-        keys = self.keys.new_zeros(batch * heads, self.width, self.keys.shape[-1])
-        values = self.values.new_zeros(batch * heads, self.width, self.values.shape[-1])
-        keys[segment, slot], values[segment, slot] = self.keys, self.values
-        columns = torch.full((batch * heads, self.width), -1, dtype=torch.int32, device=self.columns.device)
-        columns[segment[exact], slot[exact]] = self.columns
-        return (keys.view(batch, heads, self.width, -1), values.view(batch, heads, self.width, -1),
-                columns.view(batch, heads, self.width))
-
-    def exact_counts(self) -> torch.Tensor:
-        return self.exact.long()
-
-    def empty(self) -> torch.Tensor:
-        batch, heads = self.exact.shape
-        return self.values.new_zeros(batch, heads, 0, self.values.shape[-1])
-
-    def read_blocks(self) -> tuple[torch.Tensor, list[Block]]:
-        return _one_block(*self.read())
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.keys, self.values, self.columns, self.exact, self.residual]
-
-    map_batch = DenseEntries.map_batch
-
-
-class QuantizedEntries:
-    """A layer's padded view with keys and values quantised by ``quantizer`` (a
-    ``restkv.quantization`` part): codes of every slot, scales and zero-points of slots that
-    hold an entry (exact tokens and residual entries), and the exact tokens' columns."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor,
-                 residual_counts: torch.Tensor, quantizer: Any) -> None:
-        width = keys.shape[2]
-        held = (columns >= 0) | (torch.arange(width, device=keys.device) >= width - residual_counts[..., None])
-        self.quantizer = quantizer
-        self.keys = quantizer.quantize_keys(keys, held)
-        self.values = quantizer.quantize_values(values, held)
-        self.columns = columns.to(torch.int32)
+                 capacity: int = TAIL_CAPACITY) -> None:
+        batch, heads, kept, _ = keys.shape
+        width = kept + capacity
+        self.keys = keys.new_empty(batch, heads, width, keys.shape[-1])
+        self.values = values.new_empty(batch, heads, width, values.shape[-1])
+        self.columns = torch.full((batch, heads, width), -1, dtype=torch.int32, device=keys.device)
+        self.keys[:, :, :kept], self.values[:, :, :kept] = keys, values
+        self.columns[:, :, :kept] = columns
+        self.kept_width, self.appended = kept, 0
+        self.holes = bool((columns < 0).any())
+        self._shared = False
 
     @classmethod
-    def _of(cls, keys, values, columns, quantizer) -> "QuantizedEntries":
-        store = cls.__new__(cls)
-        store.keys, store.values, store.columns, store.quantizer = keys, values, columns, quantizer
-        return store
+    def empty(cls, like: torch.Tensor, key_dim: int | None = None, capacity: int = TAIL_CAPACITY) -> "DenseTokens":
+        """A segment with no kept token (the tail of a layer whose kept tokens are stored otherwise)."""
+        batch, heads = like.shape[:2]
+        keys = like.new_zeros(batch, heads, 0, key_dim or like.shape[-1])
+        values = like.new_zeros(batch, heads, 0, like.shape[-1])
+        return cls(keys, values, torch.zeros(batch, heads, 0, dtype=torch.int32, device=like.device), capacity)
 
-    def read(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The padded view, dequantised (a temporary copy; attention reads ``read_blocks``)."""
-        return self.keys.dequantize(), self.values.dequantize(), self.columns
+    @property
+    def used(self) -> int:
+        return self.kept_width + self.appended
 
-    def read_blocks(self) -> tuple[torch.Tensor, list[Block]]:
-        """The columns, and blocks of ``READ_BLOCK`` slots that dequantise when called."""
-        group = self.keys.group
-        size = max(group, READ_BLOCK // group * group)
-        width = self.columns.shape[-1]
-        return self.columns, [
-            (start, min(start + size, width), partial(self.keys.dequantize, start, min(start + size, width)),
-             partial(self.values.dequantize, start, min(start + size, width)))
-            for start in range(0, width, size)
-        ]
+    @property
+    def value_dim(self) -> int:
+        return self.values.shape[-1]
 
-    def exact_counts(self) -> torch.Tensor:
-        return (self.columns >= 0).sum(dim=-1)
+    def _clone_buffers(self) -> None:
+        self.keys, self.values, self.columns = self.keys.clone(), self.values.clone(), self.columns.clone()
 
-    def empty(self) -> torch.Tensor:
-        batch, heads = self.columns.shape[:2]
-        return torch.zeros(batch, heads, 0, self.values.channels, dtype=self.values.dtype, device=self.columns.device)
+    # ------------------------------------------------------------ contents
+    def kept_counts(self) -> torch.Tensor:
+        return (self.columns[:, :, : self.kept_width] >= 0).sum(dim=-1)
+
+    def held_counts(self) -> torch.Tensor:
+        """``[B, H_kv]`` exact tokens held (kept and appended real ones)."""
+        return (self.columns[:, :, : self.used] >= 0).sum(dim=-1)
+
+    def padded(self, appended: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, values, columns)`` ``[B, H_kv, S, d]``: the kept tokens, then (``appended``) the
+        appended ones; holes have column -1. Views of the buffer (no copy)."""
+        stop = self.used if appended else self.kept_width
+        return self.keys[:, :, :stop], self.values[:, :, :stop], self.columns[:, :, :stop]
+
+    def appended_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, values, columns)`` of the appended tokens, ``[B, H_kv, T, d]`` (views)."""
+        window = slice(self.kept_width, self.used)
+        return self.keys[:, :, window], self.values[:, :, window], self.columns[:, :, window]
+
+    # ------------------------------------------------------------ writing
+    def append(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> None:
+        """Write ``[B, H_kv, q, d]`` new tokens with their ``[B, q]`` columns (-1: padding) after the
+        sequence, growing the buffer (doubling) only when it is full."""
+        self._own()
+        new = keys.shape[2]
+        if self.used + new > self.keys.shape[2]:
+            self._grow(max(self.used + new, 2 * self.keys.shape[2], self.kept_width + TAIL_CAPACITY))
+        window = slice(self.used, self.used + new)
+        self.keys[:, :, window], self.values[:, :, window] = keys, values
+        self.columns[:, :, window] = appended_columns(columns, keys.shape[1])
+        self.holes = self.holes or bool((columns < 0).any())
+        self.appended += new
+
+    def _grow(self, width: int) -> None:
+        used = self.used
+        for name in ("keys", "values", "columns"):
+            old = getattr(self, name)
+            grown = old.new_full((*old.shape[:2], width, *old.shape[3:]), -1) if name == "columns" else \
+                old.new_empty((*old.shape[:2], width, *old.shape[3:]))
+            grown[:, :, :used] = old[:, :, :used]
+            setattr(self, name, grown)
+
+    def drop_appended(self, oldest: int = 0, newest: int = 0) -> None:
+        """Forget the ``oldest`` and the ``newest`` appended tokens (a sliding window's past, a
+        quantised block, a crop); the rest move up to follow the kept tokens."""
+        self._own()
+        start, stop = self.kept_width + oldest, self.used - newest
+        keep = stop - start
+        for tensor in (self.keys, self.values, self.columns):
+            tensor[:, :, self.kept_width : self.kept_width + keep] = tensor[:, :, start:stop].clone()
+        self.columns[:, :, self.kept_width + keep : self.used] = -1
+        self.appended = keep
+
+    # ------------------------------------------------------------ reading
+    def attend(self, probe: Probe) -> Partial:
+        """One kernel call over the used slots (a mask only for holes, several queries or a window)."""
+        keys, values, columns = self.padded()
+        visible = probe.visibility(columns) if self.holes or probe.masks_by_position else None
+        return attend_block(probe, keys, values, visible)
+
+    # ------------------------------------------------------------ bookkeeping
+    def nbytes(self) -> int:
+        return tensor_bytes(self.padded())
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.keys.tensors(), *self.values.tensors(), self.columns]
+        return list(self.padded())
 
-    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor], residual_counts: torch.Tensor):
-        """The codes of the mapped rows (nothing is quantised again)."""
-        return QuantizedEntries._of(self.keys.map_batch(fn), self.values.map_batch(fn), fn(self.columns),
-                                    self.quantizer)
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "DenseTokens":
+        """The segment with ``fn`` (a batch reorder, repeat or selection) applied to its rows."""
+        keys, values, columns = (fn(t) for t in self.padded(appended=False))
+        mapped = DenseTokens(keys, values, columns, self.keys.shape[2] - self.kept_width)
+        tail_keys, tail_values, tail_columns = (fn(t) for t in self.appended_tokens())
+        if self.appended:
+            mapped.append(tail_keys, tail_values, tail_columns[:, 0])
+        return mapped
 
 
-def _one_block(keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor, list[Block]]:
-    return columns, [(0, keys.shape[2], keys, values)]
+class RaggedTokens(ExactTokens):
+    """Each (row, KV head)'s sequence back to back in one ``[N, d]`` buffer (see the module docstring).
+
+    Built from a padded view (``keys``, ``values`` ``[B, H_kv, S, d]``, ``columns`` ``[B, H_kv, S]``,
+    -1 = unused slot): sequence ``i = b * H_kv + h`` holds its real tokens in slot order at
+    ``starts[i] ..``, then room for ``capacity`` appended tokens.
+    """
+
+    kind = "exact ragged"
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor,
+                 capacity: int = TAIL_CAPACITY) -> None:
+        batch, heads = keys.shape[:2]
+        held = columns >= 0
+        self.shape = (batch, heads)
+        self.kept = held.sum(dim=-1).flatten().to(torch.int32)  # [B * H_kv]
+        self.appended, self.capacity = 0, capacity
+        self.starts = _starts(self.kept, capacity)
+        total = int((self.kept + capacity).sum())
+        self.keys = keys.new_zeros(total, keys.shape[-1])
+        self.values = values.new_zeros(total, values.shape[-1])
+        self.columns = torch.full((total,), -1, dtype=torch.int32, device=keys.device)
+        slot = self._slots(self.kept)
+        self.keys[slot], self.values[slot], self.columns[slot] = keys[held], values[held], columns[held].to(torch.int32)
+        self.holes = False
+        self._lengths = self.kept.tolist()
+        self._start_list = self.starts.tolist()
+        self._shared = False
+
+    def _slots(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Flat buffer index of the first ``lengths[i]`` slots of every sequence ``i``, in order."""
+        sequence = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+        offset = torch.arange(sequence.numel(), device=lengths.device) - (torch.cumsum(lengths, 0) - lengths)[sequence]
+        return self.starts[sequence] + offset
+
+    @property
+    def value_dim(self) -> int:
+        return self.values.shape[-1]
+
+    def _clone_buffers(self) -> None:
+        self.keys, self.values, self.columns = self.keys.clone(), self.values.clone(), self.columns.clone()
+
+    # ------------------------------------------------------------ contents
+    def kept_counts(self) -> torch.Tensor:
+        return self.kept.long().view(self.shape)
+
+    def held_counts(self) -> torch.Tensor:
+        extra = torch.zeros_like(self.kept, dtype=torch.long)
+        if self.appended:
+            extra = (self._appended_columns() >= 0).sum(dim=-1)
+        return (self.kept + extra).view(self.shape)
+
+    def _appended_slots(self) -> torch.Tensor:
+        """``[B * H_kv, T]`` flat buffer index of every appended token."""
+        first = (self.starts + self.kept).long()
+        return first[:, None] + torch.arange(self.appended, device=first.device)
+
+    def _appended_columns(self) -> torch.Tensor:
+        return self.columns[self._appended_slots()]
+
+    def padded(self, appended: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The padded view: each head's kept tokens, then (``appended``) its appended ones, then
+        holes (column -1). Rebuilt: for compression and inspection, never for a decode step."""
+        batch, heads = self.shape
+        lengths = self.kept + (self.appended if appended else 0)
+        width = int(lengths.max()) if lengths.numel() else 0
+        slot = torch.arange(width, device=lengths.device)
+        inside = slot[None, :] < lengths[:, None]
+        index = torch.where(inside, self.starts[:, None] + slot[None, :], 0)
+        keys = self.keys[index].masked_fill(~inside[..., None], 0)
+        values = self.values[index].masked_fill(~inside[..., None], 0)
+        columns = self.columns[index].masked_fill(~inside, -1)
+        return (keys.view(batch, heads, width, -1), values.view(batch, heads, width, -1),
+                columns.view(batch, heads, width))
+
+    def appended_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        slots = self._appended_slots()
+        batch, heads = self.shape
+        return (self.keys[slots].view(batch, heads, self.appended, -1),
+                self.values[slots].view(batch, heads, self.appended, -1),
+                self.columns[slots].view(batch, heads, self.appended))
+
+    # ------------------------------------------------------------ writing
+    def append(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> None:
+        """Write ``[B, H_kv, q, d]`` new tokens after every sequence (one indexed write), growing
+        every sequence's room (doubling) only when it is full."""
+        self._own()
+        new = keys.shape[2]
+        if self.appended + new > self.capacity:
+            self._grow(max(self.appended + new, 2 * self.capacity, TAIL_CAPACITY))
+        first = (self.starts + self.kept).long() + self.appended
+        slots = (first[:, None] + torch.arange(new, device=first.device)).flatten()
+        self.keys.index_copy_(0, slots, keys.reshape(-1, keys.shape[-1]))
+        self.values.index_copy_(0, slots, values.reshape(-1, values.shape[-1]))
+        self.columns.index_copy_(0, slots, appended_columns(columns, self.shape[1]).reshape(-1))
+        self.holes = self.holes or bool((columns < 0).any())
+        self.appended += new
+
+    def _grow(self, capacity: int) -> None:
+        lengths = self.kept + self.appended
+        old = self._slots(lengths)
+        self.capacity = capacity
+        self.starts = _starts(self.kept, capacity)
+        self._start_list = self.starts.tolist()
+        new, total = self._slots(lengths), int((self.kept + capacity).sum())
+        for name in ("keys", "values", "columns"):
+            tensor = getattr(self, name)
+            grown = tensor.new_full((total, *tensor.shape[1:]), -1 if name == "columns" else 0)
+            grown[new] = tensor[old]
+            setattr(self, name, grown)
+
+    def drop_appended(self, oldest: int = 0, newest: int = 0) -> None:
+        self._own()
+        keep = self.appended - oldest - newest
+        slots = self._appended_slots()
+        source, target = slots[:, oldest : oldest + keep].flatten(), slots[:, :keep].flatten()
+        for tensor in (self.keys, self.values, self.columns):
+            tensor[target] = tensor[source].clone()
+        self.columns[slots[:, keep:].flatten()] = -1
+        self.appended = keep
+
+    # ------------------------------------------------------------ reading
+    def attend(self, probe: Probe) -> Partial:
+        """One kernel call per (row, KV head) sequence, read where it lies."""
+        batch, heads = self.shape
+        stacked = probe.stacked
+        parts = []
+        for index, (start, kept) in enumerate(zip(self._start_list, self._lengths)):
+            row, head = divmod(index, heads)
+            stop = start + kept + self.appended
+            keys, values = self.keys[None, None, start:stop], self.values[None, None, start:stop]
+            visible = None
+            if self.holes or probe.masks_by_position:
+                visible = probe.visibility(self.columns[None, None, start:stop])
+            parts.append(attend_block(probe.with_queries(stacked[row : row + 1, head : head + 1]), keys, values,
+                                      visible))
+        return _stack_heads(parts, batch, heads)
+
+    # ------------------------------------------------------------ bookkeeping
+    def nbytes(self) -> int:
+        held = int(self.kept.sum()) + self.kept.numel() * self.appended
+        per_token = self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
+        return held * (per_token + 4) + tensor_bytes([self.kept, self.starts])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.keys, self.values, self.columns, self.kept, self.starts]
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "RaggedTokens":
+        keys, values, columns = (fn(t) for t in self.padded(appended=False))
+        mapped = RaggedTokens(keys, values, columns, self.capacity)
+        if self.appended:
+            tail_keys, tail_values, tail_columns = (fn(t) for t in self.appended_tokens())
+            mapped.append(tail_keys, tail_values, tail_columns[:, 0])
+        return mapped
 
 
-def entries_for(keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, residual_counts: torch.Tensor,
-                quantizer: Any = None) -> DenseEntries | RaggedEntries | QuantizedEntries:
-    """The store of a layer's padded entries: quantised with ``quantizer`` if given, else ragged
-    when padding would waste more than ``RAGGED_WASTE`` of the slots (``residual_counts``
-    ``[B, H_kv]``: entries in the last slots)."""
-    if quantizer is not None:
-        return QuantizedEntries(keys, values, columns, residual_counts, quantizer)
-    columns = columns.to(torch.int32)
+def _starts(kept: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``[B * H_kv]`` int32 first buffer slot of each sequence (its kept tokens, then ``capacity``)."""
+    lengths = kept + capacity
+    return (torch.cumsum(lengths, 0) - lengths).to(torch.int32)
+
+
+def _stack_heads(parts: list[Partial], batch: int, heads: int) -> Partial:
+    """Per-(row, head) partials ``[1, 1, R, d]`` as one ``[B, H_kv, R, d]`` partial."""
+
+    def stacked(field: int) -> torch.Tensor | None:
+        tensors = [part[field] for part in parts]
+        if tensors[0] is None:
+            return None
+        joined = torch.cat(tensors, dim=1)
+        return joined.view(batch, heads, *joined.shape[2:])
+
+    return Partial(*(stacked(field) for field in range(4)))
+
+
+def exact_tokens(keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor,
+                 capacity: int = TAIL_CAPACITY) -> DenseTokens | RaggedTokens:
+    """The segment that holds kept tokens ``[B, H_kv, S, d]`` at ``columns`` (-1 = unused slot):
+    ragged when the dense layout would leave more than ``RAGGED_WASTE`` of its slots empty."""
     slots = columns.numel()
-    used = int((columns >= 0).sum()) + int(residual_counts.sum())
+    used = int((columns >= 0).sum())
     if slots and used < (1.0 - RAGGED_WASTE) * slots:
-        return RaggedEntries(keys, values, columns, residual_counts)
-    return DenseEntries(keys, values, columns)
+        return RaggedTokens(keys, values, columns, capacity)
+    return DenseTokens(keys, values, columns, capacity)
+
+
+
+def joined_view(segments: list, appended: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every exact token of ``segments`` as one padded view ``(keys, values, columns)``
+    ``[B, H_kv, S, d]``: each head's tokens first, in the segments' order (ascending positions),
+    then unused slots (column -1); ``appended``: with the tokens appended since compression."""
+    views = [segment.padded(appended) for segment in segments]
+    keys = torch.cat([view[0] for view in views], dim=2)
+    values = torch.cat([view[1] for view in views], dim=2)
+    columns = torch.cat([view[2].to(torch.int32) for view in views], dim=2)
+    order = torch.sort((columns < 0).to(torch.int8), dim=-1, stable=True).indices  # held slots first, in order
+    width = int((columns >= 0).sum(dim=-1).max()) if columns.numel() else 0
+    order = order[..., :width]
+    columns = columns.gather(2, order)
+    held = (columns >= 0)[..., None]
+    keys = keys.gather(2, order[..., None].expand(-1, -1, -1, keys.shape[-1])).masked_fill(~held, 0)
+    values = values.gather(2, order[..., None].expand(-1, -1, -1, values.shape[-1])).masked_fill(~held, 0)
+    return keys, values, columns

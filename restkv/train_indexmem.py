@@ -30,9 +30,9 @@ import torch
 from tqdm import tqdm
 
 from restkv.attention import project_qkv
-from restkv.cache import Segment, attend_segments
 from restkv.indexmem import FUSIONS, INDEXER_FORMS, QUERY_REDUCTIONS, Architecture, IndexMemLayer, IndexMemWeights
 from restkv.models import load_model, load_tokenizer
+from restkv.partial import Probe, reference_kernel
 from restkv.scoring import pool_scores, reduce_groups, window_attention
 from restkv.selection import gather_columns, rank_keys, select_columns
 from restkv.text import synthetic_prose
@@ -140,16 +140,16 @@ def block_losses(layer: IndexMemLayer, query, key, value, scaling: float, end: i
         columns = select_columns(rank_keys(scores, valid, protected), torch.full((1, kv), budget))
         kept = torch.zeros(1, kv, end, dtype=torch.bool).scatter_(2, columns, True)
         future_query = query[:, :, end : end + future]
-        steps = torch.arange(future)
-        tail_visible = (steps[None, :] <= steps[:, None])[None, None]
-        main, lse = attend_segments(future_query, [
-            Segment(gather_columns(key, columns), gather_columns(value, columns), (columns >= 0)[:, :, None]),
-            Segment(key[:, :, end : end + future], value[:, :, end : end + future], tail_visible),
-        ], scaling, with_lse=True)
-        everything = torch.arange(end + future)[None, :] <= end + steps[:, None]
-        full = attend_segments(future_query, [Segment(key[:, :, : end + future], value[:, :, : end + future],
-                                                      everything[None, None])], scaling)
-        main, full = main.transpose(1, 2).float(), full.transpose(1, 2).float()
+        probe = Probe(future_query, kv, torch.arange(end, end + future), scaling, need_lse=True)
+        future_columns = torch.arange(end, end + future).expand(1, kv, -1)
+        main = reference_kernel(probe, torch.cat([gather_columns(key, columns), key[:, :, end : end + future]], 2),
+                                torch.cat([gather_columns(value, columns), value[:, :, end : end + future]], 2),
+                                probe.visibility(torch.cat([columns, future_columns], dim=2)))
+        everything = torch.arange(end + future).expand(1, kv, -1)
+        full = reference_kernel(probe, key[:, :, : end + future], value[:, :, : end + future],
+                                probe.visibility(everything))
+        lse = probe.per_query_head(main.lse)
+        main, full = (probe.interface(part.output).transpose(1, 2).float() for part in (main, full))
         baseline = (main - full).square().sum().clamp_min(1e-12)
     state = layer.write(key[:, :, :end], value[:, :, :end], ~kept, torch.arange(end - 1, -1, -1), scaling)
     readout, log_mass = layer.read(state, future_query, scaling)

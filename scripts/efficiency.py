@@ -138,7 +138,7 @@ def measure(model, prompt: torch.Tensor, decode_steps: int, compressing: bool,
         raise SystemExit("a compressing method kept every token: raise --lengths or lower the budget")
     seen = sum(report.tokens_seen for report in reports)
     exact = sum(report.stored_mean for report in reports)
-    residual = sum(report.residual for report in reports)
+    residual = sum(report.summary_slots for report in reports)
     _, decode_s = timed(lambda: decode(model, cache, prompt[:, -1:], decode_steps))
     return dict(prefill_s=prefill_s, decode_s_per_token=decode_s / decode_steps,
                 cache_bytes=sum(r.nbytes for r in reports), kept_share=(exact + residual) / seen,

@@ -3,9 +3,7 @@
 import pytest
 import torch
 
-from restkv.cache import (
-    CompressedLayer, Segment, attend_segments, cache_nbytes, cache_report, format_report, kept_positions,
-)
+from restkv.cache import CompressedLayer, cache_nbytes, cache_report, format_report, kept_positions
 from restkv.compat import output_cache, with_cache
 from restkv.generation import prefill
 from tiny_models import FAMILY_BACKENDS, decode_in_chunks, left_padded, random_prompt, replace_for, tiny_model
@@ -21,7 +19,8 @@ def full_cache_as_compressed(model, input_ids, attention_mask):
         columns = torch.arange(length).expand(*keys.shape[:3]).clone()
         columns = columns.masked_fill(columns < padding, -1)
         sliding = getattr(layer, "sliding_window", None)
-        cache.layers[index] = CompressedLayer(keys, values, columns, tokens_seen=length, sliding_window=sliding)
+        cache.layers[index] = CompressedLayer.from_tokens(keys, values, columns, tokens_seen=length,
+                                                          sliding_window=sliding)
     return cache
 
 
@@ -40,26 +39,6 @@ def test_attention_over_segments_equals_native_decode(family, backend):
     for our, reference in zip(ours, native, strict=True):
         torch.testing.assert_close(our, reference, rtol=1e-4, atol=1e-4)
     assert all(isinstance(layer, CompressedLayer) for layer in compressed_cache.layers)
-
-
-def test_shared_softmax_with_residual_log_count_bias_is_one_softmax_over_all_entries():
-    generator = torch.Generator().manual_seed(0)
-    query = torch.randn(1, 2, 1, 4, generator=generator)
-    main_k, main_v = torch.randn(1, 1, 3, 4, generator=generator), torch.randn(1, 1, 3, 4, generator=generator)
-    res_k, res_v = torch.randn(1, 1, 2, 4, generator=generator), torch.randn(1, 1, 2, 4, generator=generator)
-    log_counts = torch.log(torch.tensor([3.0, 5.0]))
-    scale = 0.5
-    out = attend_segments(
-        query,
-        [
-            Segment(main_k, main_v, torch.ones(1, 1, 1, 3, dtype=torch.bool)),
-            Segment(res_k, res_v, torch.ones(1, 1, 1, 2, dtype=torch.bool), log_counts.view(1, 1, 1, 1, 2)),
-        ],
-        scale,
-    )
-    logits = torch.cat([query @ main_k.transpose(-1, -2) * scale, query @ res_k.transpose(-1, -2) * scale + log_counts], dim=-1)
-    expected = torch.softmax(logits, dim=-1) @ torch.cat([main_v, res_v], dim=2)
-    torch.testing.assert_close(out.transpose(1, 2), expected)
 
 
 @pytest.mark.parametrize("family, backend", [("llama", "sdpa"), ("gemma3", "sdpa"), ("qwen2", "eager")])
@@ -122,10 +101,16 @@ def test_beam_style_reordering_and_cropping_of_the_tail():
         cache.crop(-5)
 
 
-def test_unpatched_forward_refuses_a_compressed_layer():
-    layer = CompressedLayer(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), torch.tensor([[[0, 1]]]), tokens_seen=5)
-    with pytest.raises(RuntimeError, match="compressed by restkv"):
-        layer.update(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4))
+def test_update_follows_the_cache_layer_contract():
+    """transformers' ``update`` appends the new tokens and returns every token the layer holds."""
+    keys, values = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4)
+    layer = CompressedLayer.from_tokens(keys, values, torch.tensor([[[0, 3]]]), tokens_seen=5)
+    new_keys, new_values = torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4)
+    held_keys, held_values = layer.update(new_keys, new_values)
+    assert torch.equal(held_keys, torch.cat([keys, new_keys], dim=2))
+    assert torch.equal(held_values, torch.cat([values, new_values], dim=2))
+    assert layer.get_seq_length() == 6 and layer.kept_columns.tolist() == [[[0, 3]]]
+    assert layer.kept_tokens(appended=True)[2].tolist() == [[[0, 3, 5]]]
 
 
 

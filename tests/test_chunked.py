@@ -76,7 +76,8 @@ def test_a_prompt_that_fits_in_one_chunk_gets_the_single_pass_residual_entries()
     replace_for("llama")(**options, prefill_chunk_size=90)
     chunked = prefill(model, prompt)
     for a, b in zip(single.layers, chunked.layers):
-        assert torch.equal(a.kept_keys, b.kept_keys) and torch.equal(a.residual_log_counts, b.residual_log_counts)
+        assert torch.equal(a.kept_keys, b.kept_keys)
+        assert torch.equal(a.summaries[0].log_counts, b.summaries[0].log_counts)
 
 
 def test_chunked_residual_entries_summarise_every_evicted_token():
@@ -90,14 +91,15 @@ def test_chunked_residual_entries_summarise_every_evicted_token():
     full = prefill(model, prompt).layers[0]
     replace_for("llama")(**RESIDUAL, max_capacity_prompts=20, window_size=4, prefill_chunk_size=16)
     layer = prefill(model, prompt).layers[0]
-    width = layer.residual_width
-    assert width > 0
-    counts = layer.residual_log_counts.exp()  # 0 in unused slots
-    exact = (layer.kept_columns >= 0)[..., :-width]
+    entries = layer.summaries[0]
+    counts = entries.log_counts.exp()  # 0 in unused slots
+    exact = layer.kept_columns >= 0
     assert torch.equal(counts.sum(dim=-1) + exact.sum(dim=-1), torch.full_like(counts[..., 0], 100))
-    assert int(exact.sum(dim=-1).max()) + width <= 20  # entries take their slots from the budget
-    for kept, whole in ((layer.kept_keys, full.keys), (layer.kept_values, full.values)):
-        summed = (kept[:, :, :-width] * exact[..., None]).sum(dim=2) + (kept[:, :, -width:] * counts[..., None]).sum(dim=2)
+    # entries take their slots from the budget
+    assert int((exact.sum(dim=-1) + torch.isfinite(entries.log_counts).sum(dim=-1)).max()) <= 20
+    for kept, summary, whole in ((layer.kept_keys, entries.keys, full.keys),
+                                 (layer.kept_values, entries.values, full.values)):
+        summed = (kept * exact[..., None]).sum(dim=2) + (summary * counts[..., None]).sum(dim=2)
         torch.testing.assert_close(summed, whole.sum(dim=2), atol=1e-4, rtol=1e-4)
 
 
@@ -109,7 +111,7 @@ def test_chunked_residual_layers_hold_at_most_budget_plus_chunk_and_decode():
 
     def record(module, args, kwargs, output):
         layer = kwargs["cache"].layers[module.layer_idx]
-        held.append(int((layer.kept_counts + layer.residual_counts).max()) + layer.tail_length)
+        held.append(int((layer.held_counts + layer.summary_counts).max()))
 
     handle = model.model.layers[1].self_attn.register_forward_hook(record, with_kwargs=True)
     out = greedy(model, random_prompt(1, 100), new_tokens=12)

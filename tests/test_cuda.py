@@ -1,6 +1,7 @@
 """On a CUDA GPU (marker ``cuda``; skipped elsewhere): flash_attention_2 is exact at full budget
-and compresses what sdpa compresses, and the ResKV log-sum-exp combination of a fused main
-branch equals the one shared softmax of decode (ALGORITHMS.md 3.10) on CUDA tensors.
+and compresses what sdpa compresses, and every read kernel (the flash-attn one with its
+log-sum-exp included) reads a compressed layer with residual entries as the eager reference does
+(ALGORITHMS.md 3.10) on CUDA tensors.
 
 Run with ``pytest -m cuda`` (``scripts/device_check.sh`` does). The flash tests also need the
 ``flash-attn`` package (``pip install -e .[flash]``).
@@ -11,10 +12,11 @@ import importlib.util
 import pytest
 import torch
 
-from restkv.cache import CompressedLayer, Segment, attend_segments
+from restkv.cache import CompressedLayer
 from restkv.generation import prefill
 from restkv.monkeypatch import replace_llama
-from restkv.residual import Branch, ResidualReadout, combine_by_lse
+from restkv.partial import KERNELS, Probe, use_kernel
+from restkv.residual import ResidualEntries, ResidualReadout
 from tiny_models import assert_patch_reproduces_unpatched, greedy, left_padded, random_prompt, tiny_model
 
 HAS_FLASH = importlib.util.find_spec("flash_attn") is not None
@@ -161,58 +163,44 @@ READOUTS = [ResidualReadout(), ResidualReadout(gate=False), ResidualReadout(beta
             ResidualReadout(separate_softmax=True)]
 
 
-def residual_case(seed: int = 0, heads: int = 4, kv_heads: int = 2, main: int = 40, entries: int = 6, dim: int = 32):
+def residual_layer(readout, dtype=torch.float32, seed: int = 0, kv_heads: int = 2, main: int = 40, entries: int = 6,
+                   dim: int = 32) -> CompressedLayer:
+    """A layer of ``main`` exact tokens and ``entries`` residual entries (one slot unused), on the GPU."""
     generator = torch.Generator().manual_seed(seed)
-    query = torch.randn(1, heads, 3, dim, generator=generator)
-    main_k, main_v = (torch.randn(1, kv_heads, main, dim, generator=generator) for _ in range(2))
-    res_k, res_v = (torch.randn(1, kv_heads, entries, dim, generator=generator) for _ in range(2))
+    main_k, main_v = (torch.randn(1, kv_heads, main, dim, generator=generator).to(DEVICE, dtype) for _ in range(2))
+    res_k, res_v = (torch.randn(1, kv_heads, entries, dim, generator=generator).to(DEVICE, dtype) for _ in range(2))
     log_counts = torch.rand(1, kv_heads, entries, generator=generator).mul(3).log1p()
-    log_counts[0, 0, 0] = float("-inf")  # an unused slot (hidden from decode, no entry for the combination)
-    return on_gpu(query, main_k, main_v, res_k, res_v, log_counts)
+    log_counts[0, 0, 0] = float("-inf")  # an unused slot
+    columns = torch.arange(main, device=DEVICE).expand(1, kv_heads, -1)
+    summary = ResidualEntries(res_k, res_v, log_counts.to(DEVICE), readout)
+    return CompressedLayer.from_tokens(main_k, main_v, columns, tokens_seen=main, summaries=[summary])
 
 
 @pytest.mark.parametrize("readout", READOUTS)
-def test_the_lse_combination_equals_the_shared_softmax_on_cuda_tensors(readout):
-    query, main_k, main_v, res_k, res_v, log_counts = residual_case()
-    scale, groups = 32 ** -0.5, 2
-    segments = [
-        Segment(main_k, main_v, torch.ones(1, 1, 1, main_k.shape[2], dtype=torch.bool, device=DEVICE)),
-        Segment(res_k, res_v, torch.isfinite(log_counts)[:, :, None, :], log_counts[:, :, None, None, :]),
-    ]
-    shared = attend_segments(query, segments, scale, readout=readout).transpose(1, 2)  # [B, H, q, d]
-    stacked = query.view(1, 2, groups * 3, -1)
-    main = Branch.of(stacked @ main_k.transpose(-1, -2) * scale, main_v)
-    residual_logits = stacked @ res_k.transpose(-1, -2) * scale
-    two_branch = readout.mix(main, torch.full_like(main.lse, main_k.shape[2]), residual_logits, res_v,
-                             log_counts[:, :, None, :])
-    torch.testing.assert_close(two_branch.view_as(shared), shared, rtol=1e-5, atol=1e-5)
+def test_every_kernel_reads_residual_entries_as_the_reference_does_on_cuda_tensors(readout):
+    layer = residual_layer(readout)
+    query = torch.randn(1, 4, 1, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    probe = dict(num_kv_heads=2, columns=torch.tensor([40], device=DEVICE), scaling=32 ** -0.5)
+    with use_kernel("reference"):
+        reference = layer.read(Probe(query, **probe))
+    for name in KERNELS:
+        if name == "flash":
+            continue  # flash-attn takes half precision: the bf16 test below
+        with use_kernel(name):
+            torch.testing.assert_close(layer.read(Probe(query, **probe)), reference, rtol=1e-5, atol=1e-5)
 
 
 @needs_flash
-def test_flash_attention_lse_combined_with_the_residual_branch_equals_the_shared_softmax():
-    """The form ALGORITHMS.md 3.10 describes: the main branch through the fused kernel (its output
-    and log-sum-exp), the residual entries eagerly, then ``combine_by_lse``."""
-    from flash_attn import flash_attn_func
-
-    query, main_k, main_v, res_k, res_v, log_counts = (t.to(torch.bfloat16) if t.is_floating_point() else t
-                                                        for t in residual_case(seed=1))
-    log_counts = log_counts.float()
-    scale, readout = 32 ** -0.5, ResidualReadout(gate=False)
-    segments = [
-        Segment(main_k, main_v, torch.ones(1, 1, 1, main_k.shape[2], dtype=torch.bool, device=DEVICE)),
-        Segment(res_k, res_v, torch.isfinite(log_counts)[:, :, None, :], log_counts[:, :, None, None, :]),
-    ]
-    shared = attend_segments(query, segments, scale, readout=readout).float()  # [B, q, H, d]
-    # flash-attn takes [B, q, H, d] with KV heads for GQA and returns lse [B, H, q] (natural log).
-    main_output, main_lse, _ = flash_attn_func(query.transpose(1, 2), main_k.transpose(1, 2), main_v.transpose(1, 2),
-                                               softmax_scale=scale, return_attn_probs=True)
-    repeated_k, repeated_v = (t.repeat_interleave(2, dim=1).float() for t in (res_k, res_v))
-    residual_logits = query.float() @ repeated_k.transpose(-1, -2) * scale
-    counts = log_counts.repeat_interleave(2, dim=1)[:, :, None, :]
-    biased = torch.where(torch.isfinite(counts), residual_logits + counts, float("-inf"))
-    side = Branch.of(biased, repeated_v)
-    combined = combine_by_lse(main_output.float().transpose(1, 2), main_lse.float(), side.output, side.lse[..., 0])
-    torch.testing.assert_close(combined.transpose(1, 2), shared, rtol=2e-2, atol=2e-2)  # bf16 kernels
+@pytest.mark.parametrize("readout", READOUTS)
+def test_the_flash_kernel_with_its_log_sum_exp_reads_as_the_reference_in_bf16(readout):
+    layer = residual_layer(readout, dtype=torch.bfloat16, seed=1)
+    query = torch.randn(1, 4, 1, 32, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
+    probe = dict(num_kv_heads=2, columns=torch.tensor([40], device=DEVICE), scaling=32 ** -0.5)
+    with use_kernel("reference"):
+        reference = layer.read(Probe(query, **probe)).float()
+    with use_kernel("flash"):
+        flash = layer.read(Probe(query, **probe)).float()
+    torch.testing.assert_close(flash, reference, rtol=2e-2, atol=2e-2)  # bf16 kernels
 
 
 # ---------------------------------------------------------------- the CPU fast paths pick what the GPU paths pick

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from restkv.attention import key_validity
-from restkv.cache import CompressedLayer
-from restkv.cache import tail_visibility as _tail_visibility
+from restkv.cache import CompressedLayer, new_token_columns
 from restkv.generation import answer_nll, generate_after_context
+from restkv.partial import Probe
 from tiny_models import left_padded, random_prompt, replace_for, tiny_model
 
 GENERATE = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
@@ -57,17 +57,22 @@ def test_prefill_padding_is_read_from_every_mask_form():
     assert bool(key_validity(None, 2, 5, "cpu").all())
 
 
-def test_tail_visibility_is_causal_within_the_chunk_and_respects_padding():
-    # 2 earlier tail tokens (the second is padding in row 1), then a chunk of 2 queries.
-    padding_2d = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 1, 1]])
-    visible = _tail_visibility(padding_2d, batch=2, q_len=2, tail_length=4, device="cpu")
-    assert visible[0].tolist() == [[True, True, True, False], [True, True, True, True]]
-    assert visible[1].tolist() == [[True, False, True, False], [True, False, True, True]]
-    four_d = torch.zeros(2, 1, 2, 6, dtype=torch.bool)
-    four_d[..., :] = padding_2d[:, None, None, :].bool()
-    four_d[:, :, 0, -1] = False
-    assert torch.equal(_tail_visibility(four_d, 2, 2, 4, "cpu"), visible)
-    assert _tail_visibility(None, 1, 2, 4, "cpu")[0].tolist() == [[True, True, True, False], [True] * 4]
+def test_new_tokens_are_causal_within_the_chunk_and_padding_is_never_seen():
+    # A chunk of 3 tokens at columns 3..5 (the middle one is padding in row 1), after 3 earlier ones.
+    padding_2d = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 1]])
+    columns = new_token_columns(padding_2d, batch=2, first=3, count=3, device="cpu")
+    assert columns.tolist() == [[3, 4, 5], [3, -1, 5]]
+    four_d = padding_2d[:, None, None, :].bool().expand(2, 1, 3, 6) & \
+        (torch.arange(6)[None, :] <= torch.arange(3, 6)[:, None])[None, None]
+    assert torch.equal(new_token_columns(four_d, 2, 3, 3, "cpu"), columns)
+    eager = torch.zeros(four_d.shape).masked_fill(~four_d, torch.finfo(torch.float32).min)
+    assert torch.equal(new_token_columns(eager, 2, 3, 3, "cpu"), columns)
+    assert new_token_columns(None, 1, 3, 3, "cpu").tolist() == [[3, 4, 5]]
+    held = torch.cat([torch.arange(3).expand(2, -1).to(torch.int32), columns], dim=1)[:, None]  # [B, 1, 6]
+    probe = Probe(torch.zeros(2, 1, 3, 4), 1, torch.arange(3, 6), 1.0)
+    visible = probe.visibility(held)[:, 0]
+    assert visible[0].tolist() == [[True] * 4 + [False] * 2, [True] * 5 + [False], [True] * 6]
+    assert visible[1].tolist() == [[True] * 4 + [False] * 2, [True] * 4 + [False] * 2, [True] * 4 + [False, True]]
 
 
 def test_answer_nll_with_a_large_budget_equals_the_unpatched_model():

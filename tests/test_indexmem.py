@@ -8,10 +8,11 @@ import torch
 
 import restkv.policies.indexmem as indexmem_policy
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.cache import CompressedLayer, Segment, attend_segments, cache_report
+from restkv.cache import CompressedLayer, cache_report
 from restkv.compat import output_cache
 from restkv.compress import compress_layer
 from restkv.context import ScoringContext, plan_layer, valid_from_mask
+from restkv.partial import use_kernel
 from restkv.indexmem import Architecture, IndexMemLayer, IndexMemWeights, load_weights, slots_for
 from restkv.train_indexmem import build_parser, train
 from tiny_models import (assert_patch_reproduces_unpatched, assert_rows_match_single_row_runs, greedy, random_prompt,
@@ -171,23 +172,11 @@ def test_no_evicted_tokens_leave_the_output_bitwise_unchanged():
                                       fusion), output)
 
 
-def test_attend_segments_log_sum_exp_is_that_of_the_visible_logits():
-    generator = torch.Generator().manual_seed(2)
-    query = torch.randn(1, 4, 3, 8, generator=generator)
-    keys, values = torch.randn(1, 2, 10, 8, generator=generator), torch.randn(1, 2, 10, 8, generator=generator)
-    visible = torch.rand(1, 2, 1, 10, generator=generator) > 0.3
-    output, lse = attend_segments(query, [Segment(keys, values, visible)], 0.5, with_lse=True)
-    assert torch.equal(output, attend_segments(query, [Segment(keys, values, visible)], 0.5))
-    logits = (query.view(1, 2, 6, 8) @ keys.transpose(-1, -2)) * 0.5
-    expected = torch.logsumexp(logits.masked_fill(~visible[:, :, 0, None], float("-inf")), dim=-1)
-    torch.testing.assert_close(lse, expected.view(1, 4, 3))
-
-
 def compressed_layer(query, key, value, options) -> CompressedLayer:
     cfg = config(**options)
     plan = plan_layer(cfg, valid_from_mask(None, 1, key.shape[2], key.device))
-    selection = compress_layer(cfg, ScoringContext.of(query, key, value, plan))
-    return CompressedLayer.from_selection(selection, key.shape[2], None, cfg)
+    state = compress_layer(cfg, ScoringContext.of(query, key, value, plan))
+    return CompressedLayer.from_state(state, key.shape[2], None, cfg)
 
 
 def test_a_zero_gate_is_plain_eviction_bit_for_bit(tmp_path):
@@ -196,16 +185,16 @@ def test_a_zero_gate_is_plain_eviction_bit_for_bit(tmp_path):
     options = dict(indexmem_weights=path, indexmem_features=4)
     gated = compressed_layer(query, key, value, options)
     plain = compressed_layer(query, key, value, options)
-    assert gated.output_correction is not None
-    plain.output_correction = None
+    assert gated.corrections
+    plain.corrections = []
     step = torch.randn(1, 6, 2, 8), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8)
-    # the same (reference) softmax: a layer with a correction never takes the fused path
-    assert torch.equal(gated.attend(*step, None, 1 / math.sqrt(8)),
-                       plain.attend(*step, None, 1 / math.sqrt(8)))
-    # A gate that is open changes the output.
-    with torch.no_grad():
-        gated.output_correction.layer.gate_bias.fill_(0.0)
-    assert not torch.equal(gated.attend(*step, None, 1 / math.sqrt(8)), plain.attend(*step, None, 1 / math.sqrt(8)))
+    with use_kernel("reference"):  # the same kernel for both (the fused one needs no log-sum-exp without a memory)
+        assert torch.equal(gated.attend(*step, None, 1 / math.sqrt(8)), plain.attend(*step, None, 1 / math.sqrt(8)))
+        # A gate that is open changes the output.
+        with torch.no_grad():
+            gated.corrections[0].layer.gate_bias.fill_(0.0)
+        assert not torch.equal(gated.attend(*step, None, 1 / math.sqrt(8)),
+                               plain.attend(*step, None, 1 / math.sqrt(8)))
 
 
 def test_the_fallback_memory_moves_decode_towards_full_attention():
@@ -215,10 +204,12 @@ def test_the_fallback_memory_moves_decode_towards_full_attention():
     options = dict(budget=300, indexmem_features=256, indexmem_fusion="shared_softmax")  # 144 slots of memory
     ours = compressed_layer(query, key, value, options)
     plain = compressed_layer(query, key, value, options)
-    plain.output_correction = None
+    plain.corrections = []
     new_query, new_key, new_value = torch.randn(1, 6, 1, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
-    full = attend_segments(new_query, [Segment(torch.cat([key, new_key], 2), torch.cat([value, new_value], 2),
-                                               torch.ones(1, 1, 1, 401, dtype=torch.bool))], 1 / math.sqrt(8))
+    every_key = torch.cat([key, new_key], 2).repeat_interleave(3, dim=1)
+    every_value = torch.cat([value, new_value], 2).repeat_interleave(3, dim=1)
+    weights = torch.softmax(new_query @ every_key.transpose(-1, -2) / math.sqrt(8), dim=-1)
+    full = (weights @ every_value).transpose(1, 2)
     errors = [float((layer.attend(new_query, new_key, new_value, None, 1 / math.sqrt(8)) - full).norm())
               for layer in (ours, plain)]
     assert errors[0] < 0.7 * errors[1]
@@ -245,7 +236,7 @@ def test_each_row_of_a_left_padded_batch_equals_its_single_row_run(tmp_path, bac
     layer = output_cache(batched).layers[0]
     slots = slots_for(4, 16, 2 * 16 * 4)
     assert layer.kept_counts.tolist() == [[24 - slots] * 2] * 3
-    assert bool(torch.isfinite(layer.output_correction.log_mass).any(dim=-1).all())
+    assert bool(torch.isfinite(layer.corrections[0].log_mass).any(dim=-1).all())
 
 
 def test_rows_within_the_budget_keep_every_token_and_write_no_memory():
@@ -257,8 +248,8 @@ def test_rows_within_the_budget_keep_every_token_and_write_no_memory():
     ids[1, -30:], mask[1, -30:] = random_prompt(1, 30, seed=4)[0], 1
     layer = output_cache(greedy(model, ids, mask, new_tokens=2)).layers[1]
     assert layer.kept_counts[1].tolist() == [30, 30] and layer.kept_counts[0].tolist() == [50 - 3] * 2
-    assert bool(torch.isneginf(layer.output_correction.log_mass[1]).all())
-    assert bool(torch.isfinite(layer.output_correction.log_mass[0]).all())
+    assert bool(torch.isneginf(layer.corrections[0].log_mass[1]).all())
+    assert bool(torch.isfinite(layer.corrections[0].log_mass[0]).all())
 
 
 def test_runs_are_deterministic(tmp_path):
@@ -268,8 +259,7 @@ def test_runs_are_deterministic(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(runs[0].logits, runs[1].logits))
     for first, second in zip(output_cache(runs[0]).layers, output_cache(runs[1]).layers):
         assert torch.equal(first.kept_keys, second.kept_keys)
-        assert all(torch.equal(a, b) for a, b in zip(first.output_correction.tensors(),
-                                                     second.output_correction.tensors()))
+        assert all(torch.equal(a, b) for a, b in zip(first.corrections[0].tensors(), second.corrections[0].tensors()))
 
 
 def test_budget_accounting_and_bytes_against_snapkv():
@@ -283,9 +273,9 @@ def test_budget_accounting_and_bytes_against_snapkv():
     slots = slots_for(15, 16, 2 * 16 * 4)  # 15 x 17 x 4 = 1020 bytes: 8 slots of 128
     assert slots == 8
     for report, layer in zip(held["indexmem"][0], held["indexmem"][1].layers):
-        assert report.extra_slots == slots
+        assert report.summary_slots == slots
         assert layer.kept_counts.tolist() == [[40 - slots] * 2]
-        assert report.stored_max + report.extra_slots <= 40 + 1  # + the generated token's tail entry
+        assert report.stored_max + report.summary_slots <= 40 + 1  # + the generated token's tail entry
     ours = sum(r.nbytes for r in held["indexmem"][0])
     snap = sum(r.nbytes for r in held["snapkv"][0])
     assert 0.98 * snap <= ours <= 1.02 * snap
@@ -377,4 +367,4 @@ def test_a_short_training_run_on_a_tiny_model(tmp_path):
                          indexmem_weights=str(path))
     out = greedy(model, random_prompt(1, 80))
     assert all(bool(torch.isfinite(step).all()) for step in out.logits)
-    assert output_cache(out).layers[0].output_correction.fusion == "residual"
+    assert output_cache(out).layers[0].corrections[0].fusion == "residual"

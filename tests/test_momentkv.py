@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.cache import CompressedLayer, cache_nbytes, cache_report, format_report, readout_of
+from restkv.cache import CompressedLayer, cache_nbytes, cache_report, format_report
 from restkv.compat import output_cache, with_cache
 from restkv.compress import compress_layer
 from restkv.context import ScoringContext, plan_layer
 from restkv.generation import prefill
+from restkv.storage import joined_view
 from tiny_models import (
     assert_patch_reproduces_unpatched,
     assert_rows_match_single_row_runs,
@@ -33,8 +34,8 @@ def compressed_layer(query, key, value, **options):
     config = CompressionConfig(**options)
     valid = torch.ones(query.shape[0], key.shape[2], dtype=torch.bool)
     ctx = ScoringContext.of(query, key, value, plan_layer(config, valid))
-    selection = compress_layer(config, ctx)
-    return CompressedLayer.from_selection(selection, key.shape[2], None, config, readout=readout_of(config)), selection
+    state = compress_layer(config, ctx)
+    return CompressedLayer.from_state(state, key.shape[2], None, config), state
 
 
 def full_attention(query, keys, values):
@@ -45,9 +46,10 @@ def full_attention(query, keys, values):
     return (weights @ values)[:, :, 0]
 
 
-def evicted_mask(selection, length):
-    kept = torch.zeros(*selection.columns.shape[:2], length + 1, dtype=torch.bool)
-    kept.scatter_(2, torch.where(selection.columns >= 0, selection.columns, length), True)
+def evicted_mask(state, length):
+    columns = joined_view(state.kept)[2].long()
+    kept = torch.zeros(*columns.shape[:2], length + 1, dtype=torch.bool)
+    kept.scatter_(2, torch.where(columns >= 0, columns, length), True)
     return ~kept[..., :length]
 
 
@@ -163,7 +165,7 @@ def test_moment_informed_eviction_multiplies_the_scores_by_the_residual_against_
     ctx = ScoringContext.of(query, key, value, plan_layer(config, torch.ones(1, 40, dtype=torch.bool)))
     base = config.policy.score(ctx)
     moments = config.switch("moments")
-    rescored, keep, summarised = moments.prepare(ctx, base, torch.full((1, 2), 20))
+    rescored, keep, summarised = moments.reserve(ctx, base, torch.full((1, 2), 20))
     assert keep.tolist() == [[20 - SLOTS] * 2] and bool(summarised.all())
     tentative = config.replace(moments_no_mi=True, max_capacity_prompts=20)
     evicted = evicted_mask(compress_layer(tentative, ctx), 40)
@@ -211,11 +213,13 @@ def test_the_statistics_take_their_slots_from_the_budget_and_bytes_match_snapkv(
     ours = prefill(model, prompt)
     for layer in ours.layers:
         assert layer.kept_counts.tolist() == [[40 - 9] * 2]
-        assert layer.residual_counts.tolist() == [[1, 1]]
-        assert layer.residual_value_maps.shape == (1, 2, 1, 16, 16)
+        assert layer.summary_counts.tolist() == [[1, 1]]
+        assert layer.summaries[0].covariance.shape == (1, 2, 16, 16)
     reports = cache_report(ours)
-    assert all(r.residual == 1.0 and r.statistics == 8.0 for r in reports)
-    assert "stats" in format_report(reports)
+    # one slot for the entry, 16 x 16 / (2 x 16) = 8 for the covariance
+    assert all([(s.kind, s.slots) for s in r.segments if s.tokens is None] == [("momentkv entry", 9.0)]
+               for r in reports)
+    assert "momentkv entry 9.0" in format_report(reports)
     assert abs(cache_nbytes(ours) / cache_nbytes(snap) - 1) < 0.02
 
 
@@ -259,7 +263,7 @@ def test_a_question_chunk_reads_the_entry_as_its_tokens_one_by_one_would():
         cache = prefill(model, prompt)
         singles = [model(question[:, i : i + 1], position_ids=torch.tensor([[70 + i]]), **with_cache(cache)).logits
                    for i in range(3)]
-    assert cache.layers[0].residual_value_maps is not None
+    assert cache.layers[0].summaries[0].covariance is not None
     torch.testing.assert_close(chunk, torch.cat(singles, dim=1), rtol=1e-4, atol=1e-4)
 
 
@@ -272,8 +276,8 @@ def test_runs_repeat_bit_for_bit_and_moments_apply_to_other_scorers():
         first, second = greedy(model, prompt), greedy(model, prompt)
         assert torch.equal(first.sequences, second.sequences)
         for a, b in zip(output_cache(first).layers, output_cache(second).layers):
-            assert torch.equal(a.kept_columns, b.kept_columns) and torch.equal(a.residual_value_maps,
-                                                                                 b.residual_value_maps)
+            assert torch.equal(a.kept_columns, b.kept_columns)
+            assert torch.equal(a.summaries[0].covariance, b.summaries[0].covariance)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.cache import CompressedLayer, cache_nbytes, cache_report, format_report
 from restkv.generation import prefill
 from restkv.quantization import CODES_PER_BYTE, KIVI, KVQuant, pack, quantize, unpack
-from restkv.storage import QuantizedEntries
+from restkv.quantization import QuantizedTokens
 from tiny_models import (
     FAMILY_BACKENDS, assert_rows_match_single_row_runs, decode_in_chunks, greedy, left_padded, random_prompt,
     random_qkv, replace_for, tiny_model,
@@ -107,12 +107,12 @@ def test_config_names_the_flags():
 
 def expected_layer_bytes(batch, heads, slots, dim, element, nbits, group, tail):
     """Packed codes, scales and zero-points of keys (per channel) and values (per token), the
-    int32 columns, and the exact tail tokens."""
+    int32 columns, and the exact tail tokens with their int32 columns."""
     packed = batch * heads * slots * math.ceil(dim * nbits / 8)
     key_stats = 2 * batch * heads * math.ceil(slots / group) * dim * element
     value_stats = 2 * batch * heads * slots * math.ceil(dim / min(group, dim)) * element
     columns = batch * heads * slots * 4
-    return 2 * packed + key_stats + value_stats + columns + 2 * batch * heads * tail * dim * element
+    return 2 * packed + key_stats + value_stats + columns + batch * heads * tail * (2 * dim * element + 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -128,10 +128,10 @@ def test_snapkv_4_bit_bytes_follow_the_formula(dtype):
     assert cache_nbytes(cache) == model.config.num_hidden_layers * expected
     # The kept entries: B x (4 / 16 or 4 / 32) of their full-precision bytes, plus scales and columns.
     full = 2 * heads * budget * dim * element
-    overhead = expected - 2 * heads * (new_tokens - 1) * dim * element - full * 4 / (8 * element)
+    overhead = expected - heads * (new_tokens - 1) * (2 * dim * element + 4) - full * 4 / (8 * element)
     assert overhead == heads * (2 * budget // group * dim + 2 * budget * math.ceil(dim / group)) * element \
         + heads * budget * 4
-    assert all(isinstance(layer.entries, QuantizedEntries) for layer in cache.layers)
+    assert all(isinstance(layer.kept[0], QuantizedTokens) for layer in cache.layers)
 
 
 def test_decode_tokens_are_quantised_in_blocks_of_the_residual_length():
@@ -140,9 +140,11 @@ def test_decode_tokens_are_quantised_in_blocks_of_the_residual_length():
                          quant_group_size=4, quant_residual_length=8)
     cache = greedy(model, random_prompt(1, 60), new_tokens=20).past_key_values
     layer = cache.layers[0]
-    assert layer.tail_length == 19 and len(layer.tail_blocks) == 2 and layer.exact_tail_length == 3
+    # 19 appended tokens: two sealed blocks of 8, then 3 exact ones
+    assert layer.tail_length == 19 and layer.tail.appended == 3
+    assert [type(segment) for segment in layer.kept] == [QuantizedTokens] * 3 + [type(layer.tail)]
     heads, dim = model.config.num_key_value_heads, model.config.head_dim
-    block = expected_layer_bytes(1, heads, 8, dim, 4, 4, 4, 0) - heads * 8 * 4  # a block has no columns
+    block = expected_layer_bytes(1, heads, 8, dim, 4, 4, 4, 0)
     assert layer.nbytes() == expected_layer_bytes(1, heads, 32, dim, 4, 4, 4, 3) + 2 * block
     report = cache_report(cache)
     assert report[0].nbytes == layer.nbytes() and report[0].storage == "kivi 4-bit"
@@ -161,7 +163,7 @@ def test_8_bit_decode_is_close_to_the_exact_compressed_cache(family, backend):
         replace_for(family)(method="snapkv", max_capacity_prompts=24, window_size=8, **options)
         cache = prefill(model, input_ids, attention_mask)
         logits[name] = decode_in_chunks(model, cache, attention_mask, step)
-    assert any(layer.tail_blocks for layer in cache.layers if isinstance(layer, CompressedLayer) and
+    assert any(len(layer.kept) > 2 for layer in cache.layers if isinstance(layer, CompressedLayer) and
                layer.sliding_window is None)
     for ours, exact in zip(logits["kivi"], logits["exact"], strict=True):
         torch.testing.assert_close(ours, exact, rtol=0, atol=5e-3)
@@ -195,9 +197,9 @@ def test_composes_with_allocations_merges_and_the_residual_cache(quant, extra):
     for ours, theirs in zip(quantized.logits, exact.logits):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=5e-3)
     if extra.get("residual"):
-        assert any(bool(layer.residual_counts.any()) for layer in quantized.past_key_values.layers)
+        assert any(bool(layer.summary_counts.any()) for layer in quantized.past_key_values.layers)
     batched = assert_rows_match_single_row_runs(model, [70, 52])
-    assert all(isinstance(layer.entries, QuantizedEntries) for layer in batched.past_key_values.layers)
+    assert all(isinstance(layer.kept[0], QuantizedTokens) for layer in batched.past_key_values.layers)
 
 
 def test_left_padded_batches_and_reruns_are_identical():
@@ -222,13 +224,22 @@ def test_beam_search_reorders_the_codes():
     assert torch.equal(cache.layers[0].kept_keys, keys[[1, 0]])
 
 
-def test_compress_kv_is_unchanged_by_quantisation_options():
-    """Quantisation is storage: the selection a notebook sees is the exact one."""
+def test_compress_kv_returns_what_the_quantised_cache_holds():
+    """Quantisation is storage: the same tokens are kept, and ``compress_kv`` shows them as the
+    model reads them (dequantised), with the codes and scales in its state."""
     query, key, value = random_qkv(length=80)
     exact = compress_kv(query, key, value, dict(method="snapkv", max_capacity_prompts=24, window_size=8))
     quantized = compress_kv(query, key, value, dict(method="snapkv", max_capacity_prompts=24, window_size=8,
-                                                    quant_method="kivi", nbits=2))
-    assert torch.equal(exact.indices, quantized.indices) and torch.equal(exact.keys, quantized.keys)
+                                                    quant_method="kivi", nbits=2, quant_group_size=8,
+                                                    quant_residual_length=8))
+    assert torch.equal(exact.indices, quantized.indices)
+    assert not torch.equal(exact.keys, quantized.keys)
+    codes = quantized.state.kept[0]
+    assert isinstance(codes, QuantizedTokens) and codes.keys.nbits == 2
+    held = (quantized.indices >= 0)[..., None]
+    torch.testing.assert_close(quantized.keys, codes.keys.dequantize().masked_fill(~held, 0))
+    step = codes.keys.scale.repeat_interleave(8, dim=-2)[:, :, : exact.keys.shape[2]]
+    assert bool(((quantized.keys - exact.keys).abs() <= step / 2 + 1e-6).all())
 
 
 def test_layers_compressed_after_the_whole_prefill_are_stored_quantised_and_pruned():
@@ -241,7 +252,7 @@ def test_layers_compressed_after_the_whole_prefill_are_stored_quantised_and_prun
     replace_for("llama")(**base, quant_method="kivi", nbits=8, **SMALL)
     quantized = greedy(model, ids, new_tokens=3)
     for ours, theirs in zip(quantized.past_key_values.layers, exact.past_key_values.layers):
-        assert isinstance(ours.entries, QuantizedEntries) and torch.equal(ours.kept_columns, theirs.kept_columns)
+        assert isinstance(ours.kept[0], QuantizedTokens) and torch.equal(ours.kept_columns, theirs.kept_columns)
     for ours, theirs in zip(quantized.logits, exact.logits):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=5e-3)
     replace_for("llama")(**base, think=True, recent_size=0, pruning_ratio=0.5)

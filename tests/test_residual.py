@@ -7,18 +7,19 @@ import torch
 
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.attention import LayerParams
-from restkv.cache import CompressedLayer, Segment, attend_segments, cache_nbytes
+from restkv.cache import CompressedLayer, cache_nbytes
 from restkv.compat import output_cache
 from restkv.generation import generate_after_context, prefill
+from restkv.partial import Probe, softmax_partial
 from restkv.residual import (
-    Branch,
+    ResidualEntries,
     ResidualReadout,
     choose_ratios,
-    combine_by_lse,
     entries_of,
     lloyd_kmeans,
     split_observations,
 )
+from restkv.residual.validation import KeySegments
 from tiny_models import (
     FAMILY_BACKENDS,
     assert_rows_match_single_row_runs,
@@ -204,17 +205,30 @@ def hand_case(seed=0):
     return query, main_k, main_v, res_k, res_v, torch.log(torch.tensor([3.0, 5.0]))
 
 
-def segments_of(main_k, main_v, res_k, res_v, log_counts):
-    return [
-        Segment(main_k, main_v, torch.ones(1, 1, 1, main_k.shape[2], dtype=torch.bool)),
-        Segment(res_k, res_v, torch.ones(1, 1, 1, res_k.shape[2], dtype=torch.bool), log_counts.view(1, 1, 1, 1, -1)),
-    ]
+def read(query, main_k, main_v, res_k, res_v, log_counts, scale, readout=PAPER, main_columns=None):
+    """``[B, q, H, d]``: the queries (at columns after the main tokens) read through a compressed
+    layer of the main tokens and, with ``res_k``, the residual entries."""
+    length = main_k.shape[2]
+    columns = torch.arange(length).expand(1, 1, -1) if main_columns is None else main_columns
+    summaries = [] if res_k is None else [ResidualEntries(res_k, res_v, log_counts.view(1, 1, -1), readout)]
+    layer = CompressedLayer.from_tokens(main_k, main_v, columns, tokens_seen=length, summaries=summaries)
+    probe = Probe(query, main_k.shape[1], torch.arange(length, length + query.shape[2]), scale)
+    return layer.read(probe)
+
+
+def exact_partial(logits):
+    """The exact tokens' partial of ``logits`` (what the gate reads)."""
+    return softmax_partial(logits, torch.zeros(*logits.shape[:-2], logits.shape[-1], 1))
+
+
+def gate_value(readout, logits):
+    return torch.exp(readout.log_gate(exact_partial(logits)))
 
 
 def test_shared_softmax_is_one_softmax_over_main_and_gated_residual_logits():
     query, main_k, main_v, res_k, res_v, log_counts = hand_case()
     scale, readout = 0.5, ResidualReadout(beta=1.5)
-    out = attend_segments(query, segments_of(main_k, main_v, res_k, res_v, log_counts), scale, readout=readout)
+    out = read(query, main_k, main_v, res_k, res_v, log_counts, scale, readout)
     main_logits = query @ main_k.transpose(-1, -2) * scale
     p_max = torch.softmax(main_logits, dim=-1).amax(dim=-1, keepdim=True)
     gate = torch.sigmoid(12.0 * (0.25 - p_max))
@@ -224,65 +238,61 @@ def test_shared_softmax_is_one_softmax_over_main_and_gated_residual_logits():
     torch.testing.assert_close(out.transpose(1, 2), expected)
 
 
-def test_lse_combination_equals_the_shared_softmax_and_the_separate_ablation_differs():
+def test_no_residual_mass_leaves_the_main_partial_and_the_separate_ablation_differs():
     query, main_k, main_v, res_k, res_v, log_counts = hand_case()
     scale = 0.5
-    shared = attend_segments(query, segments_of(main_k, main_v, res_k, res_v, log_counts), scale, readout=PAPER)
+    shared = read(query, main_k, main_v, res_k, res_v, log_counts, scale)
     main_logits = query @ main_k.transpose(-1, -2) * scale
-    log_gate = PAPER.log_gate(main_logits)
-    residual_logits = query @ res_k.transpose(-1, -2) * scale + log_counts + log_gate
-    combined = combine_by_lse(
-        torch.softmax(main_logits, dim=-1) @ main_v, torch.logsumexp(main_logits, dim=-1),
-        torch.softmax(residual_logits, dim=-1) @ res_v, torch.logsumexp(residual_logits, dim=-1),
-    )
-    torch.testing.assert_close(combined, shared.transpose(1, 2))
-    # No residual mass (g = 0 or no entries): the main branch alone, whatever the residual output holds.
-    empty_lse = torch.full(main_logits.shape[:-1], float("-inf"))
     main_only = torch.softmax(main_logits, dim=-1) @ main_v
-    garbage = torch.full_like(main_only, float("nan"))
-    assert torch.equal(combine_by_lse(main_only, torch.logsumexp(main_logits, dim=-1), garbage, empty_lse), main_only)
+    # No residual mass (g = 0, or no entries): the main partial alone, whatever the entries hold.
+    closed = read(query, main_k, main_v, res_k * float("nan"), res_v, log_counts.fill_(float("-inf")), scale)
+    torch.testing.assert_close(closed.transpose(1, 2), main_only)
+    log_counts = torch.log(torch.tensor([3.0, 5.0]))
     separate = ResidualReadout(separate_softmax=True)
-    apart = attend_segments(query, segments_of(main_k, main_v, res_k, res_v, log_counts), scale, readout=separate)
+    apart = read(query, main_k, main_v, res_k, res_v, log_counts, scale, separate)
     assert not torch.allclose(apart, shared, atol=1e-3)
-    omega = PAPER.gate_value(main_logits) * 8.0 / (8.0 + 5.0)  # n_E = 3 + 5 members, |M| = 5
+    omega = gate_value(PAPER, main_logits)[..., None] * 8.0 / (8.0 + 5.0)  # n_E = 3 + 5 members, |M| = 5
     res_only = torch.softmax(query @ res_k.transpose(-1, -2) * scale + log_counts, dim=-1) @ res_v
     torch.testing.assert_close(apart.transpose(1, 2), (1 - omega) * main_only + omega * res_only)
 
 
 @pytest.mark.parametrize("readout", [PAPER, GATE_OFF, ResidualReadout(beta=0.5, gate_min=0.2),
                                      ResidualReadout(separate_softmax=True), ResidualReadout(alpha=1e6)])
-def test_the_two_branch_form_used_by_validation_equals_the_one_softmax_used_by_decode(readout):
+def test_the_read_out_of_validation_equals_that_of_decode(readout):
+    """The validation proxy joins entries to a main partial merged from key segments
+    (``KeySegments``); decode reads them through the layer: the same read-out."""
     query, main_k, main_v, res_k, res_v, log_counts = hand_case()
-    visible = torch.tensor([True, True, False, True, True])  # one exact slot is hidden
-    logits = torch.cat([query @ main_k.transpose(-1, -2), query @ res_k.transpose(-1, -2)], dim=-1)[0] * 0.5
-    seen = torch.cat([visible, torch.ones(2, dtype=torch.bool)])
-    counts = torch.cat([torch.full((5,), float("-inf")), log_counts])
-    one_softmax = readout.weights([logits], [seen], [counts]) @ torch.cat([main_v, res_v], dim=2)[0]
-    main = Branch.of(logits[..., :5].masked_fill(~visible, float("-inf")), main_v[0])
-    two_branch = readout.mix(main, visible.sum().expand(2, 3, 1), logits[..., 5:], res_v[0], log_counts)
-    torch.testing.assert_close(two_branch, one_softmax)
+    columns = torch.tensor([[[0, 1, -1, 3, 4]]])  # one exact slot is unused
+    decoded = read(query, main_k, main_v, res_k, res_v, log_counts, 0.5, readout, columns).transpose(1, 2)[0]
+    stacked = query[0].reshape(1, -1, 4)  # [H_kv, G * q, d]
+    visible = (columns[0] >= 0)[:, None, :]
+    segments = KeySegments.of(stacked, main_k[0], main_v[0], 0.5, None, visible, [0, 2, 5])
+    main = segments.joined()
+    logits = stacked @ res_k[0].transpose(-1, -2) * 0.5
+    validated = readout.join(main, main, logits, res_v[0], log_counts.view(1, 1, -1)).output
+    torch.testing.assert_close(validated.view(2, 3, 4), decoded)
 
 
 def test_gate_values():
     one_hot = torch.tensor([[0.0, -1e4, -1e4, -1e4]])
-    torch.testing.assert_close(PAPER.gate_value(one_hot), torch.tensor([[1 / (1 + math.exp(9))]]))
-    assert abs(float(PAPER.gate_value(one_hot)) - 1.2339e-4) < 1e-7
+    torch.testing.assert_close(gate_value(PAPER, one_hot), torch.tensor([1 / (1 + math.exp(9))]))
+    assert abs(float(gate_value(PAPER, one_hot)) - 1.2339e-4) < 1e-7
     for m in (4, 32, 4096):
         expected = max(0.0, 1 / (1 + math.exp(-12 * (0.25 - 1 / m))))
-        torch.testing.assert_close(PAPER.gate_value(torch.zeros(1, m)), torch.tensor([[expected]]))
-    assert abs(float(PAPER.gate_value(torch.zeros(1, 100000))) - 0.9526) < 1e-4
-    assert float(ResidualReadout(gate_min=0.01).gate_value(one_hot)) == pytest.approx(0.01)
-    assert torch.equal(ResidualReadout.from_config(residual_config(residual_no_gate=True)).gate_value(one_hot),
-                       torch.ones(1, 1))
+        torch.testing.assert_close(gate_value(PAPER, torch.zeros(1, m)), torch.tensor([expected]))
+    assert abs(float(gate_value(PAPER, torch.zeros(1, 100000))) - 0.9526) < 1e-4
+    assert float(gate_value(ResidualReadout(gate_min=0.01), one_hot)) == pytest.approx(0.01)
+    no_gate = residual_config(residual_no_gate=True).switch("residual").readout()
+    assert torch.equal(gate_value(no_gate, one_hot), torch.ones(1))
 
 
 def test_a_closed_gate_gives_the_main_cache_alone_and_each_query_has_its_own_gate():
     query, main_k, main_v, res_k, res_v, log_counts = hand_case()
     closed = ResidualReadout(alpha=1e6)  # p_max > tau for every query here, so g = 0
-    out = attend_segments(query, segments_of(main_k, main_v, res_k, res_v, log_counts), 0.5, readout=closed)
-    main_only = attend_segments(query, segments_of(main_k, main_v, res_k, res_v, log_counts)[:1], 0.5)
+    out = read(query, main_k, main_v, res_k, res_v, log_counts, 0.5, closed)
+    main_only = read(query, main_k, main_v, None, None, None, 0.5)
     torch.testing.assert_close(out, main_only)
-    gates = PAPER.gate_value(query @ main_k.transpose(-1, -2) * 0.5)
+    gates = gate_value(PAPER, query @ main_k.transpose(-1, -2) * 0.5)
     assert len(set(gates.flatten().tolist())) == gates.numel()
 
 
@@ -300,15 +310,11 @@ def singleton_cache(model, input_ids, main_positions, readout):
         members = torch.zeros(heads, length, dtype=torch.bool)
         members[:, evicted] = True
         entries = entries_of(lloyd_kmeans(keys, members, evicted.expand(heads, -1), 4), values)
-        kept_keys = torch.cat([keys[:, main], entries.keys], dim=1)[None]
-        kept_values = torch.cat([values[:, main], entries.values], dim=1)[None]
-        columns = torch.cat([main, torch.full((len(evicted),), -1)]).expand(1, heads, -1)
         sliding = getattr(layer, "sliding_window", None)
-        cache.layers[index] = CompressedLayer(
-            kept_keys, kept_values, columns, tokens_seen=length, sliding_window=sliding,
-            residual_log_counts=entries.log_counts[None], residual_readout=readout,
-            residual_columns=None if sliding is None else entries.first[None],
-        )
+        summary = ResidualEntries(entries.keys[None].to(keys.dtype), entries.values[None].to(values.dtype),
+                                  entries.log_counts[None], readout, None if sliding is None else entries.first[None])
+        cache.layers[index] = CompressedLayer.from_tokens(keys[:, main][None], values[:, main][None],
+                                                          main.expand(1, heads, -1), length, sliding, [summary])
     return cache
 
 
@@ -393,10 +399,11 @@ def test_stored_entries_equal_the_budget_and_bytes_stay_within_two_percent(famil
     for options in (dict(residual_no_validation=True), dict(residual_ratios=(0.0, 0.1, 0.2), residual_delta=0.0)):
         replace_for(family)(method="snapkv", max_capacity_prompts=50, window_size=8, residual=True, **options)
         cache = prefill(model, prompt)
-        assert any(layer.residual_width for layer in cache.layers)
+        assert any(layer.summaries for layer in cache.layers)
         for layer in cache.layers:
-            assert torch.equal(layer.kept_counts + layer.residual_counts, torch.full((1, 2), 50))
-            assert layer.kept_keys.shape[2] == 50  # GQA: one slot array per KV head, never repeated
+            assert torch.equal(layer.kept_counts + layer.summary_counts, torch.full((1, 2), 50))
+            # GQA: one slot array per KV head, never repeated
+            assert layer.kept_keys.shape[1] == 2 and all(s.keys.shape[1] == 2 for s in layer.summaries)
         assert cache_nbytes(cache) <= 1.02 * cache_nbytes(base)
 
 
@@ -412,8 +419,9 @@ def test_left_padded_rows_equal_their_single_row_runs_and_runs_repeat_bit_for_bi
     config = residual_config(budget=24, pooling="none")
     batched = compress_kv(query, key, value, config, attention_mask=mask)
     again = compress_kv(query, key, value, config, attention_mask=mask)
-    assert all(b is None if a is None else torch.equal(a, b)
-               for a, b in zip(vars(batched).values(), vars(again).values()))
+    tensors = [name for name in vars(batched) if name != "state"]
+    assert all(getattr(batched, name) is None if getattr(again, name) is None
+               else torch.equal(getattr(batched, name), getattr(again, name)) for name in tensors)
     assert bool(torch.isfinite(batched.residual_log_counts[1]).any())
     for row, length in enumerate(lengths):
         part = slice(120 - length, 120)
@@ -435,7 +443,7 @@ def test_model_batch_rows_equal_single_rows_with_residual_entries(backend):
     replace_for("llama")(method="snapkv", max_capacity_prompts=24, window_size=8, residual=True,
                          residual_no_validation=True, residual_fixed_ratio=0.2)
     batched = assert_rows_match_single_row_runs(model, [90, 64, 41], new_tokens=NEW_TOKENS)
-    assert output_cache(batched).layers[0].residual_counts.tolist() == [[4, 4]] * 3
+    assert output_cache(batched).layers[0].summary_counts.tolist() == [[4, 4]] * 3
 
 
 def test_beam_search_reorders_residual_entries_with_their_rows():
@@ -446,10 +454,11 @@ def test_beam_search_reorders_residual_entries_with_their_rows():
     beams = model.generate(prompt, max_new_tokens=3, num_beams=2, do_sample=False, return_dict_in_generate=True,
                            pad_token_id=0)
     layer = output_cache(beams).layers[0]
-    assert layer.residual_log_counts.shape[0] == 2 and layer.residual_counts.tolist() == [[3, 3]] * 2
+    assert layer.summaries[0].log_counts.shape[0] == 2 and layer.summary_counts.tolist() == [[3, 3]] * 2
     cache = prefill(model, prompt)
     cache.batch_repeat_interleave(3)
-    assert all(layer.residual_log_counts.shape[0] == 3 and layer.kept_keys.shape[0] == 3 for layer in cache.layers)
+    assert all(layer.summaries[0].log_counts.shape[0] == 3 and layer.kept_keys.shape[0] == 3
+               for layer in cache.layers)
 
 
 # ---------------------------------------------------------------- every family, both settings
@@ -461,12 +470,12 @@ def test_query_aware_and_query_agnostic_generation_with_residual_entries(family,
     prompt = random_prompt(1, 100)
     aware = greedy(model, prompt, new_tokens=NEW_TOKENS)
     cache = output_cache(aware)
-    assert all(layer.residual_counts.tolist() == [[6, 6]] for layer in cache.layers)
+    assert all(layer.summary_counts.tolist() == [[6, 6]] for layer in cache.layers)
     new, agnostic_cache = generate_after_context(model, prompt[:, :80], prompt[:, 80:], max_new_tokens=3,
                                                  do_sample=False, pad_token_id=0, return_cache=True)
     assert new.shape == (1, 3)
     for layer in agnostic_cache.layers:  # compressed once, from the context alone: 80 - 24 evicted tokens
-        torch.testing.assert_close(layer.residual_log_counts.exp().sum(dim=-1), torch.full((1, 2), 56.0))
+        torch.testing.assert_close(layer.summaries[0].log_counts.exp().sum(dim=-1), torch.full((1, 2), 56.0))
     # The residual entries change the decode steps' logits relative to the base method (the first
     # step's logits come from the uncompressed prefill).
     replace_for(family)(**options)
@@ -491,12 +500,13 @@ def test_separate_softmax_and_no_gate_ablations_change_the_model_output():
 def test_on_sliding_window_layers_an_entry_expires_with_its_oldest_member():
     generator = torch.Generator().manual_seed(0)
     keys, values = torch.randn(1, 1, 3, 4, generator=generator), torch.randn(1, 1, 3, 4, generator=generator)
-    columns = torch.tensor([[[8, 9, -1]]])  # two exact tokens and one entry whose oldest member is column 5
+    columns = torch.tensor([[[8, 9]]])  # two exact tokens, and one entry whose oldest member is column 5
 
     def layer():
-        return CompressedLayer(keys.clone(), values.clone(), columns, tokens_seen=10, sliding_window=8,
-                               residual_log_counts=torch.tensor([[[-math.inf, -math.inf, math.log(3.0)]]]),
-                               residual_columns=torch.tensor([[[-1, -1, 5]]]), residual_readout=GATE_OFF)
+        entry = ResidualEntries(keys[:, :, 2:], values[:, :, 2:], torch.tensor([[[math.log(3.0)]]]), GATE_OFF,
+                                torch.tensor([[[5]]]))
+        return CompressedLayer.from_tokens(keys[:, :, :2].clone(), values[:, :, :2].clone(), columns, tokens_seen=10,
+                                           sliding_window=8, summaries=[entry])
 
     params = LayerParams(scaling=0.5, softcap=None, sliding_window=8)
     query = torch.randn(1, 1, 1, 4, generator=generator)
@@ -525,8 +535,8 @@ def test_sliding_window_layers_compress_with_residual_entries_in_a_model():
     out = greedy(model, random_prompt(1, 80), new_tokens=NEW_TOKENS)
     cache = output_cache(out)
     sliding = [layer for layer in cache.layers if layer.sliding_window is not None]
-    assert sliding and all(layer.residual_columns is not None for layer in sliding)
-    assert all(layer.residual_counts.tolist() == [[4, 4]] for layer in cache.layers)
+    assert sliding and all(layer.summaries[0].oldest is not None for layer in sliding)
+    assert all(layer.summary_counts.tolist() == [[4, 4]] for layer in cache.layers)
     assert all(torch.isfinite(step).all() for step in out.logits)
 
 

@@ -7,7 +7,7 @@ import torch
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.cache import CompressedLayer, cache_report
 from restkv.generation import prefill
-from restkv.selection import Selection
+from restkv.channel_pruning import PrunedKeyTokens
 from tiny_models import (
     FAMILY_BACKENDS, assert_rows_match_single_row_runs, decode_in_chunks, greedy, left_padded, random_prompt,
     random_qkv, replace_for, tiny_model,
@@ -66,10 +66,10 @@ def test_pruned_storage_reads_like_zeroed_keys():
     config = CompressionConfig(method="think", pruning_ratio=0.4, **BASE)
     kept = compress_kv(query, key, value, config)
     columns = kept.indices.to(torch.int32)
-    selection = Selection(kept.keys, kept.values, columns, key_channels=kept.key_channels)
-    pruned = CompressedLayer.from_selection(selection, 80, None, config)
-    zeroed = CompressedLayer(kept.keys, kept.values, columns, tokens_seen=80)
-    assert pruned.tail_length == 8 and pruned.kept_keys.shape[-1] == 16 - 6
+    pruned = CompressedLayer.from_state(kept.state, 80, None, config)
+    zeroed = CompressedLayer.from_tokens(kept.keys, kept.values, columns, tokens_seen=80)
+    assert isinstance(pruned.kept[0], PrunedKeyTokens) and pruned.kept[0].inner.keys.shape[-1] == 16 - 6
+    assert pruned.tail.kept_counts().tolist() == [[8, 8]]  # the recent tokens, whole, open the tail
     new_query, new_key, new_value = random_qkv(length=3, seed=5)
     for layer in (pruned, zeroed):
         layer.output = layer.attend(new_query, new_key, new_value, None, 0.25)
@@ -83,8 +83,9 @@ def test_memory_follows_the_ratio():
     cache = greedy(model, ids, new_tokens=3).past_key_values
     heads, dim = model.config.num_key_value_heads, model.config.head_dim
     older, recent, tail = 24 - 8, 8, 2
-    # float32 compact keys, values, int32 columns, whole tail, int64 channel indices
-    expected = 4 * heads * (older * dim // 2 + older * dim + older + (recent + tail) * 2 * dim) + 8 * heads * dim // 2
+    # float32 compact keys, values, int32 columns, whole recent and tail tokens with their columns, int64 channels
+    expected = 4 * heads * (older * dim // 2 + older * dim + older + (recent + tail) * (2 * dim + 1)) \
+        + 8 * heads * dim // 2
     assert all(layer.nbytes() == expected for layer in cache.layers)
     assert cache_report(cache)[0].storage == "keys 8/16 channels"
     assert cache_report(cache)[0].stored_max == 24 + tail
@@ -101,7 +102,8 @@ def test_rows_match_single_rows_and_decode_runs_in_chunks(family, backend):
         cache = prefill(model, input_ids, attention_mask)
         runs.append(decode_in_chunks(model, cache, attention_mask, torch.tensor([[7, 9, 11], [5, 6, 8]])))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
-    assert any(isinstance(layer, CompressedLayer) and layer.key_channels is not None for layer in cache.layers)
+    assert any(isinstance(layer, CompressedLayer) and isinstance(layer.kept[0], PrunedKeyTokens)
+               for layer in cache.layers)
 
 
 def test_composes_with_quantisation_and_the_residual_cache():
@@ -111,8 +113,8 @@ def test_composes_with_quantisation_and_the_residual_cache():
     replace_for("llama")(**options)
     batched = assert_rows_match_single_row_runs(model, [70, 52], new_tokens=12)
     layer = batched.past_key_values.layers[0]
-    assert layer.storage == "kivi 8-bit, keys 10/16 channels" and bool(layer.residual_counts.any())
-    assert layer.tail_blocks
+    assert layer.storage == "kivi 8-bit, keys 10/16 channels" and bool(layer.summary_counts.any())
+    assert layer.sealed  # appended tokens sealed into quantised blocks
 
 
 def test_config_names_the_flags():
@@ -121,7 +123,7 @@ def test_config_names_the_flags():
     for options, recent in ((dict(method="think"), 32), (dict(method="think", window_size=8), 8),
                             (dict(method="tova", think=True), 1), (dict(method="kvzip", think=True), 0)):
         config = CompressionConfig(**options, max_capacity_prompts=64)
-        assert config.switch("think").recent_tokens(config) == recent
+        assert config.switch("think").exact_recent_tokens(config) == recent
     with pytest.raises(ConfigError, match="--pruning_ratio"):
         CompressionConfig(method="think", max_capacity_prompts=64, pruning_ratio=1.0)
     with pytest.raises(ConfigError, match="--decode_budget"):

@@ -198,7 +198,7 @@ def compression_record(model, config: CompressionConfig, cache, prefill_tokens: 
             )
     return {
         "kv_tokens_seen": max((r.tokens_seen for r in reports), default=0),
-        "kv_tokens_stored": round(float(np.mean([r.stored_mean + r.residual for r in reports])), 1) if reports else 0,
+        "kv_tokens_stored": round(float(np.mean([r.stored_mean + r.summary_slots for r in reports])), 1) if reports else 0,
         "kv_layers_compressed": sum(r.compressed for r in reports),
     }
 

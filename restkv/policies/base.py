@@ -30,6 +30,7 @@ import torch
 from restkv.adaptive_pooling import adaptive_pool
 from restkv.context import ScoringContext
 from restkv.options import ConfigError, Options, option
+from restkv.selection import Reservation
 
 if TYPE_CHECKING:
     from restkv.config import CompressionConfig
@@ -107,15 +108,16 @@ class Policy(Options):
         """``[B, H_kv, N]`` float32 importance; only candidate columns are read."""
         raise NotImplementedError
 
-    def reserve(self, ctx: ScoringContext, keep: torch.Tensor) -> torch.Tensor:
-        """``keep`` ``[B, H_kv]`` (tokens per head from the allocation) less the token slots the
-        method's own state takes (none by default)."""
-        return keep
+    def reserve(self, ctx: ScoringContext, scores: torch.Tensor, keep: torch.Tensor, previous=()) -> Reservation:
+        """The scores and the tokens per head ``keep`` ``[B, H_kv]`` (from the allocation) once the
+        method's own state has taken its token slots (none by default); ``previous``: the layer's
+        summary segments from its last compression (when it is compressed again)."""
+        return Reservation(scores, keep)
 
-    def summarise(self, ctx: ScoringContext, columns: torch.Tensor) -> Any:
-        """What the layer adds to its attention output for the tokens ``columns`` leaves out (a
-        ``restkv.cache.OutputCorrection``), or None (default: nothing)."""
-        return None
+    def summarise(self, ctx: ScoringContext, columns: torch.Tensor, memo: Any) -> list:
+        """The segments the layer adds for the tokens ``columns`` leaves out (an output correction:
+        IndexMem's memory), from ``reserve``'s ``memo`` (default: nothing)."""
+        return []
 
     def finalize(
         self, ctx: ScoringContext, columns: torch.Tensor, keys: torch.Tensor, values: torch.Tensor

@@ -29,6 +29,7 @@ from restkv.context import ScoringContext
 from restkv.indexmem import FUSIONS, QUERY_REDUCTIONS, Architecture, IndexMemLayer, MemoryState, load_weights, slots_for
 from restkv.options import ConfigError, option, register
 from restkv.policies.base import PooledScores
+from restkv.selection import Reservation
 
 if TYPE_CHECKING:
     from restkv.config import CompressionConfig
@@ -116,10 +117,10 @@ class IndexMem(PooledScores):
             return 0
         return slots_for(self.indexmem_features, ctx.key.shape[-1], _slot_bytes(ctx))
 
-    def reserve(self, ctx: ScoringContext, keep: torch.Tensor) -> torch.Tensor:
+    def reserve(self, ctx: ScoringContext, scores: torch.Tensor, keep: torch.Tensor, previous=()) -> Reservation:
         slots = self.memory_slots(ctx)
         if slots == 0:
-            return keep
+            return Reservation(scores, keep)
         evicting = (ctx.plan.budgets < ctx.plan.visible_counts)[:, None]
         reserved = torch.where(evicting, keep - slots, keep)
         protected = ctx.protected.sum(dim=-1, keepdim=True)
@@ -129,11 +130,11 @@ class IndexMem(PooledScores):
                 f"{self.indexmem_features}, head dim {ctx.key.shape[-1]}); a budget of {int(keep.min())} tokens "
                 f"then keeps fewer than the {int(protected.max())} protected ones (--window_size). Raise the budget, "
                 "lower --indexmem_features or turn the memory off (--no-indexmem_memory)")
-        return reserved
+        return Reservation(scores, reserved)
 
-    def summarise(self, ctx: ScoringContext, columns: torch.Tensor) -> MemoryState | None:
+    def summarise(self, ctx: ScoringContext, columns: torch.Tensor, memo) -> list:
         if self.memory_slots(ctx) == 0:
-            return None
+            return []
         length = ctx.key.shape[2]
         kept = torch.zeros(ctx.key.shape[:3], dtype=torch.bool, device=ctx.key.device)
         kept.scatter_(2, columns.clamp(min=0), columns >= 0)
@@ -142,7 +143,7 @@ class IndexMem(PooledScores):
         layer = self.layer_for(ctx)
         with torch.no_grad():
             state = layer.write(ctx.key, ctx.value, evicted, ages, ctx.scaling)
-        return MemoryState(state.log_mass, state.feature_values, layer, self.fusion, ctx.scaling, _slot_bytes(ctx))
+        return [MemoryState(state.log_mass, state.feature_values, layer, self.fusion, ctx.scaling, _slot_bytes(ctx))]
 
 
 def _slot_bytes(ctx: ScoringContext) -> int:

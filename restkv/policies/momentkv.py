@@ -10,8 +10,7 @@ SnapKV's scorer with ``--moments``.
 ``Z_E = n exp(s <q, mu_k>)`` and ``N_E = Z_E (mu_v + s C q)``, so the evicted tokens become one
 extra softmax entry with key ``mu_k``, log-mass ``log n`` and the query-dependent value
 ``mu_v + s C q``, read in the same softmax as the kept tokens (decode steps and question chunks,
-``restkv.cache``: the entry sits in the head's last kept slot as a residual entry, ``C`` is its
-``Segment.value_maps``). Exact when every evicted key is the same. ``--moments_outside_softmax``
+``MomentEntry``, a summary segment of the compressed layer). Exact when every evicted key is the same. ``--moments_outside_softmax``
 (ablation) normalises the estimate on its own and mixes it in with weight ``n / (n + |M|)``
 (ResKV's separate-softmax form); ``--no-moments_covariance`` drops ``C`` (then the entry is a
 one-cluster ResKV entry without gate).
@@ -49,8 +48,9 @@ import torch
 from restkv.context import ScoringContext
 from restkv.options import ConfigError, Options, option, register
 from restkv.policies.snapkv import SnapKV
-from restkv.residual import ResidualPlan, ResidualReadout
-from restkv.selection import rank_keys, select_columns
+from restkv.partial import Partial, Probe, merge, mix_separately, scaled_logits
+from restkv.selection import Reservation, rank_keys, select_columns
+from restkv.storage import SegmentReport, tensor_bytes
 
 MOMENT_VECTORS = ("key", "value")
 MOMENT_SUBSPACES = ("mean", "principal")
@@ -102,26 +102,20 @@ class Moments(Options):
             raise ConfigError("--moments builds its statistics once at prefill; --prefill_chunk_size and "
                               "--decode_budget would need them merged online (not supported)")
 
-    def readout(self, validation: bool = False) -> ResidualReadout:
-        """One entry with logit ``s <q, mu_k> + log n`` in the shared softmax, no gate."""
-        return ResidualReadout(beta=1.0, gate=False, separate_softmax=self.moments_outside_softmax)
-
     def slots(self, head_dim: int) -> int:
         """Token slots the statistics of one KV head cost: the entry, and ``C`` in ``2 d``-number slots."""
         return 1 + (math.ceil(head_dim / 2) if self.moments_covariance else 0)
 
-    def prepare(self, ctx: ScoringContext, scores: torch.Tensor,
-                keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(scores, keep, summarised)``: the scores, the kept exact tokens ``[B, H_kv]`` once the
-        statistics have their slots, and which heads keep statistics (``[B, H_kv]`` bool: those that
-        evict and whose budget holds the statistics besides the protected tokens; the others evict
-        as the base method does)."""
+    def reserve(self, ctx: ScoringContext, scores: torch.Tensor, keep: torch.Tensor, previous=()) -> Reservation:
+        """The statistics take their slots (``keep`` less their cost on the heads that keep them:
+        those that evict and whose budget holds the statistics besides the protected tokens; the
+        others evict as the base method does), and moment-informed eviction rescores."""
         cost = 0 if self.moments_free_stats else self.slots(ctx.key.shape[-1])
         protected = ctx.protected.sum(dim=-1)[:, None]
         evicts = (keep < ctx.visible.sum(dim=-1)[:, None]) & (keep - cost >= protected)
         keep = torch.where(evicts, keep - cost, keep)
         if self.moments_no_mi or not bool(evicts.any()):
-            return scores, keep, evicts
+            return Reservation(scores, keep, evicts)
         tentative = _evicted(ctx, select_columns(rank_keys(scores, ctx.visible, ctx.protected, ctx.layer_idx), keep))
         vectors = (ctx.key if self.moments_vector == "key" else ctx.value).float()
         residual = _residual_norms(vectors, tentative, self.moments_subspace, self.moments_rank)
@@ -129,17 +123,15 @@ class Moments(Options):
         finite = candidates & torch.isfinite(scores)
         floor = scores.float().masked_fill(~finite, float("inf")).amin(dim=-1, keepdim=True).clamp(max=0)
         rescored = torch.where(candidates, (scores.float() - floor) * residual, scores.float())
-        return rescored, keep, evicts
+        return Reservation(rescored, keep, evicts)
 
-    def summarise(self, ctx: ScoringContext, columns: torch.Tensor,
-                  summarised: torch.Tensor) -> tuple[ResidualPlan, torch.Tensor | None] | None:
-        """The evicted set's entry (``ResidualPlan`` of one slot per head) and covariance
-        ``[B, H_kv, 1, d, d]`` (None with ``--no-moments_covariance``) of the ``summarised`` heads;
-        None if none of them evicted anything."""
+    def summarise(self, ctx: ScoringContext, columns: torch.Tensor, summarised: torch.Tensor) -> list:
+        """The evicted set's ``MomentEntry`` on the heads that keep statistics (none if none of them
+        evicted anything)."""
         evicted = _evicted(ctx, columns) & summarised[..., None]
         counts = evicted.sum(dim=-1)  # [B, H_kv]
         if not bool(counts.any()):
-            return None
+            return []
         weights = evicted.float()[..., None]
         total = counts.clamp(min=1).float()[..., None]
         keys, values = ctx.key.float(), ctx.value.float()
@@ -147,19 +139,97 @@ class Moments(Options):
         value_mean = (values * weights).sum(dim=2) / total
         length = evicted.shape[-1]
         first = torch.where(evicted, torch.arange(length, device=evicted.device), length).amin(dim=-1)
-        plan = ResidualPlan(
-            sizes=(counts > 0).long(),
-            keys=key_mean[:, :, None].to(ctx.key.dtype),
-            values=value_mean[:, :, None].to(ctx.value.dtype),
-            log_counts=torch.where(counts > 0, counts.float().log(), float("-inf"))[..., None],
-            first_columns=torch.where(counts > 0, first, -1)[..., None],
-        )
-        if not self.moments_covariance:
-            return plan, None
-        centred_keys = (keys - key_mean[:, :, None]) * weights
-        centred_values = (values - value_mean[:, :, None]) * weights
-        covariance = torch.einsum("bknv,bknd->bkvd", centred_values, centred_keys) / total[..., None]
-        return plan, covariance[:, :, None].to(ctx.value.dtype)
+        covariance = None
+        if self.moments_covariance:
+            centred_keys = (keys - key_mean[:, :, None]) * weights
+            centred_values = (values - value_mean[:, :, None]) * weights
+            covariance = torch.einsum("bknv,bknd->bkvd", centred_values, centred_keys) / total[..., None]
+        log_count = torch.where(counts > 0, counts.float().log(), float("-inf"))
+        oldest = ctx.positions_of(torch.where(counts > 0, first, -1)[..., None])[..., 0]
+        cost = 0 if self.moments_free_stats else self.slots(ctx.key.shape[-1])
+        return [MomentEntry(key_mean.to(ctx.key.dtype), value_mean.to(ctx.value.dtype), log_count,
+                            None if covariance is None else covariance.to(ctx.value.dtype), oldest,
+                            self.moments_outside_softmax, cost)]
+
+
+class MomentEntry:
+    """A summary segment: the evicted set's first-order entry, per row and KV head.
+
+    Its logit is ``s <q, mu_k> + log n`` and its value the query-dependent ``mu_v + s C q``; it
+    joins the exact tokens' softmax (or, ``outside_softmax``, is normalised apart and mixed in
+    with weight ``n / (n + |M|)``). key_mean, value_mean: ``[B, H_kv, d]``; log_count: ``[B, H_kv]``
+    (``-inf``: the head keeps no statistics); covariance: ``[B, H_kv, d, d]`` or None; oldest:
+    ``[B, H_kv]`` padded-batch column of the oldest evicted token (sliding-window layers), or None;
+    slot_cost: token slots of the budget the statistics of one head take (0: stored on top of it).
+    """
+
+    kind = "momentkv entry"
+    needs_peak = False
+
+    def __init__(self, key_mean: torch.Tensor, value_mean: torch.Tensor, log_count: torch.Tensor,
+                 covariance: torch.Tensor | None, oldest: torch.Tensor | None, outside_softmax: bool,
+                 slot_cost: int = 0) -> None:
+        self.key_mean, self.value_mean, self.log_count = key_mean, value_mean, log_count
+        self.covariance, self.outside_softmax, self.slot_cost = covariance, outside_softmax, slot_cost
+        self.oldest = None if oldest is None else oldest.to(torch.int32)
+
+    @property
+    def needs_count(self) -> bool:
+        return self.outside_softmax
+
+    def counts(self) -> torch.Tensor:
+        """``[B, H_kv]`` entries per head (1 where the head keeps statistics)."""
+        return torch.isfinite(self.log_count).long()
+
+    def budget_slots(self) -> torch.Tensor:
+        """``[B, H_kv]`` token slots of the budget the statistics take."""
+        return self.counts() * self.slot_cost
+
+    def join(self, current: Partial, exact: Partial, probe: Probe) -> Partial:
+        entry = torch.isfinite(self.log_count)[:, :, None]  # [B, H_kv, 1]
+        if probe.sliding_window is not None and self.oldest is not None:
+            entry = entry & probe.visibility(self.oldest[..., None])[..., 0]
+        logit = scaled_logits(probe, self.key_mean[:, :, None])[..., 0]  # [B, H_kv, R]
+        lse = torch.where(entry, logit + self.log_count[..., None], float("-inf"))
+        value = self.value_mean[:, :, None].float()
+        if self.covariance is not None:  # the first-order term s C q
+            value = value + probe.scaling * torch.einsum("bkvd,bkrd->bkrv", self.covariance.float(),
+                                                         probe.stacked.float())
+        side = Partial(value.expand(*lse.shape, -1), lse)
+        if self.outside_softmax:
+            members = torch.where(entry, self.log_count.exp()[..., None], 0.0)
+            return mix_separately(current, side, members / (members + exact.count))
+        return merge([current, side])
+
+    def as_slots(self):
+        """The entry as one last slot of ``restkv.compress.CompressedKV``: ``(keys, values [B, H_kv, 1, d],
+        log_counts [B, H_kv, 1], oldest or None, value maps [B, H_kv, 1, d, d] or None)``."""
+        maps = None if self.covariance is None else self.covariance[:, :, None]
+        oldest = None if self.oldest is None else self.oldest[..., None]
+        return self.key_mean[:, :, None], self.value_mean[:, :, None], self.log_count[..., None], oldest, maps
+
+    def slots(self) -> float:
+        """Token-slot equivalents per row and KV head: the entry, and ``C`` in ``2 d``-number slots."""
+        per_head = 1.0 + (self.covariance.shape[-1] / 2 if self.covariance is not None else 0.0)
+        return float(self.counts().float().mean()) * per_head
+
+    def report(self) -> SegmentReport:
+        return SegmentReport(self.kind, None, self.slots(), self.nbytes())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.key_mean, self.value_mean, self.log_count, self.covariance, self.oldest)
+                if t is not None]
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.tensors())
+
+    def fork(self) -> "MomentEntry":
+        return self
+
+    def map_batch(self, fn) -> "MomentEntry":
+        return MomentEntry(fn(self.key_mean), fn(self.value_mean), fn(self.log_count),
+                           None if self.covariance is None else fn(self.covariance),
+                           None if self.oldest is None else fn(self.oldest), self.outside_softmax, self.slot_cost)
 
 
 def _evicted(ctx: ScoringContext, columns: torch.Tensor) -> torch.Tensor:

@@ -13,11 +13,11 @@ log-count per residual slot.
 from restkv.residual.builder import ResidualPlan, build_residual, ratio_sizes
 from restkv.residual.clustering import Clusters, Entries, cluster_sums, entries_of, fold_into_entries, lloyd_kmeans
 from restkv.residual.options import ResidualCache
-from restkv.residual.readout import MASKED, Branch, ResidualReadout, capped, combine_by_lse
+from restkv.residual.readout import ResidualEntries, ResidualReadout, capped
 from restkv.residual.validation import choose_ratios, full_attention_output, split_observations
 
 __all__ = [
-    "MASKED", "Branch", "Clusters", "Entries", "ResidualCache", "ResidualPlan", "ResidualReadout", "build_residual",
-    "capped", "choose_ratios", "cluster_sums", "combine_by_lse", "entries_of", "full_attention_output",
+    "Clusters", "Entries", "ResidualCache", "ResidualEntries", "ResidualPlan", "ResidualReadout", "build_residual",
+    "capped", "choose_ratios", "cluster_sums", "entries_of", "full_attention_output",
     "fold_into_entries", "lloyd_kmeans", "ratio_sizes", "split_observations",
 ]

@@ -13,7 +13,9 @@ import torch
 
 from restkv.options import ConfigError, Options, option, register
 from restkv.residual.builder import ResidualPlan, build_residual
-from restkv.residual.readout import ResidualReadout
+from restkv.residual.clustering import fold_into_entries
+from restkv.residual.readout import ResidualEntries, ResidualReadout
+from restkv.selection import Reservation
 
 RESIDUAL_SELECT_ON = ("fit", "validation")
 RESIDUAL_EMPTY = ("drop", "reseed")
@@ -113,3 +115,60 @@ class ResidualCache(Options):
     def build(self, ctx, scores: torch.Tensor, keep: torch.Tensor) -> ResidualPlan:
         """The layer's residual entries for the base budgets ``keep`` ``[B, H_kv]``."""
         return build_residual(self, ctx, scores, keep)
+
+    def reserve(self, ctx, scores: torch.Tensor, keep: torch.Tensor, previous=()) -> Reservation:
+        """Each head's residual share of its budget and the entries of what it then evicts. A head
+        that already holds ``r`` entries (``previous``: a layer compressed again, whose budget was
+        already lowered by them) keeps them, and what it evicts now is folded in (``summarise``);
+        the others are built afresh."""
+        old = next((segment for segment in previous if isinstance(segment, ResidualEntries)), None)
+        fresh = torch.ones_like(keep, dtype=torch.bool) if old is None else old.counts().to(keep.device) == 0
+        plan = self.build(ctx, scores, keep) if bool(fresh.any()) else None
+        sizes = torch.zeros_like(keep) if plan is None else torch.where(fresh, plan.sizes, 0)
+        return Reservation(scores, keep - sizes, (plan, old, fresh))
+
+    def summarise(self, ctx, columns: torch.Tensor, memo) -> list:
+        """The layer's ``ResidualEntries``: the ones ``reserve`` built, and on heads that held entries
+        before, those entries with this compression's evicted tokens folded in (weighted k-means,
+        each old entry weighing its member count); none if no head has one."""
+        plan, old, fresh = memo
+        if old is None:
+            if not bool(plan.sizes.any()):
+                return []
+            oldest = ctx.positions_of(plan.first_columns)
+            return [ResidualEntries(plan.keys, plan.values, plan.log_counts, self.readout(), oldest)]
+        batch, heads = fresh.shape
+        rows = [[self._head_entries(ctx, columns, plan, old, fresh, row, head) for head in range(heads)]
+                for row in range(batch)]
+        width = max(keys.shape[0] for row in rows for keys, _, _ in row)
+        if width == 0:
+            return []
+        keys = old.keys.new_zeros(batch, heads, width, old.keys.shape[-1])
+        values = old.values.new_zeros(batch, heads, width, old.values.shape[-1])
+        log_counts = torch.full((batch, heads, width), float("-inf"), device=old.log_counts.device)
+        for row, entries in enumerate(rows):
+            for head, (entry_keys, entry_values, entry_counts) in enumerate(entries):
+                used = entry_keys.shape[0]
+                if used:  # right-aligned in the head's last slots
+                    keys[row, head, width - used :] = entry_keys.to(keys.dtype)
+                    values[row, head, width - used :] = entry_values.to(values.dtype)
+                    log_counts[row, head, width - used :] = entry_counts.log()
+        return [ResidualEntries(keys, values, log_counts, self.readout())]
+
+    def _head_entries(self, ctx, columns: torch.Tensor, plan, old: ResidualEntries, fresh: torch.Tensor, row: int,
+                      head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys [r, d], values [r, d], counts [r])`` of one head's entries after this compression."""
+        if bool(fresh[row, head]):
+            used = torch.isfinite(plan.log_counts[row, head])
+            return (plan.keys[row, head, used].float(), plan.values[row, head, used].float(),
+                    plan.log_counts[row, head, used].exp().round())
+        used = torch.isfinite(old.log_counts[row, head])
+        entry_keys, entry_values = old.keys[row, head, used], old.values[row, head, used]
+        entry_counts = old.log_counts[row, head, used].exp().round()
+        evicted = ctx.plan.visible[row].clone()
+        kept = columns[row, head]
+        evicted[kept[kept >= 0].long()] = False
+        if not bool(evicted.any()):
+            return entry_keys.float(), entry_values.float(), entry_counts
+        return fold_into_entries(entry_keys, entry_values, entry_counts, ctx.key[row, head, evicted],
+                                 ctx.value[row, head, evicted], self.residual_iters)

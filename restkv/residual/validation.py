@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from restkv.partial import Partial, softmax_partial
 from restkv.residual.clustering import Entries
-from restkv.residual.readout import Branch, capped
+from restkv.residual.readout import capped
 
 if TYPE_CHECKING:
     from restkv.context import ScoringContext
@@ -64,13 +65,13 @@ def split_observations(count: int, validation: int, total: int, how: str) -> tor
 
 
 class KeySegments(NamedTuple):
-    """The attention of some queries over consecutive segments of their keys, each segment
-    normalised on its own (``Branch.of``), stacked: outputs ``[S, H, q, d]``, log-sum-exps,
-    peaks and visible key counts ``[S, H, q, 1]``, and the end column of each segment ``[S]``.
+    """The attention of some queries over consecutive segments of their keys, each segment read
+    as its own partial (``restkv.partial``), stacked: outputs ``[S, H, q, d]``, log-sum-exps,
+    peaks and visible key counts ``[S, H, q]``, and the end column of each segment ``[S]``.
 
-    Any union of segments is then one log-sum-exp combination away (``joined``): the
-    validation proxy reads the full-prompt target and every candidate's main cache (prefixes
-    of the ranked keys) from one pass over the keys.
+    Any union of segments is then one log-sum-exp merge away (``joined``): the validation proxy
+    reads the full-prompt target and every candidate's main cache (prefixes of the ranked keys)
+    from one pass over the keys.
     """
 
     outputs: torch.Tensor
@@ -84,36 +85,36 @@ class KeySegments(NamedTuple):
            softcap: float | None, visible: torch.Tensor | None, cuts: list[int]) -> "KeySegments":
         """Segments ``[cuts[i], cuts[i + 1])`` of ``keys``/``values`` ``[H, n, d]`` seen by
         ``queries`` ``[H, q, d]`` (``visible``: bool broadcastable to ``[H, q, n]``, or None)."""
-        branches, counts = [], []
+        parts, counts = [], []
         for start, stop in zip(cuts[:-1], cuts[1:]):
             # The scale is applied inside the product (one pass over the logits, not two).
             logits = torch.baddbmm(queries.new_empty(()), queries, keys[:, start:stop].transpose(1, 2), beta=0.0,
                                    alpha=scaling)
             logits = capped(logits, softcap)
             if visible is None:
-                counts.append(torch.full((*logits.shape[:-1], 1), stop - start, device=logits.device))
+                counts.append(torch.full(logits.shape[:-1], stop - start, device=logits.device))
             else:
                 seen = visible[..., start:stop].expand_as(logits)
                 logits.masked_fill_(~seen, float("-inf"))
-                counts.append(seen.sum(dim=-1, keepdim=True))
-            branches.append(Branch.of(logits, values[:, start:stop], overwrite=True))
-        outputs, lse, peaks = (torch.stack(parts) for parts in zip(*branches))
+                counts.append(seen.sum(dim=-1))
+            parts.append(softmax_partial(logits, values[:, start:stop]))
+        outputs, lse, peaks = (torch.stack([part[field] for part in parts]) for field in range(3))
         return cls(outputs, lse, peaks, torch.stack(counts), torch.tensor(cuts[1:], device=queries.device))
 
-    def joined(self, prefix: torch.Tensor | None = None) -> tuple[Branch, torch.Tensor]:
-        """One softmax over the segments that end within each head's first ``prefix`` ``[H]``
-        keys (None: all of them): its ``Branch`` and visible key counts ``[H, q, 1]``."""
+    def joined(self, prefix: torch.Tensor | None = None) -> Partial:
+        """The partial of the segments that end within each head's first ``prefix`` ``[H]`` keys
+        (None: all of them), with its visible key counts ``[H, q]``."""
         if prefix is None:
             included = torch.ones(self.ends.shape[0], 1, dtype=torch.bool, device=self.ends.device)
         else:
             included = self.ends[:, None] <= prefix[None, :]  # [S, H]
-        included = included[..., None, None]
+        included = included[..., None]
         lse_parts = torch.where(included, self.lse, float("-inf"))
         lse = torch.logsumexp(lse_parts, dim=0)
-        weights = torch.exp(lse_parts - lse.nan_to_num(neginf=0.0))  # 0 where nothing is visible
+        weights = torch.exp(lse_parts - lse.nan_to_num(neginf=0.0))[..., None]  # 0 where nothing is visible
         output = (weights * self.outputs).sum(dim=0)
         peak = torch.where(included, self.peaks, float("-inf")).amax(dim=0)
-        return Branch(output, lse, peak), (self.counts * included).sum(dim=0)
+        return Partial(output, lse, peak, (self.counts * included).sum(dim=0))
 
 
 def segment_cuts(length: int, ends: list[int]) -> list[int]:
@@ -130,7 +131,7 @@ def full_attention_output(
     (``visible``: bool broadcastable to ``[H, q, n]``, or None), softcapped logits included; the
     keys are read in blocks, never ``q x n`` logits at once."""
     segments = KeySegments.of(queries, keys, values, scaling, softcap, visible, segment_cuts(keys.shape[1], []))
-    return segments.joined()[0].output
+    return segments.joined().output
 
 
 def validation_losses(
@@ -143,9 +144,9 @@ def validation_losses(
 
     The candidates' main caches are prefixes of the ranked tokens, so one pass over the keys,
     cut at every candidate's prefix end (``KeySegments``), gives the full-prompt target and
-    every main branch; each candidate's output is its main branch combined with its residual
-    branch through their log-sum-exps (``ResidualReadout.mix``). The joins equal one softmax
-    over the same keys up to float32 rounding (losses within about 1e-7 relative).
+    every main branch; each candidate's output is its main partial with its entries read in
+    (``ResidualReadout.join``, the read-out of decode steps). The joins equal one softmax over
+    the same keys up to float32 rounding (losses within about 1e-7 relative).
     """
     num_kv_heads, visible, dim = data.keys.shape
     observation = ctx.observation
@@ -167,15 +168,16 @@ def validation_losses(
     ends = sorted({end for main in [data.budgets, *mains] for end in main.tolist()})
     segments = KeySegments.of(queries, data.keys, data.values, ctx.scaling, ctx.softcap, causal,
                               segment_cuts(visible, ends))
-    target = segments.joined()[0].output
+    target = segments.joined().output
     readout = options.readout(validation=True)
 
     def losses(main_size: torch.Tensor, entries: Entries | None) -> tuple[torch.Tensor, torch.Tensor]:
-        main, exact_count = segments.joined(main_size)
+        main = segments.joined(main_size)
         output = main.output
         if entries is not None:
             residual_logits = capped(torch.matmul(queries, entries.keys.transpose(1, 2)) * ctx.scaling, ctx.softcap)
-            output = readout.mix(main, exact_count, residual_logits, entries.values, entries.log_counts[:, None, :])
+            output = readout.join(main, main, residual_logits, entries.values,
+                                  entries.log_counts[:, None, :]).output
         error = ((output - target) ** 2).sum(dim=-1).view(num_kv_heads, groups, count)
         return error[:, :, fit_rows].mean(dim=(1, 2)), error[:, :, held_out].mean(dim=(1, 2))
 
