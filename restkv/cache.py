@@ -37,19 +37,22 @@ from restkv.partial import Probe, merge
 from restkv.storage import DenseTokens, SegmentReport, exact_tokens, joined_view, tensor_bytes
 
 
-def new_token_columns(attention_mask, batch: int, first: int, count: int, device) -> torch.Tensor:
+def new_token_columns(attention_mask, batch: int, first: int, count: int, device) -> torch.Tensor | None:
     """``[B, q]`` int32 padded-batch columns of ``count`` new tokens starting at column ``first``,
     ``-1`` for padding tokens, read from the mask the model built for the step: a 2-D padding
-    mask's last columns, or a 4-D mask's diagonal (a real key is seen by its own query)."""
-    columns = torch.arange(first, first + count, device=device, dtype=torch.int32).expand(batch, -1)
+    mask's last columns, or a 4-D mask's diagonal (a real key is seen by its own query). None
+    when every new token is real (the columns are then ``first, first + 1, ...``)."""
     if attention_mask is None:
-        return columns
+        return None
     if attention_mask.dim() == 2:
         real = attention_mask[:, -count:].bool()
     else:
         real = attention_mask[:, 0, -count:, -count:].diagonal(dim1=-2, dim2=-1)
         if real.dtype != torch.bool:
             real = real > torch.finfo(real.dtype).min / 2
+    if bool(real.all()):
+        return None
+    columns = torch.arange(first, first + count, device=device, dtype=torch.int32).expand(batch, -1)
     return columns.masked_fill(~real.to(device), -1)
 
 
@@ -110,10 +113,9 @@ class CompressedLayer(CacheLayerMixin):
         ``[B, H, q, d]`` over every segment in one softmax. Used for decode steps and for a
         question chunk fed after a context-only compression; ``attention_mask`` is the mask the
         model built for this step. Returns ``[B, q, H, d]``."""
-        q_len, first = query.shape[2], self.tokens_seen
-        self.append(key, value, new_token_columns(attention_mask, query.shape[0], first, q_len, query.device))
-        columns = torch.arange(first, first + q_len, device=query.device)
-        output = self.read(Probe(query, key.shape[1], columns, scaling, softcap, self.sliding_window))
+        first = self.tokens_seen
+        self.append(key, value, new_token_columns(attention_mask, query.shape[0], first, query.shape[2], query.device))
+        output = self.read(Probe(query, key.shape[1], first, scaling, softcap, self.sliding_window))
         self._settle()
         return output
 
@@ -132,10 +134,10 @@ class CompressedLayer(CacheLayerMixin):
         return output.to(probe.query.dtype)
 
     # ----------------------------------------------------------- writing
-    def append(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> None:
-        """Write new tokens ``[B, H_kv, q, d]`` (padded-batch ``columns`` ``[B, q]``, -1 = padding)
-        into the tail; they count as seen."""
-        self.tail.append(keys, values, columns)
+    def append(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor | None = None) -> None:
+        """Write new tokens ``[B, H_kv, q, d]`` into the tail; they count as seen. ``columns``
+        ``[B, q]``: their padded-batch columns (-1 = padding), None when every one is real."""
+        self.tail.append(keys, values, self.tokens_seen, columns)
         self.tokens_seen += keys.shape[2]
 
     def _settle(self) -> None:
@@ -238,9 +240,7 @@ class CompressedLayer(CacheLayerMixin):
         over: every exact token held, ``[B, H_kv, S, d]`` in slot order (quantised ones
         dequantised). Complete for a layer without summaries or corrections whose heads hold the
         same tokens; restkv's attention reads the layer itself (``attend``)."""
-        batch, new = key_states.shape[0], key_states.shape[2]
-        self.append(key_states, value_states, new_token_columns(None, batch, self.tokens_seen, new,
-                                                                key_states.device))
+        self.append(key_states, value_states)
         keys, values, _ = self.kept_tokens(appended=True)
         return keys, values
 

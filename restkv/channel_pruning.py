@@ -19,9 +19,11 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from restkv.options import ConfigError, Options, option, register
-from restkv.storage import tensor_bytes
+from restkv.partial import attend_block
+from restkv.storage import DenseTokens, tensor_bytes
 
 
 @register("switch")
@@ -102,9 +104,18 @@ class PrunedKeyTokens:
         return pruned if inner == "exact" else f"{inner}, {pruned}"
 
     def attend(self, probe):
+        """The kept query channels against the compact keys. On the CPU both are zero-padded back to
+        the head dimension (zeros add nothing to a dot product), so the fused kernel that returns
+        the log-sum-exp reads them; the inner segment reads them itself elsewhere."""
         stacked = probe.stacked
         index = self.channels[:, :, None, :].expand(-1, -1, stacked.shape[2], -1)
-        return self.inner.attend(probe.with_queries(stacked.gather(-1, index)))
+        queries = stacked.gather(-1, index)
+        if stacked.device.type != "cpu" or not isinstance(self.inner, DenseTokens):
+            return self.inner.attend(probe.with_queries(queries))
+        compact, values, columns = self.inner.padded()
+        padding = (0, self.head_dim - compact.shape[-1])
+        visible = probe.visibility(columns) if self.inner.holes or probe.masks_by_position else None
+        return attend_block(probe.with_queries(F.pad(queries, padding)), F.pad(compact, padding), values, visible)
 
     def padded(self, appended: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The kept tokens with whole keys (zeros in the dropped channels)."""

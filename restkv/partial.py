@@ -24,6 +24,7 @@ Kernels (``KERNELS``, chosen by ``kernel_for``; every one is tested against ``re
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, NamedTuple
 
@@ -53,15 +54,16 @@ class Partial(NamedTuple):
 class Probe:
     """The queries of one step, as every segment reads them.
 
-    query: ``[B, H, q, d]`` post-RoPE queries. columns: ``[q]`` padded-batch column of each query
-    (a key at column ``c`` is causal for it iff ``c <= column``). sliding_window: keys at or
-    before ``column - sliding_window`` are invisible. need_lse / need_peak / need_count: what the
-    layer's merge and summaries read from the exact partials.
+    query: ``[B, H, q, d]`` post-RoPE queries. first_column: the padded-batch column of the first
+    query; the others follow (a key at column ``c`` is causal for query ``t`` iff
+    ``c <= first_column + t``). sliding_window: keys at or before ``column - sliding_window`` are
+    invisible. need_lse / need_peak / need_count: what the layer's merge and summaries read from
+    the exact partials.
     """
 
     query: torch.Tensor
     num_kv_heads: int
-    columns: torch.Tensor
+    first_column: int
     scaling: float
     softcap: float | None = None
     sliding_window: int | None = None
@@ -91,6 +93,11 @@ class Probe:
         return self._stacked
 
     @property
+    def columns(self) -> torch.Tensor:
+        """``[q]`` padded-batch column of each query."""
+        return torch.arange(self.first_column, self.first_column + self.q_len, device=self.query.device)
+
+    @property
     def masks_by_position(self) -> bool:
         """Whether visibility depends on the query's position (several queries, or a sliding window)."""
         return self.q_len > 1 or self.sliding_window is not None
@@ -113,7 +120,7 @@ class Probe:
 
     def with_queries(self, stacked: torch.Tensor) -> "Probe":
         """The same probe reading other (already stacked) queries: ThinK's kept key channels."""
-        probe = Probe(self.query, self.num_kv_heads, self.columns, self.scaling, self.softcap, self.sliding_window,
+        probe = Probe(self.query, self.num_kv_heads, self.first_column, self.scaling, self.softcap, self.sliding_window,
                       self.need_lse, self.need_peak, self.need_count)
         probe._stacked = stacked
         return probe
@@ -130,19 +137,25 @@ class Probe:
 
 
 # ---------------------------------------------------------------- merging
-def merge(parts: list[Partial]) -> Partial:
-    """The partial of the union of disjoint key sets (every part needs its ``lse``)."""
+def merge(parts: list[Partial], statistics: bool = True) -> Partial:
+    """The partial of the union of disjoint key sets (every part needs its ``lse``); ``statistics``:
+    also the merged peak and count (when every part has them)."""
     if len(parts) == 1:
         return parts[0]
-    lse = torch.logsumexp(torch.stack([part.lse for part in parts]), dim=0)
+    if len(parts) == 2:
+        lse = torch.logaddexp(parts[0].lse, parts[1].lse)
+    else:
+        lse = torch.logsumexp(torch.stack([part.lse for part in parts]), dim=0)
     output = None
     for part in parts:
         weight = torch.exp(part.lse - lse).nan_to_num_(0.0)[..., None]  # -inf - -inf: a row nobody sees
         term = weight * part.output.float()
         output = term if output is None else output + term
+    if not statistics:
+        return Partial(output, lse)
     peak = None
     if all(part.peak is not None for part in parts):
-        peak = torch.stack([part.peak for part in parts]).amax(dim=0)
+        peak = functools.reduce(torch.maximum, [part.peak for part in parts])
     count = None
     if all(part.count is not None for part in parts):
         count = sum(part.count for part in parts)

@@ -56,9 +56,18 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def appended_columns(columns: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[B, q]`` columns of appended tokens as ``[B, H_kv, q]`` int32."""
-    return columns.to(torch.int32)[:, None, :].expand(-1, heads, -1)
+def write_columns(target: torch.Tensor, first: int, count: int, columns: torch.Tensor | None) -> bool:
+    """Write the columns of ``count`` appended tokens into ``target`` (``[B, H_kv, q]``, a view of a
+    segment's columns): ``columns`` ``[B, q]`` (-1 = padding), or ``first, first + 1, ...`` when
+    None. Returns whether a padding token came with them."""
+    if columns is None:
+        if count == 1:
+            target.fill_(first)
+        else:
+            target.copy_(torch.arange(first, first + count, dtype=torch.int32, device=target.device))
+        return False
+    target.copy_(columns.to(torch.int32)[:, None, :])
+    return bool((columns < 0).any())
 
 
 class ExactTokens:
@@ -69,6 +78,11 @@ class ExactTokens:
     #: tokens appended since the last compression (the same for every sequence)
     appended: int
     _shared: bool
+
+    def append_tokens(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> None:
+        """Append tokens another segment held, ``[B, H_kv, q, d]`` with their columns ``[B, H_kv, q]``
+        (the same for every head: appended tokens are)."""
+        self.append(keys, values, 0, columns[:, 0])
 
     def fork(self) -> "ExactTokens":
         """A copy that shares the buffers until either side writes (``answer_many``'s snapshots)."""
@@ -156,17 +170,17 @@ class DenseTokens(ExactTokens):
         return self.keys[:, :, window], self.values[:, :, window], self.columns[:, :, window]
 
     # ------------------------------------------------------------ writing
-    def append(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> None:
-        """Write ``[B, H_kv, q, d]`` new tokens with their ``[B, q]`` columns (-1: padding) after the
-        sequence, growing the buffer (doubling) only when it is full."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, first: int, columns: torch.Tensor | None = None) -> None:
+        """Write ``[B, H_kv, q, d]`` new tokens after the sequence, at padded-batch columns ``first ..``
+        (``columns`` ``[B, q]`` when some are padding: -1), growing the buffer (doubling) only
+        when it is full."""
         self._own()
         new = keys.shape[2]
         if self.used + new > self.keys.shape[2]:
             self._grow(max(self.used + new, 2 * self.keys.shape[2], self.kept_width + TAIL_CAPACITY))
         window = slice(self.used, self.used + new)
         self.keys[:, :, window], self.values[:, :, window] = keys, values
-        self.columns[:, :, window] = appended_columns(columns, keys.shape[1])
-        self.holes = self.holes or bool((columns < 0).any())
+        self.holes = write_columns(self.columns[:, :, window], first, new, columns) or self.holes
         self.appended += new
 
     def _grow(self, width: int) -> None:
@@ -207,9 +221,8 @@ class DenseTokens(ExactTokens):
         """The segment with ``fn`` (a batch reorder, repeat or selection) applied to its rows."""
         keys, values, columns = (fn(t) for t in self.padded(appended=False))
         mapped = DenseTokens(keys, values, columns, self.keys.shape[2] - self.kept_width)
-        tail_keys, tail_values, tail_columns = (fn(t) for t in self.appended_tokens())
         if self.appended:
-            mapped.append(tail_keys, tail_values, tail_columns[:, 0])
+            mapped.append_tokens(*(fn(t) for t in self.appended_tokens()))
         return mapped
 
 
@@ -239,8 +252,13 @@ class RaggedTokens(ExactTokens):
         self.keys[slot], self.values[slot], self.columns[slot] = keys[held], values[held], columns[held].to(torch.int32)
         self.holes = False
         self._lengths = self.kept.tolist()
-        self._start_list = self.starts.tolist()
+        self._index_sequences()
         self._shared = False
+
+    def _index_sequences(self) -> None:
+        """Where each sequence starts (a list, for the per-head reads) and where its appended tokens start."""
+        self._start_list = self.starts.tolist()
+        self._tail_starts = (self.starts + self.kept).long()
 
     def _slots(self, lengths: torch.Tensor) -> torch.Tensor:
         """Flat buffer index of the first ``lengths[i]`` slots of every sequence ``i``, in order."""
@@ -265,10 +283,11 @@ class RaggedTokens(ExactTokens):
             extra = (self._appended_columns() >= 0).sum(dim=-1)
         return (self.kept + extra).view(self.shape)
 
-    def _appended_slots(self) -> torch.Tensor:
-        """``[B * H_kv, T]`` flat buffer index of every appended token."""
-        first = (self.starts + self.kept).long()
-        return first[:, None] + torch.arange(self.appended, device=first.device)
+    def _appended_slots(self, start: int = 0, count: int | None = None) -> torch.Tensor:
+        """``[B * H_kv, count]`` flat buffer index of appended tokens ``start .. start + count``
+        (default: every one)."""
+        count = self.appended - start if count is None else count
+        return self._tail_starts[:, None] + torch.arange(start, start + count, device=self._tail_starts.device)
 
     def _appended_columns(self) -> torch.Tensor:
         return self.columns[self._appended_slots()]
@@ -296,19 +315,19 @@ class RaggedTokens(ExactTokens):
                 self.columns[slots].view(batch, heads, self.appended))
 
     # ------------------------------------------------------------ writing
-    def append(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> None:
-        """Write ``[B, H_kv, q, d]`` new tokens after every sequence (one indexed write), growing
-        every sequence's room (doubling) only when it is full."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, first: int, columns: torch.Tensor | None = None) -> None:
+        """Write ``[B, H_kv, q, d]`` new tokens after every sequence (one indexed write each for keys,
+        values and columns), growing every sequence's room (doubling) only when it is full."""
         self._own()
         new = keys.shape[2]
         if self.appended + new > self.capacity:
             self._grow(max(self.appended + new, 2 * self.capacity, TAIL_CAPACITY))
-        first = (self.starts + self.kept).long() + self.appended
-        slots = (first[:, None] + torch.arange(new, device=first.device)).flatten()
+        slots = self._appended_slots(self.appended, new).flatten()
         self.keys.index_copy_(0, slots, keys.reshape(-1, keys.shape[-1]))
         self.values.index_copy_(0, slots, values.reshape(-1, values.shape[-1]))
-        self.columns.index_copy_(0, slots, appended_columns(columns, self.shape[1]).reshape(-1))
-        self.holes = self.holes or bool((columns < 0).any())
+        written = self.columns.new_empty(self.kept.numel(), new)
+        self.holes = write_columns(written.view(*self.shape, new), first, new, columns) or self.holes
+        self.columns.index_copy_(0, slots, written.flatten())
         self.appended += new
 
     def _grow(self, capacity: int) -> None:
@@ -316,7 +335,7 @@ class RaggedTokens(ExactTokens):
         old = self._slots(lengths)
         self.capacity = capacity
         self.starts = _starts(self.kept, capacity)
-        self._start_list = self.starts.tolist()
+        self._index_sequences()
         new, total = self._slots(lengths), int((self.kept + capacity).sum())
         for name in ("keys", "values", "columns"):
             tensor = getattr(self, name)
@@ -364,8 +383,7 @@ class RaggedTokens(ExactTokens):
         keys, values, columns = (fn(t) for t in self.padded(appended=False))
         mapped = RaggedTokens(keys, values, columns, self.capacity)
         if self.appended:
-            tail_keys, tail_values, tail_columns = (fn(t) for t in self.appended_tokens())
-            mapped.append(tail_keys, tail_values, tail_columns[:, 0])
+            mapped.append_tokens(*(fn(t) for t in self.appended_tokens()))
         return mapped
 
 

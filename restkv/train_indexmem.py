@@ -140,7 +140,7 @@ def block_losses(layer: IndexMemLayer, query, key, value, scaling: float, end: i
         columns = select_columns(rank_keys(scores, valid, protected), torch.full((1, kv), budget))
         kept = torch.zeros(1, kv, end, dtype=torch.bool).scatter_(2, columns, True)
         future_query = query[:, :, end : end + future]
-        probe = Probe(future_query, kv, torch.arange(end, end + future), scaling, need_lse=True)
+        probe = Probe(future_query, kv, end, scaling, need_lse=True)
         future_columns = torch.arange(end, end + future).expand(1, kv, -1)
         main = reference_kernel(probe, torch.cat([gather_columns(key, columns), key[:, :, end : end + future]], 2),
                                 torch.cat([gather_columns(value, columns), value[:, :, end : end + future]], 2),

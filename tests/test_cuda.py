@@ -180,7 +180,7 @@ def residual_layer(readout, dtype=torch.float32, seed: int = 0, kv_heads: int = 
 def test_every_kernel_reads_residual_entries_as_the_reference_does_on_cuda_tensors(readout):
     layer = residual_layer(readout)
     query = torch.randn(1, 4, 1, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    probe = dict(num_kv_heads=2, columns=torch.tensor([40], device=DEVICE), scaling=32 ** -0.5)
+    probe = dict(num_kv_heads=2, first_column=40, scaling=32 ** -0.5)
     with use_kernel("reference"):
         reference = layer.read(Probe(query, **probe))
     for name in KERNELS:
@@ -195,7 +195,7 @@ def test_every_kernel_reads_residual_entries_as_the_reference_does_on_cuda_tenso
 def test_the_flash_kernel_with_its_log_sum_exp_reads_as_the_reference_in_bf16(readout):
     layer = residual_layer(readout, dtype=torch.bfloat16, seed=1)
     query = torch.randn(1, 4, 1, 32, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
-    probe = dict(num_kv_heads=2, columns=torch.tensor([40], device=DEVICE), scaling=32 ** -0.5)
+    probe = dict(num_kv_heads=2, first_column=40, scaling=32 ** -0.5)
     with use_kernel("reference"):
         reference = layer.read(Probe(query, **probe)).float()
     with use_kernel("flash"):

@@ -67,9 +67,10 @@ def test_new_tokens_are_causal_within_the_chunk_and_padding_is_never_seen():
     assert torch.equal(new_token_columns(four_d, 2, 3, 3, "cpu"), columns)
     eager = torch.zeros(four_d.shape).masked_fill(~four_d, torch.finfo(torch.float32).min)
     assert torch.equal(new_token_columns(eager, 2, 3, 3, "cpu"), columns)
-    assert new_token_columns(None, 1, 3, 3, "cpu").tolist() == [[3, 4, 5]]
+    assert new_token_columns(None, 1, 3, 3, "cpu") is None  # every token real: columns 3, 4, 5
+    assert new_token_columns(torch.ones(1, 6), 1, 3, 3, "cpu") is None
     held = torch.cat([torch.arange(3).expand(2, -1).to(torch.int32), columns], dim=1)[:, None]  # [B, 1, 6]
-    probe = Probe(torch.zeros(2, 1, 3, 4), 1, torch.arange(3, 6), 1.0)
+    probe = Probe(torch.zeros(2, 1, 3, 4), 1, 3, 1.0)
     visible = probe.visibility(held)[:, 0]
     assert visible[0].tolist() == [[True] * 4 + [False] * 2, [True] * 5 + [False], [True] * 6]
     assert visible[1].tolist() == [[True] * 4 + [False] * 2, [True] * 4 + [False] * 2, [True] * 4 + [False, True]]

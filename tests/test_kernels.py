@@ -48,7 +48,7 @@ def test_every_kernel_equals_the_eager_reference(kernel, case):
     if case == "a row sees nothing":
         columns[1, 0] = -1
     window = 10 if case == "sliding window" else None
-    probe = Probe(query, 2, torch.arange(length - q_len, length), 0.25, sliding_window=window, need_lse=True,
+    probe = Probe(query, 2, length - q_len, 0.25, sliding_window=window, need_lse=True,
                   need_peak=True, need_count=True)
     visible = probe.visibility(columns)
     expected = reference_kernel(probe, keys, values, visible)
@@ -66,7 +66,7 @@ def test_every_kernel_equals_the_eager_reference(kernel, case):
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
 def test_an_output_only_read_equals_the_reference_output(kernel):
     query, keys, values = block()
-    probe = Probe(query, 2, torch.tensor([40]), 0.25)
+    probe = Probe(query, 2, 40, 0.25)
     with use_kernel(kernel):
         ours = KERNELS[kernel](probe, keys, values, None)
     torch.testing.assert_close(ours.output.float(), reference_kernel(probe, keys, values, None).output,
@@ -75,7 +75,7 @@ def test_an_output_only_read_equals_the_reference_output(kernel):
 
 def test_partials_of_disjoint_keys_merge_into_one_softmax():
     query, keys, values = block(length=60)
-    probe = Probe(query, 2, torch.tensor([60]), 0.25, need_lse=True, need_peak=True, need_count=True)
+    probe = Probe(query, 2, 60, 0.25, need_lse=True, need_peak=True, need_count=True)
     whole = reference_kernel(probe, keys, values, None)
     cuts = [0, 7, 31, 60]
     parts = [reference_kernel(probe, keys[:, :, a:b], values[:, :, a:b], None) for a, b in zip(cuts, cuts[1:])]
@@ -157,7 +157,7 @@ def test_the_tail_grows_by_doubling_and_keeps_its_tokens():
         appended = []
         for step in range(7):
             new_keys, new_values = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4)
-            segment.append(new_keys, new_values, torch.tensor([[5 + step]]))
+            segment.append(new_keys, new_values, 5 + step)
             appended.append((new_keys, new_values))
         tail_keys, tail_values, tail_columns = segment.appended_tokens()
         assert torch.equal(tail_keys, torch.cat([k for k, _ in appended], dim=2))
@@ -174,8 +174,8 @@ def test_a_fork_shares_nothing_it_writes():
     keys, values = torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4)
     layer = CompressedLayer.from_tokens(keys, values, torch.arange(4).expand(1, 2, -1), tokens_seen=4)
     snapshot = copy.copy(layer)
-    layer.append(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), torch.tensor([[4]]))
-    snapshot.append(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), torch.tensor([[4]]))
+    layer.append(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4))
+    snapshot.append(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
     assert bool((layer.kept_tokens(appended=True)[0][:, :, 4] == 1).all())
     assert bool((snapshot.kept_tokens(appended=True)[0][:, :, 4] == 0).all())
 

@@ -212,7 +212,7 @@ def read(query, main_k, main_v, res_k, res_v, log_counts, scale, readout=PAPER, 
     columns = torch.arange(length).expand(1, 1, -1) if main_columns is None else main_columns
     summaries = [] if res_k is None else [ResidualEntries(res_k, res_v, log_counts.view(1, 1, -1), readout)]
     layer = CompressedLayer.from_tokens(main_k, main_v, columns, tokens_seen=length, summaries=summaries)
-    probe = Probe(query, main_k.shape[1], torch.arange(length, length + query.shape[2]), scale)
+    probe = Probe(query, main_k.shape[1], length, scale)
     return layer.read(probe)
 
 

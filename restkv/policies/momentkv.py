@@ -186,20 +186,19 @@ class MomentEntry:
         return self.counts() * self.slot_cost
 
     def join(self, current: Partial, exact: Partial, probe: Probe) -> Partial:
-        entry = torch.isfinite(self.log_count)[:, :, None]  # [B, H_kv, 1]
-        if probe.sliding_window is not None and self.oldest is not None:
-            entry = entry & probe.visibility(self.oldest[..., None])[..., 0]
         logit = scaled_logits(probe, self.key_mean[:, :, None])[..., 0]  # [B, H_kv, R]
-        lse = torch.where(entry, logit + self.log_count[..., None], float("-inf"))
+        lse = logit + self.log_count[..., None]  # -inf on heads without statistics
+        if probe.sliding_window is not None and self.oldest is not None:
+            lse = lse.masked_fill(~probe.visibility(self.oldest[..., None])[..., 0], float("-inf"))
         value = self.value_mean[:, :, None].float()
         if self.covariance is not None:  # the first-order term s C q
             value = value + probe.scaling * torch.einsum("bkvd,bkrd->bkrv", self.covariance.float(),
                                                          probe.stacked.float())
         side = Partial(value.expand(*lse.shape, -1), lse)
         if self.outside_softmax:
-            members = torch.where(entry, self.log_count.exp()[..., None], 0.0)
+            members = torch.where(torch.isfinite(lse), self.log_count.exp()[..., None], 0.0)
             return mix_separately(current, side, members / (members + exact.count))
-        return merge([current, side])
+        return merge([current, side], statistics=False)
 
     def as_slots(self):
         """The entry as one last slot of ``restkv.compress.CompressedKV``: ``(keys, values [B, H_kv, 1, d],

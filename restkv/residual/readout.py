@@ -48,31 +48,37 @@ class ResidualReadout:
         without the gate."""
         if not self.gate:
             return torch.zeros_like(exact.lse)
-        p_max = torch.where(torch.isfinite(exact.lse), torch.exp(exact.peak - exact.lse), 0.0)
-        log_g = F.logsigmoid(self.alpha * (self.tau - p_max))  # logsigmoid keeps tiny gates accurate
+        p_max = torch.exp(exact.peak - exact.lse).nan_to_num_(0.0)  # -inf - -inf: a row that sees nothing
+        log_g = F.logsigmoid(p_max.mul_(-self.alpha).add_(self.alpha * self.tau))  # logsigmoid keeps tiny gates accurate
         if self.gate_min > 0:
             log_g = log_g.clamp(min=math.log(self.gate_min))
         return log_g
 
+    def bias(self, log_counts: torch.Tensor) -> torch.Tensor:
+        """``beta log c`` of every entry slot, ``-inf`` where the slot holds none."""
+        return torch.where(torch.isfinite(log_counts), self.beta * log_counts, float("-inf"))
+
     def join(self, current: Partial, exact: Partial, logits: torch.Tensor, values: torch.Tensor,
-             log_counts: torch.Tensor, visible: torch.Tensor | None = None) -> Partial:
+             log_counts: torch.Tensor, visible: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> Partial:
         """``current`` (the partial so far) with the entries read in.
 
         exact: the exact tokens' partial (the gate reads it; the separate softmax its count).
         logits: ``[..., R, E]`` float32 ``scale <q, k_mean>`` of the entries (soft-capped);
-        values: ``[..., E, d]``; log_counts: ``[..., 1 | R, E]`` ``log c`` (``-inf``: no entry);
-        visible: optional bool broadcastable to the logits (a sliding window's past).
+        values: ``[..., E, d]``; log_counts: ``[..., 1 | R, E]`` ``log c`` (``-inf``: no entry),
+        and ``bias`` its ``self.bias`` when the caller keeps it; visible: optional bool
+        broadcastable to the logits (a sliding window's past).
         """
-        entry = torch.isfinite(log_counts) if visible is None else torch.isfinite(log_counts) & visible
-        log_g = self.log_gate(exact)
-        biased = logits + self.beta * torch.where(entry, log_counts, 0.0)
+        bias = self.bias(log_counts) if bias is None else bias
+        entry = torch.isfinite(bias) if visible is None else torch.isfinite(bias) & visible
+        biased = torch.where(entry, logits + bias, float("-inf"))  # whatever an unused slot holds
         if self.separate_softmax:
-            side = softmax_partial(biased.masked_fill(~entry, float("-inf")), values)
-            members = torch.where(entry, log_counts.exp(), 0.0).sum(dim=-1).expand_as(exact.lse)
-            omega = torch.exp(log_g) * members / (members + exact.count)
+            side = softmax_partial(biased, values)
+            members = torch.where(torch.isfinite(biased), log_counts.exp(), 0.0).sum(dim=-1).expand_as(exact.lse)
+            omega = torch.exp(self.log_gate(exact)) * members / (members + exact.count)
             return mix_separately(current, side, omega)
-        side = softmax_partial((biased + log_g[..., None]).masked_fill(~entry, float("-inf")), values)
-        return merge([current, side])
+        if self.gate:
+            biased = biased + self.log_gate(exact)[..., None]
+        return merge([current, softmax_partial(biased, values)], statistics=False)
 
 
 class ResidualEntries:
@@ -92,6 +98,7 @@ class ResidualEntries:
         self.keys, self.values, self.log_counts = keys, values, log_counts
         self.readout = readout
         self.oldest = None if oldest is None else oldest.to(torch.int32)
+        self._bias = readout.bias(log_counts)[:, :, None, :]  # what every read adds to the entries' logits
 
     @property
     def needs_peak(self) -> bool:
@@ -134,7 +141,8 @@ class ResidualEntries:
         if probe.sliding_window is not None and self.oldest is not None:
             visible = probe.visibility(self.oldest)
         logits = scaled_logits(probe, self.keys)
-        return self.readout.join(current, exact, logits, self.values, self.log_counts[:, :, None, :], visible)
+        return self.readout.join(current, exact, logits, self.values, self.log_counts[:, :, None, :], visible,
+                                 self._bias)
 
     def as_slots(self):
         """``(keys, values [B, H_kv, R, d], log_counts [B, H_kv, R], oldest or None, value maps None)``:
@@ -145,7 +153,7 @@ class ResidualEntries:
         return SegmentReport(self.kind, None, float(self.counts().float().mean()), self.nbytes())
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.keys, self.values, self.log_counts, self.oldest) if t is not None]
+        return [t for t in (self.keys, self.values, self.log_counts, self._bias, self.oldest) if t is not None]
 
     def nbytes(self) -> int:
         return tensor_bytes(self.tensors())
