@@ -23,8 +23,11 @@ original release (``--pooling``, ``--use_wo``, ``--floor``, ...) onto the parts:
 goes to the active part that declares it. A flag that no active part uses (``--pooling``
 with ``--method h2o``, whose scores are not smoothed) is ignored with a warning that names
 it and the parts it belongs to, and is not part of the config: ``config.pooling`` is None
-and ``to_dict`` (what run settings record) says None. Unknown names and bad values are
-errors that name the flag. Sweeps can therefore pass one set of flags to every method.
+and ``to_dict`` (what run settings record) says None. A common option whose switch is off
+(``--decode_interval`` without ``--decode_budget``, ``--reconstruction_chunk`` or
+``--reconstruction_reduce`` without the reconstruction observation) is ignored the same way,
+its default recorded. Unknown names and bad values are errors that name the flag. Sweeps can
+therefore pass one set of flags to every method.
 
 ``replace(**changes)`` keeps the options given before unless changed, and drops those that
 no part of the new composition uses (switching ``--method restkv`` to ``snapkv`` drops
@@ -35,6 +38,7 @@ own ``pooling`` default) are derived again.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import warnings
 from dataclasses import dataclass
@@ -109,6 +113,16 @@ class RunOptions(Options):
 
 
 _RUN_NAMES = tuple(option_specs(RunOptions))
+
+#: common options that act only while another setting is on: name -> (the flag that turns it on,
+#: whether the run has it on); given while it is off they are ignored with a warning, as an option
+#: of an inactive part is
+_SWITCHED_RUN_OPTIONS = {
+    "decode_interval": ("--decode_budget", lambda run, policy_cls: run.decode_budget is not None),
+    **{name: ("--observation reconstruction",
+              lambda run, policy_cls: (run.observation or policy_cls.default_observation) == "reconstruction")
+       for name in ("reconstruction_chunk", "reconstruction_reduce")},
+}
 _KIND_FLAGS = {"method": "method", "allocation": "allocation", "merge": "merge", "quantization": "quant_method"}
 
 
@@ -138,6 +152,11 @@ class CompressionConfig:
             raise ConfigError(f"unknown option(s) {', '.join(unknown)}; known options: {', '.join(known)}")
         run = RunOptions(**{name: explicit[name] for name in _RUN_NAMES if name in explicit})
         policy_cls = lookup("method", run.method)
+        switched_off = {name for name, (_, is_on) in _SWITCHED_RUN_OPTIONS.items()
+                        if explicit.get(name) is not None and not is_on(run, policy_cls)}
+        if switched_off:  # given (and checked above) but inactive: the run keeps their defaults
+            run = RunOptions(**{name: explicit[name] for name in _RUN_NAMES
+                                if name in explicit and name not in switched_off})
         allocation = _resolve_allocation(policy_cls, run, explicit)
         allocation_cls = lookup("allocation", allocation)
         merge_cls = None if run.merge == "none" else lookup("merge", run.merge)
@@ -158,7 +177,7 @@ class CompressionConfig:
         given: dict[type, dict[str, Any]] = {cls: {} for cls in part_classes}
         unused: dict[str, Any] = {}
         for name, value in explicit.items():
-            if name in _RUN_NAMES or name in switch_flags or value is None:
+            if (name in _RUN_NAMES and name not in switched_off) or name in switch_flags or value is None:
                 continue
             owners = [cls for cls in part_classes if name in option_specs(cls)]
             for cls in owners:
@@ -174,7 +193,8 @@ class CompressionConfig:
                 stacklevel=3,
             )
         kept = {name: value for name, value in explicit.items()
-                if name in _RUN_NAMES or name in switch_flags or any(name in group for group in given.values())}
+                if (name in _RUN_NAMES and name not in switched_off) or name in switch_flags
+                or any(name in group for group in given.values())}
         set_ = object.__setattr__
         observation = run.observation or policy_cls.default_observation
         if observation == "reconstruction" and not policy_cls.observes_queries:
@@ -230,12 +250,49 @@ class CompressionConfig:
                 f"--decode_budget {run.decode_budget} must exceed --window_size {run.window_size} (the newest "
                 "tokens are always kept)"
             )
+        if run.prefill_chunk_size is not None and run.compression_ratio is not None:
+            self._check_first_chunk(run.prefill_chunk_size)
         if self.rescores and self.compresses_after_prefill:
             flags = "--prefill_chunk_size" if run.prefill_chunk_size is not None else "--decode_budget"
-            raise ConfigError(
-                f"{flags} compresses as tokens come; --observation {run.observation} / --allocation "
-                f"{run.allocation} need the whole prompt first"
-            )
+            causes = self.deferring_flags()
+            raise ConfigError(f"{flags} compresses as tokens come; {' and '.join(causes)} "
+                              f"need{'s' if len(causes) == 1 else ''} the whole prompt first")
+
+    def _check_first_chunk(self, chunk: int) -> None:
+        """Under a ratio a prompt longer than the chunk compresses its first chunk alone, at the
+        chunk's own budget, so that budget must be one the method can compress to."""
+
+        def refusal(length: int) -> ConfigError | None:
+            budget = self.budget_for(length)
+            try:
+                self.policy.check_row(self, length, budget, self.policy.protected_count(self.run.window_size, budget))
+            except ConfigError as error:
+                return error
+            return None
+
+        error = refusal(chunk)
+        if error is not None:
+            working = next(length for length in itertools.count(chunk + 1) if refusal(length) is None)
+            raise ConfigError(f"--prefill_chunk_size {chunk}: {error}; or use chunks of at least {working} tokens "
+                              "(the first chunk is compressed alone)")
+
+    def deferring_flags(self) -> list[str]:
+        """The settings that make layers wait for the whole prefill (``compresses_after_prefill``),
+        as the flags that chose them, for messages that refuse what cannot wait."""
+        run, flags = self.run, []
+        if run.observation == "reconstruction":
+            chosen = self._explicit.get("observation") == "reconstruction"
+            flags.append("--observation reconstruction" + ("" if chosen else f" (--method {run.method}'s own)"))
+        if self.allocator.model_wide:
+            own = type(self.policy).own_allocation(self._explicit) is not None
+            flags.append(f"--method {run.method}'s model-wide {run.allocation} allocation" if own
+                         else f"--allocation {run.allocation}")
+        return flags
+
+    def rescoring_flags(self) -> list[str]:
+        """The settings that compress layers again after their prefill (``rescores``), as flags."""
+        return [f"--{name} {getattr(self.run, name)}" for name in ("prefill_chunk_size", "decode_budget")
+                if getattr(self.run, name) is not None]
 
     @property
     def rescores(self) -> bool:
@@ -381,7 +438,9 @@ def _describe(run: RunOptions, switch_classes) -> str:
 
 
 def _owner_flags(name: str) -> list[str]:
-    """The flags that activate the parts declaring option ``name``."""
+    """The flags that activate the parts declaring option ``name`` (or the common option)."""
+    if name in _SWITCHED_RUN_OPTIONS:
+        return [_SWITCHED_RUN_OPTIONS[name][0]]
     owners = []
     for kind, flag in _KIND_FLAGS.items():
         owners += [f"--{flag} {cls.name}" for cls in registered(kind) if name in option_specs(cls)]

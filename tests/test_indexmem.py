@@ -313,6 +313,7 @@ def test_a_budget_the_memory_leaves_no_room_in_is_an_error():
 # ---------------------------------------------------------------- options and files
 @pytest.mark.parametrize("options, flag", [
     (dict(residual=True), "--residual"),
+    (dict(moments=True), "--moments"),  # once accepted: it reserved the statistics' slots and built nothing
     (dict(prefill_chunk_size=64), "--prefill_chunk_size"),
     (dict(indexmem_fusion="residual"), "--indexmem_weights"),
 ])

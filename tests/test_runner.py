@@ -204,12 +204,25 @@ def test_a_prompt_too_short_for_a_ratio_budget_is_answered_with_the_full_cache(t
     assert "compressed" not in first and first["kv_layers_compressed"] == tiny.config.num_hidden_layers
     assert second["compressed"] is False and second["kv_layers_compressed"] == 0
     assert second["uncompressed_reason"] == (
-        f"a prompt of {second['context_tokens']} tokens keeps {second['context_tokens'] // 10} under "
-        "--compression_ratio 0.9, no more than the 16 tokens --method snapkv always keeps")
+        f"a row of {second['context_tokens']} tokens keeps {second['context_tokens'] // 10} tokens "
+        "(--compression_ratio 0.9), which does not exceed the 16 protected tokens (--window_size 16); lower the ratio "
+        "or the window")
     assert second["kv_tokens_stored"] == second["kv_tokens_seen"]
     assert config_of(tiny) == CompressionConfig(method="snapkv", compression_ratio=0.9, window_size=16,
                                                 residual=bool(switches))
 
+
+
+def test_kvzip_sinks_that_fill_a_ratio_budget_answer_with_the_full_cache_and_say_why(tmp_path, tiny, tokenizer):
+    """--n_sink above every prompt once stopped the run with "restkv's attention patch is not
+    active" (the sinks' ties emptied whole layers); each line now says what keeps it uncompressed."""
+    argv = ["--save_dir", str(tmp_path), "--method", "kvzip", "--compression_ratio", "0.9", "--n_sink", "2000",
+            "--query_agnostic", "--reconstruction_chunk", "64", "--max_num_examples", "2"]
+    folder = runner.main(TOY, argv, model=tiny, tokenizer=tokenizer)
+    for record in lines_of(folder / "logs.jsonl"):
+        assert record["compressed"] is False and record["kv_layers_compressed"] == 0
+        assert record["uncompressed_reason"].endswith(
+            "which does not exceed --n_sink 2000 (the first --n_sink tokens are always kept)")
 
 
 # ----------------------------------------------------------------------------- multi-question samples

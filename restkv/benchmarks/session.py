@@ -15,9 +15,9 @@ compressed layer must have been built with the run's config, else ``CompressionM
 Tokens seen / stored go in the line.
 
 **Prompts too short to compress.** Under ``--compression_ratio`` a short prompt may keep no
-more tokens than the method always keeps; the library refuses such a row, so the sample is
-answered with the full cache and its line says so (``"compressed": false`` and
-``"uncompressed_reason"``); the evaluators count such samples.
+more tokens than the method always keeps (its window, KVzip's sinks); the library refuses such
+a row, so the sample is answered with the full cache and its line says so (``"compressed":
+false`` and ``"uncompressed_reason"``: the library's refusal); the evaluators count such samples.
 
 **Output line.** ``id, index, pred`` (the field name of LongBench's and RULER's own tools), the
 adapter's ``fields``, then ``prompt_tokens, context_tokens, question_tokens, truncated,
@@ -207,18 +207,16 @@ def uncompressible_reason(config: CompressionConfig, prefill_tokens: int) -> str
     """Why a prefill of ``prefill_tokens`` tokens cannot be compressed under ``config``, or None.
 
     A ratio budget can leave a short prompt no more tokens than the method always keeps (its
-    observation window), and the library refuses to compress such a row; the runner decides
-    before generating, from the same budget rule, and answers that sample with the full cache.
+    observation window, KVzip's sinks), and the library refuses to compress such a row; the
+    runner asks the library's own plan before generating, answers that sample with the full
+    cache, and records the library's reason.
     """
     from restkv.context import plan_layer
 
     try:
         plan_layer(config, torch.ones(1, prefill_tokens, dtype=torch.bool))
-    except ConfigError:
-        budget = config.budget_for(prefill_tokens)
-        protected = config.policy.protected_count(config.run.window_size, budget)
-        return (f"a prompt of {prefill_tokens} tokens keeps {budget} under --compression_ratio "
-                f"{config.compression_ratio}, no more than the {protected} tokens --method {config.method} always keeps")
+    except ConfigError as refusal:
+        return str(refusal)
     return None
 
 

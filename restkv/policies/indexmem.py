@@ -56,9 +56,10 @@ class IndexMem(PooledScores):
 
     def check(self, config: "CompressionConfig") -> None:
         super().check(config)
-        if config.switch("residual") is not None:
-            raise ConfigError("--method indexmem keeps its own memory of the evicted tokens; it does not combine "
-                              "with --residual")
+        for summary in ("residual", "moments"):
+            if config.switch(summary) is not None:
+                raise ConfigError("--method indexmem keeps its own memory of the evicted tokens; it does not "
+                                  f"combine with --{summary}")
         if config.rescores:
             raise ConfigError("--method indexmem writes its memory when the prompt is compressed; "
                               "--prefill_chunk_size and --decode_budget are not supported")
