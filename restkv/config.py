@@ -49,7 +49,7 @@ from restkv.options import (
     ConfigError, Options, OptionSpec, lookup, option, option_specs, registered, registry_version,
 )
 
-__all__ = ["CompressionConfig", "ConfigError", "RunOptions", "method_spec_options", "option_names"]
+__all__ = ["CompressionConfig", "ConfigError", "ModelShape", "RunOptions", "method_spec_options", "option_names"]
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,22 @@ _SWITCHED_RUN_OPTIONS = {
 _KIND_FLAGS = {"method": "method", "allocation": "allocation", "merge": "merge", "quantization": "quant_method"}
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """What a config is checked against when it is given to a model (``CompressionConfig.check_model``).
+
+    sliding_windows: per layer, the sliding window of its attention, or None (full attention).
+    element_size: bytes of one cached number (the model's dtype).
+    """
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_windows: tuple[int | None, ...]
+    element_size: int
+
+
 class CompressionConfig:
     """The composed, validated configuration of a compression run.
 
@@ -152,9 +168,11 @@ class CompressionConfig:
             raise ConfigError(f"unknown option(s) {', '.join(unknown)}; known options: {', '.join(known)}")
         run = RunOptions(**{name: explicit[name] for name in _RUN_NAMES if name in explicit})
         policy_cls = lookup("method", run.method)
+        # Given (and checked above) but inactive: the run keeps their defaults (a default given, as
+        # ``to_dict`` gives every option, changes nothing and is not worth a warning).
         switched_off = {name for name, (_, is_on) in _SWITCHED_RUN_OPTIONS.items()
-                        if explicit.get(name) is not None and not is_on(run, policy_cls)}
-        if switched_off:  # given (and checked above) but inactive: the run keeps their defaults
+                        if explicit.get(name) not in (None, getattr(RunOptions, name)) and not is_on(run, policy_cls)}
+        if switched_off:
             run = RunOptions(**{name: explicit[name] for name in _RUN_NAMES
                                 if name in explicit and name not in switched_off})
         allocation = _resolve_allocation(policy_cls, run, explicit)
@@ -293,6 +311,41 @@ class CompressionConfig:
         """The settings that compress layers again after their prefill (``rescores``), as flags."""
         return [f"--{name} {getattr(self.run, name)}" for name in ("prefill_chunk_size", "decode_budget")
                 if getattr(self.run, name) is not None]
+
+    def check_model(self, model: ModelShape) -> None:
+        """Refuse, before the model runs, what only its shape shows cannot work (``ConfigError``):
+        recompression of sliding-window layers, and each part's own checks (``Options.check_model``)."""
+        for window in sorted({w for w in model.sliding_windows if w is not None}):
+            layers = [index for index, w in enumerate(model.sliding_windows) if w == window]
+            self._check_sliding_layers(window, layers)
+        for part in self.parts:
+            part.check_model(self, model)
+
+    def _check_sliding_layers(self, window: int, layers: list[int]) -> None:
+        """Chunked prefill and decode budgets compress full-attention layers again; a sliding-window
+        layer that its prefill compressed cannot be, so its prefill must keep all it sees (at most
+        ``window - 1`` tokens): the budget of the first forward (the first chunk) must reach that."""
+        run, held = self.run, window - 1
+        if not self.rescores or (run.max_capacity_prompts is None and run.prefill_chunk_size is None):
+            return  # a ratio on unchunked prompts: only each prompt's length tells (checked at its prefill)
+        chunk = run.prefill_chunk_size
+        limit = held if chunk is None else min(chunk, held)
+        if run.max_capacity_prompts is not None:
+            if run.max_capacity_prompts >= limit:
+                return
+            keeping, fix = f"--max_capacity_prompts {run.max_capacity_prompts}", f"raise --max_capacity_prompts to {limit}"
+        else:
+            if self.budget_for(chunk) >= limit:
+                return
+            working = next(c for c in itertools.count(chunk + 1) if self.budget_for(c) >= min(c, held))
+            keeping = f"--compression_ratio {run.compression_ratio} on the first chunk of {chunk} tokens"
+            fix = f"use chunks of at least {working} tokens or --max_capacity_prompts {held}"
+        flags = self.rescoring_flags()
+        raise ConfigError(
+            f"{' and '.join(flags)} compress{'es' if len(flags) == 1 else ''} full-attention layers again; layers "
+            f"{layers} have a sliding window of {window} tokens, and {keeping} keeps fewer than their {limit} at the "
+            f"prefill: they would be compressed, and a compressed sliding-window layer is not compressed again: {fix}"
+        )
 
     @property
     def rescores(self) -> bool:

@@ -66,6 +66,10 @@ class Options:
     def check(self, config) -> None:
         """Checks against the rest of the composed ``config`` (budget, window, other parts)."""
 
+    def check_model(self, config, model) -> None:
+        """Checks against the model the config is given to (a ``restkv.config.ModelShape``: layers,
+        heads, head dim, sliding windows, dtype), made when the model is configured, before it runs."""
+
     def options(self) -> dict[str, Any]:
         """The part's options by flag name."""
         return {name: getattr(self, name) for name in option_specs(type(self))}

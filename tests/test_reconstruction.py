@@ -2,6 +2,7 @@
 context for many questions (restkv.deferred, restkv.observation, restkv.policies.kvzip)."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -171,11 +172,25 @@ def test_kvzip_sinks_fill_no_ratio_budget_and_every_head_keeps_them_below_one():
             assert all(set(range(60)) <= set(kept[0, head].tolist()) for head in range(kept.shape[1]))
 
 
-def test_reconstruction_compresses_one_prompt_at_a_time():
+@pytest.mark.parametrize("options, cause", [
+    (dict(method="snapkv", observation="reconstruction"), "--observation reconstruction"),
+    (dict(method="kvzip"), "--observation reconstruction (--method kvzip's own)"),
+])
+def test_reconstruction_compresses_one_prompt_at_a_time_and_says_so_before_the_prefill(options, cause):
+    """A batch of 2 once ran the whole prefill before the reconstruction pass refused it."""
     model = tiny_model("llama")
-    replace_for("llama")(method="snapkv", max_capacity_prompts=16, window_size=4, observation="reconstruction")
-    with pytest.raises(ValueError, match="batch size 1"):
-        prefill(model, random_prompt(2, 40))
+    replace_for("llama")(max_capacity_prompts=16, window_size=4, **options)
+    layers_run = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda module, args: layers_run.append(1))
+    message = f"{cause} compresses one prompt at a time: this prefill has 2 rows; give input_ids of one row"
+    for call in (lambda: prefill(model, random_prompt(2, 40)),
+                 lambda: model.generate(random_prompt(2, 40), max_new_tokens=2, do_sample=False)):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            call()
+    assert not layers_run
+    hook.remove()
+    short = prefill(model, random_prompt(2, 12))  # within the budget: nothing to reconstruct, nothing refused
+    assert short.get_seq_length() == 12
 
 
 def test_compress_kv_with_a_model_wide_allocation_ranks_the_heads_of_its_one_layer():

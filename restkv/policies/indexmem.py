@@ -31,7 +31,7 @@ from restkv.options import ConfigError, option, register
 from restkv.policies.base import PooledScores
 
 if TYPE_CHECKING:
-    from restkv.config import CompressionConfig
+    from restkv.config import CompressionConfig, ModelShape
 
 _FALLBACK_WARNED = False
 
@@ -75,6 +75,33 @@ class IndexMem(PooledScores):
             raise ConfigError(f"--indexmem_features {self.indexmem_features} differs from the "
                               f"{weights.arch.features} features of --indexmem_weights {self.indexmem_weights}")
 
+    def check_model(self, config: "CompressionConfig", model: "ModelShape") -> None:
+        if self.indexmem_weights is not None:
+            self._check_weights_shape(model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim)
+        budget = config.run.max_capacity_prompts
+        if budget is None or not self.indexmem_memory or all(w is not None for w in model.sliding_windows):
+            return
+        slots = slots_for(self.indexmem_features, model.head_dim, 2 * model.head_dim * model.element_size)
+        protected = self.protected_count(config.run.window_size, budget)
+        if budget - slots < protected:
+            raise self._no_room(slots, model.head_dim, budget, protected)
+
+    def _check_weights_shape(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        arch = _weights(self.indexmem_weights).arch
+        model = (num_layers, num_heads, num_kv_heads, head_dim)
+        if (arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim) != model:
+            raise ConfigError(
+                f"--indexmem_weights {self.indexmem_weights} was trained for layers/heads/KV heads/head dim "
+                f"{arch.num_layers}/{arch.num_heads}/{arch.num_kv_heads}/{arch.head_dim}; this model has "
+                f"{'/'.join(map(str, model))}")
+
+    def _no_room(self, slots: int, head_dim: int, budget: int, protected: int) -> ConfigError:
+        return ConfigError(
+            f"--method indexmem: the latent memory takes {slots} token slots per KV head (--indexmem_features "
+            f"{self.indexmem_features}, head dim {head_dim}); a budget of {budget} tokens then keeps fewer than the "
+            f"{protected} protected ones (--window_size). Raise the budget, lower --indexmem_features or turn the "
+            "memory off (--no-indexmem_memory)")
+
     @property
     def fusion(self) -> str:
         if self.indexmem_fusion != "auto":
@@ -89,15 +116,8 @@ class IndexMem(PooledScores):
             arch = Architecture(ctx.num_layers, num_heads, ctx.num_kv_heads, head_dim, self.indexmem_features)
             layer = _fallback_layer(arch, ctx.layer_idx, ctx.plan.seed)
         else:
-            weights = _weights(self.indexmem_weights)
-            arch = weights.arch
-            model = (ctx.num_layers, num_heads, ctx.num_kv_heads, head_dim)
-            if (arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim) != model:
-                raise ConfigError(
-                    f"--indexmem_weights {self.indexmem_weights} was trained for layers/heads/KV heads/head dim "
-                    f"{arch.num_layers}/{arch.num_heads}/{arch.num_kv_heads}/{arch.head_dim}; this model has "
-                    f"{'/'.join(map(str, model))}")
-            layer = weights.layers[ctx.layer_idx]
+            self._check_weights_shape(ctx.num_layers, num_heads, ctx.num_kv_heads, head_dim)
+            layer = _weights(self.indexmem_weights).layers[ctx.layer_idx]
         return _on_device(layer, ctx.key.device)
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
@@ -125,11 +145,7 @@ class IndexMem(PooledScores):
         reserved = torch.where(evicting, keep - slots, keep)
         protected = ctx.protected.sum(dim=-1, keepdim=True)
         if bool((reserved < protected).any()):
-            raise ConfigError(
-                f"--method indexmem: the latent memory takes {slots} token slots per KV head (--indexmem_features "
-                f"{self.indexmem_features}, head dim {ctx.key.shape[-1]}); a budget of {int(keep.min())} tokens "
-                f"then keeps fewer than the {int(protected.max())} protected ones (--window_size). Raise the budget, "
-                "lower --indexmem_features or turn the memory off (--no-indexmem_memory)")
+            raise self._no_room(slots, ctx.key.shape[-1], int(keep.min()), int(protected.max()))
         return reserved
 
     def summarise(self, ctx: ScoringContext, columns: torch.Tensor) -> MemoryState | None:
