@@ -164,9 +164,6 @@ def replace_gemma(method: str = "snapkv", **options: Any) -> CompressionConfig:
     return _replace("gemma", CompressionConfig.from_options(method=method, **options))
 
 
-REPLACE_FUNCTIONS = {"llama": replace_llama, "mistral": replace_mistral, "qwen2": replace_qwen2, "gemma": replace_gemma}
-
-
 def family_of(model_or_config: Any) -> str:
     """The patch family of a model (or its config); unsupported model types raise."""
     config = getattr(model_or_config, "config", model_or_config)
