@@ -401,6 +401,11 @@ class CompressionConfig:
         kept = math.floor(round(length * (1.0 - float(run.compression_ratio)), 9))
         return min(kept, length)
 
+    def files(self) -> dict[str, str]:
+        """The files the run reads, by the option that names them (``--indexmem_weights``, ``--head_scores``)."""
+        return {name: value for part in self.parts for name, spec in option_specs(type(part)).items()
+                if spec.names_file and (value := getattr(part, name)) is not None}
+
     def to_dict(self) -> dict[str, Any]:
         """Every flat option: the value a run uses, None where no active part declares it."""
         values = dict.fromkeys(option_names())

@@ -122,3 +122,14 @@ def test_replace_drops_the_old_methods_options_and_keeps_the_shared_ones():
     snapkv = restkv.replace(method="snapkv")
     assert snapkv.alpha is None and snapkv.kernel_size == 7
     assert snapkv.replace(method="restkv").alpha == 0.3  # the dropped option is not resurrected
+
+
+def test_files_lists_every_file_an_active_option_names():
+    """What run_meta.json fingerprints: weights and head scores, by their option."""
+    from pathlib import Path
+
+    scores = str(Path(__file__).resolve().parents[1] / "data" / "heads_score" /
+                 "smollm2-135m_retrieval_reasoning_heads.json")
+    assert CompressionConfig(method="headkv", max_capacity_prompts=64, head_scores=scores).files() == {
+        "head_scores": scores}
+    assert CompressionConfig(method="snapkv", max_capacity_prompts=64).files() == {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 
 import pytest
@@ -138,6 +139,32 @@ def test_a_resume_on_other_data_is_refused_and_grown_data_continue(tmp_path, tin
     with pytest.raises(SystemExit, match="dataset logs was run on other data \\(the run had 4 samples, the data "
                                          "now hold 2\\)"):
         runner.main(toy, argv, model=tiny, tokenizer=tokenizer)
+
+
+def test_a_file_an_option_names_is_fingerprinted_and_a_resume_against_another_is_refused(tmp_path, tiny, tokenizer):
+    """IndexMem weights retrained in place between two runs once mixed two weights' predictions in
+    one folder: run_meta.json stored only the path."""
+    from restkv.indexmem import Architecture, IndexMemLayer, IndexMemWeights
+
+    arch = Architecture(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, features=4)
+    weights = tmp_path / "weights.pt"
+
+    def train(seed):
+        IndexMemWeights(arch, [IndexMemLayer(arch, index, seed) for index in range(3)], {}).save(weights)
+
+    train(0)
+    flags = ["--method", "indexmem", "--indexmem_weights", str(weights), "--indexmem_features", "4"]
+    folder = toy_run(tmp_path, tiny, tokenizer, *flags, "--max_num_examples", "1")
+    recorded = json.loads((folder / "run_meta.json").read_text())["settings"]["files"]
+    assert recorded == {"indexmem_weights": hashlib.sha256(weights.read_bytes()).hexdigest()}
+    toy_run(tmp_path, tiny, tokenizer, *flags, "--max_num_examples", "2")  # the same file: the run resumes
+    train(1)
+    with pytest.raises(SystemExit, match=r"holds a run with other settings \(files.indexmem_weights: '[0-9a-f]{64}' "
+                                         r"-> '[0-9a-f]{64}'\)"):
+        toy_run(tmp_path, tiny, tokenizer, *flags)
+    assert len(lines_of(folder / "logs.jsonl")) == 2
+    plain = json.loads((toy_run(tmp_path, tiny, tokenizer, "--max_num_examples", "1") / "run_meta.json").read_text())
+    assert "files" not in plain["settings"]  # runs that name no file keep their settings as before
 
 
 def test_a_benchmark_flag_that_changes_predictions_is_part_of_the_run_settings(tmp_path, tiny, tokenizer):

@@ -43,7 +43,8 @@ class IndexMem(PooledScores):
     summarises_evicted = True
 
     indexmem_weights: str | None = option(
-        None, "IndexMem weights file (python -m restkv.train_indexmem); without it the training-free fallback runs")
+        None, "IndexMem weights file (python -m restkv.train_indexmem); without it the training-free fallback runs",
+        names_file=True)
     indexmem_features: int = option(32, "features of the latent memory per KV head (its size: features x (head_dim "
                                         "+ 1) float32 numbers, taken from the budget in token slots)", minimum=1)
     indexmem_query_reduction: str = option("mean", "how the indexer's scores are reduced over the observation queries",
