@@ -49,7 +49,8 @@ from restkv.options import (
     ConfigError, Options, OptionSpec, lookup, option, option_specs, registered, registry_version,
 )
 
-__all__ = ["CompressionConfig", "ConfigError", "ModelShape", "RunOptions", "method_spec_options", "option_names"]
+__all__ = ["CompressionConfig", "ConfigError", "ModelShape", "RunOptions", "config_from_spec", "method_spec_options",
+           "option_names"]
 
 
 @dataclass(frozen=True)
@@ -540,6 +541,15 @@ def option_names() -> list[str]:
 def flat_option_specs() -> dict[str, list[tuple[type, OptionSpec]]]:
     """``option_names()`` with, for each, the parts that declare it (what the runners turn into flags)."""
     return _flat_specs()
+
+
+def config_from_spec(spec: str, **budget: Any) -> CompressionConfig:
+    """The config of a method spec (``snapkv+residual``, ``method_spec_options``) at ``budget``
+    (``max_capacity_prompts=...`` or ``compression_ratio=...``), which a method that evicts
+    nothing (``fullkv``) does not take: what the scripts run for each spec, and check before any
+    model work."""
+    options = method_spec_options(spec)
+    return CompressionConfig(**options, **(budget if lookup("method", options["method"]).evicts else {}))
 
 
 def method_spec_options(spec: str) -> dict[str, Any]:

@@ -153,12 +153,18 @@ def check_flags(args: argparse.Namespace, benchmark: Benchmark) -> None:
     selected_datasets(args, benchmark)
     shard_of(args)
     check_model_path(args.model_path)
-    for flag, minimum in (("model_max_len", MIN_MODEL_MAX_LEN), ("max_new_tokens", 1), ("max_num_examples", 1)):
-        value = getattr(args, flag)
-        if value is not None and value < minimum:
-            raise FlagError(f"--{flag} must be >= {minimum}; got {value}")
+    check_minimums(args, {"model_max_len": MIN_MODEL_MAX_LEN, "max_new_tokens": 1, "max_num_examples": 1})
     if benchmark.check_flags is not None:
         benchmark.check_flags(args)
+
+
+def check_minimums(args: argparse.Namespace, minimums: Mapping[str, float]) -> None:
+    """``FlagError`` for a flag (or an item of a list flag) below its minimum; None is "not given"."""
+    for flag, minimum in minimums.items():
+        value = getattr(args, flag)
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if item is not None and item < minimum:
+                raise FlagError(f"--{flag} must be >= {minimum}; got {item}")
 
 
 def check_model_path(model_path: str) -> None:

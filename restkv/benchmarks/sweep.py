@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Sequence
 
 from restkv.benchmarks import ruler, ruler_data, scoring
-from restkv.benchmarks.errors import FlagError, command_line
+from restkv.benchmarks.errors import command_line
+from restkv.benchmarks.flags import check_minimums
 from restkv.benchmarks.flags import parse_args as parse_runner_args
 from restkv.benchmarks.results import named_in_folder, read_predictions
 from restkv.config import ConfigError, method_spec_options
@@ -121,8 +122,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     try:
         tasks = ruler.parse_task_list(args.tasks)
-        if args.num_samples < 1:
-            raise FlagError(f"--num_samples must be >= 1; got {args.num_samples}")
+        check_minimums(args, {"num_samples": 1})
         ruler_data.check_lengths(tasks, [args.length], flag="--length")
         for spec, budget in configurations(args):
             runner_args(args, spec, budget)
