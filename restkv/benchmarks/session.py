@@ -49,7 +49,7 @@ import torch
 from tqdm import tqdm
 
 from restkv.benchmarks.benchmark import Benchmark, Sample
-from restkv.benchmarks.errors import CompressionMismatch, CompressionNotApplied, DataError, FlagError
+from restkv.benchmarks.errors import CompressionMismatch, CompressionNotApplied, DataError
 from restkv.benchmarks.flags import compression_config_from_args, default_model_max_len, full_cache_config, shard_of
 from restkv.benchmarks.prompts import EncodedPrompt, encode_prompt, encode_questions, stop_token_ids
 from restkv.benchmarks.results import results_dir
@@ -265,16 +265,6 @@ def _dtype_name(args: argparse.Namespace, model) -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
-@contextlib.contextmanager
-def _model_path_errors(model_path: str) -> Iterator[None]:
-    """A model or tokenizer that cannot be loaded is a bad ``--model_path``, told in one line."""
-    try:
-        yield
-    except OSError as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise FlagError(f"--model_path {model_path}: cannot load it ({first_line})") from error
-
-
 def load_dataset_samples(benchmark: Benchmark, args: argparse.Namespace, dataset: str, tokenizer) -> list[Sample]:
     """The dataset's samples as the adapter loads them, ids checked unique (they are the resume key)."""
     samples = benchmark.load_samples(args, dataset, tokenizer)
@@ -308,12 +298,12 @@ class BenchmarkRun:
         data), then load (unless given) and patch the model and write ``run_meta.json``."""
         from transformers import AutoConfig
 
-        from restkv.models import load_model, load_tokenizer, resolve_model_path
+        from restkv.models import load_model, load_tokenizer, model_path_errors, resolve_model_path
         from restkv.monkeypatch import configure, replace_for_model
 
         config = compression_config_from_args(args)
         shard_id, num_shards = shard_of(args)
-        with _model_path_errors(args.model_path):
+        with model_path_errors(args.model_path):
             if tokenizer is None:
                 tokenizer = load_tokenizer(args.model_path)
             model_config = model.config if model is not None else AutoConfig.from_pretrained(
@@ -333,7 +323,7 @@ class BenchmarkRun:
             results.claim(datasets, shard_id, num_shards)
             set_seed(config.seed)
             if model is None:
-                with _model_path_errors(args.model_path):
+                with model_path_errors(args.model_path):
                     model = load_model(args.model_path, args.attn_implementation, dtype, _device_map(args))
             # replace_* patches the family (and drops what an earlier configure() left on this
             # model); configure() gives the model exactly the run's config.
