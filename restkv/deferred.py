@@ -30,7 +30,6 @@ Reconstruction runs one row at a time (batch 1, no padding).
 from __future__ import annotations
 
 import copy
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -41,12 +40,11 @@ from restkv.compat import with_cache
 from restkv.compress import compress_layer
 from restkv.context import LayerPlan, ScoringContext
 from restkv.observation import ReconstructionObservation, ReconstructionStats
+from restkv.reconstruction_prompt import reconstruction_prefix
 from restkv.scoring import window_attention
 
 #: reconstruction queries per block when their attention is folded into the statistics
 RECONSTRUCTION_QUERY_BLOCK = 256
-#: the instruction that starts the reconstruction prompt (KVzip's)
-RECONSTRUCTION_INSTRUCTION = "Repeat the previous context exactly."
 
 
 @dataclass
@@ -186,40 +184,3 @@ def _scoring_context(layer: PendingLayer) -> ScoringContext:
                    if layer.reconstructed else None)
     return ScoringContext.of(layer.queries, layer.key, layer.value, layer.plan, layer.scaling, layer.softcap,
                              layer.o_proj_weight, observation)
-
-
-# ---------------------------------------------------------------- the reconstruction prompt
-def set_reconstruction_prompt(model, tokenizer, instruction: str = RECONSTRUCTION_INSTRUCTION) -> torch.Tensor:
-    """Give ``model`` its reconstruction prompt: ``instruction`` as a user turn of the tokenizer's
-    chat template, ready for the assistant's repetition (a tokenizer without a template: the
-    instruction on its own line). The benchmark runners call this; without it, the repetition
-    starts with no instruction (and says so once)."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": instruction}], add_generation_prompt=True,
-                                             tokenize=False)
-    else:
-        text = f"\n\n{instruction}\n"
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
-    _decoder(model)._restkv_reconstruction_prefix = ids
-    return ids
-
-
-def reconstruction_prefix(decoder) -> torch.Tensor:
-    """The decoder model's reconstruction prompt ids (empty, with a warning, if none was set)."""
-    prefix = getattr(decoder, "_restkv_reconstruction_prefix", None)
-    if prefix is None:
-        warnings.warn(
-            "restkv: --observation reconstruction without a reconstruction prompt: the context is repeated with no "
-            "instruction. Call restkv.deferred.set_reconstruction_prompt(model, tokenizer) once.",
-            UserWarning,
-            stacklevel=4,
-        )
-        prefix = torch.zeros(0, dtype=torch.long)
-        decoder._restkv_reconstruction_prefix = prefix
-    return prefix
-
-
-def _decoder(model):
-    """The decoder model (``model.model`` of a ``*ForCausalLM``) whose forward runs the prefill."""
-    return model.get_decoder() if hasattr(model, "get_decoder") else model
-

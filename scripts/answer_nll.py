@@ -35,10 +35,10 @@ from restkv.benchmarks.flags import check_minimums
 from restkv.benchmarks.prompts import encode_prompt
 from restkv.benchmarks.scoring import format_table
 from restkv.config import config_from_spec
-from restkv.deferred import set_reconstruction_prompt
 from restkv.generation import answer_nll
 from restkv.models import check_model_path, load_model, load_tokenizer, model_path_errors
 from restkv.monkeypatch import replace_for_model
+from restkv.reconstruction_prompt import set_reconstruction_prompt
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

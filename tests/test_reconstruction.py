@@ -10,7 +10,7 @@ import torch
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.compress import compress_layer
 from restkv.context import ScoringContext, plan_layer
-from restkv.deferred import set_reconstruction_prompt
+from restkv.reconstruction_prompt import set_reconstruction_prompt
 from restkv.generation import answer_many, generate_after_context, prefill
 from restkv.observation import ReconstructionObservation, ReconstructionStats
 from restkv.scoring import window_attention

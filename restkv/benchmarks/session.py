@@ -56,7 +56,7 @@ from restkv.benchmarks.results import results_dir
 from restkv.benchmarks.run_folder import DatasetInput, RunFolder, run_settings
 from restkv.compat import CACHE_ARGUMENT, with_cache
 from restkv.config import CompressionConfig, ConfigError
-from restkv.deferred import set_reconstruction_prompt
+from restkv.reconstruction_prompt import set_reconstruction_prompt
 
 # --------------------------------------------------------------------------- generation
 
