@@ -194,7 +194,8 @@ class HeadKVAllocation(Allocation):
     head_adaptive = True
 
     head_scores: str | None = option(
-        None, "HeadKV: JSON file of per-head importance scores (python -m restkv.benchmarks.head_scores computes one)"
+        None, "HeadKV: JSON file of per-head importance scores (python -m restkv.benchmarks.head_scores computes one)",
+        names_file=True,
     )
     head_beta: float = option(1.01, "HeadKV: budget / head_beta candidates per head are pooled and redistributed",
                               minimum=1)

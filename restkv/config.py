@@ -23,8 +23,11 @@ original release (``--pooling``, ``--use_wo``, ``--floor``, ...) onto the parts:
 goes to the active part that declares it. A flag that no active part uses (``--pooling``
 with ``--method h2o``, whose scores are not smoothed) is ignored with a warning that names
 it and the parts it belongs to, and is not part of the config: ``config.pooling`` is None
-and ``to_dict`` (what run settings record) says None. Unknown names and bad values are
-errors that name the flag. Sweeps can therefore pass one set of flags to every method.
+and ``to_dict`` (what run settings record) says None. A common option whose switch is off
+(``--decode_interval`` without ``--decode_budget``, ``--reconstruction_chunk`` or
+``--reconstruction_reduce`` without the reconstruction observation) is ignored the same way,
+its default recorded. Unknown names and bad values are errors that name the flag. Sweeps can
+therefore pass one set of flags to every method.
 
 ``replace(**changes)`` keeps the options given before unless changed, and drops those that
 no part of the new composition uses (switching ``--method restkv`` to ``snapkv`` drops
@@ -35,6 +38,7 @@ own ``pooling`` default) are derived again.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import warnings
 from dataclasses import dataclass
@@ -45,7 +49,8 @@ from restkv.options import (
     ConfigError, Options, OptionSpec, lookup, option, option_specs, registered, registry_version,
 )
 
-__all__ = ["CompressionConfig", "ConfigError", "RunOptions", "method_spec_options", "option_names"]
+__all__ = ["CompressionConfig", "ConfigError", "ModelShape", "RunOptions", "config_from_spec", "method_spec_options",
+           "option_names"]
 
 
 @dataclass(frozen=True)
@@ -109,7 +114,33 @@ class RunOptions(Options):
 
 
 _RUN_NAMES = tuple(option_specs(RunOptions))
+
+#: common options that act only while another setting is on: name -> (the flag that turns it on,
+#: whether the run has it on); given while it is off they are ignored with a warning, as an option
+#: of an inactive part is
+_SWITCHED_RUN_OPTIONS = {
+    "decode_interval": ("--decode_budget", lambda run, policy_cls: run.decode_budget is not None),
+    **{name: ("--observation reconstruction",
+              lambda run, policy_cls: (run.observation or policy_cls.default_observation) == "reconstruction")
+       for name in ("reconstruction_chunk", "reconstruction_reduce")},
+}
 _KIND_FLAGS = {"method": "method", "allocation": "allocation", "merge": "merge", "quantization": "quant_method"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a config is checked against when it is given to a model (``CompressionConfig.check_model``).
+
+    sliding_windows: per layer, the sliding window of its attention, or None (full attention).
+    element_size: bytes of one cached number (the model's dtype).
+    """
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_windows: tuple[int | None, ...]
+    element_size: int
 
 
 class CompressionConfig:
@@ -138,6 +169,13 @@ class CompressionConfig:
             raise ConfigError(f"unknown option(s) {', '.join(unknown)}; known options: {', '.join(known)}")
         run = RunOptions(**{name: explicit[name] for name in _RUN_NAMES if name in explicit})
         policy_cls = lookup("method", run.method)
+        # Given (and checked above) but inactive: the run keeps their defaults (a default given, as
+        # ``to_dict`` gives every option, changes nothing and is not worth a warning).
+        switched_off = {name for name, (_, is_on) in _SWITCHED_RUN_OPTIONS.items()
+                        if explicit.get(name) not in (None, getattr(RunOptions, name)) and not is_on(run, policy_cls)}
+        if switched_off:
+            run = RunOptions(**{name: explicit[name] for name in _RUN_NAMES
+                                if name in explicit and name not in switched_off})
         allocation = _resolve_allocation(policy_cls, run, explicit)
         allocation_cls = lookup("allocation", allocation)
         merge_cls = None if run.merge == "none" else lookup("merge", run.merge)
@@ -158,7 +196,7 @@ class CompressionConfig:
         given: dict[type, dict[str, Any]] = {cls: {} for cls in part_classes}
         unused: dict[str, Any] = {}
         for name, value in explicit.items():
-            if name in _RUN_NAMES or name in switch_flags or value is None:
+            if (name in _RUN_NAMES and name not in switched_off) or name in switch_flags or value is None:
                 continue
             owners = [cls for cls in part_classes if name in option_specs(cls)]
             for cls in owners:
@@ -174,7 +212,8 @@ class CompressionConfig:
                 stacklevel=3,
             )
         kept = {name: value for name, value in explicit.items()
-                if name in _RUN_NAMES or name in switch_flags or any(name in group for group in given.values())}
+                if (name in _RUN_NAMES and name not in switched_off) or name in switch_flags
+                or any(name in group for group in given.values())}
         set_ = object.__setattr__
         observation = run.observation or policy_cls.default_observation
         if observation == "reconstruction" and not policy_cls.observes_queries:
@@ -230,12 +269,84 @@ class CompressionConfig:
                 f"--decode_budget {run.decode_budget} must exceed --window_size {run.window_size} (the newest "
                 "tokens are always kept)"
             )
+        if run.prefill_chunk_size is not None and run.compression_ratio is not None:
+            self._check_first_chunk(run.prefill_chunk_size)
         if self.rescores and self.compresses_after_prefill:
             flags = "--prefill_chunk_size" if run.prefill_chunk_size is not None else "--decode_budget"
-            raise ConfigError(
-                f"{flags} compresses as tokens come; --observation {run.observation} / --allocation "
-                f"{run.allocation} need the whole prompt first"
-            )
+            causes = self.deferring_flags()
+            raise ConfigError(f"{flags} compresses as tokens come; {' and '.join(causes)} "
+                              f"need{'s' if len(causes) == 1 else ''} the whole prompt first")
+
+    def _check_first_chunk(self, chunk: int) -> None:
+        """Under a ratio a prompt longer than the chunk compresses its first chunk alone, at the
+        chunk's own budget, so that budget must be one the method can compress to."""
+
+        def refusal(length: int) -> ConfigError | None:
+            budget = self.budget_for(length)
+            try:
+                self.policy.check_row(self, length, budget, self.policy.protected_count(self.run.window_size, budget))
+            except ConfigError as error:
+                return error
+            return None
+
+        error = refusal(chunk)
+        if error is not None:
+            working = next(length for length in itertools.count(chunk + 1) if refusal(length) is None)
+            raise ConfigError(f"--prefill_chunk_size {chunk}: {error}; or use chunks of at least {working} tokens "
+                              "(the first chunk is compressed alone)")
+
+    def deferring_flags(self) -> list[str]:
+        """The settings that make layers wait for the whole prefill (``compresses_after_prefill``),
+        as the flags that chose them, for messages that refuse what cannot wait."""
+        run, flags = self.run, []
+        if run.observation == "reconstruction":
+            chosen = self._explicit.get("observation") == "reconstruction"
+            flags.append("--observation reconstruction" + ("" if chosen else f" (--method {run.method}'s own)"))
+        if self.allocator.model_wide:
+            own = type(self.policy).own_allocation(self._explicit) is not None
+            flags.append(f"--method {run.method}'s model-wide {run.allocation} allocation" if own
+                         else f"--allocation {run.allocation}")
+        return flags
+
+    def rescoring_flags(self) -> list[str]:
+        """The settings that compress layers again after their prefill (``rescores``), as flags."""
+        return [f"--{name} {getattr(self.run, name)}" for name in ("prefill_chunk_size", "decode_budget")
+                if getattr(self.run, name) is not None]
+
+    def check_model(self, model: ModelShape) -> None:
+        """Refuse, before the model runs, what only its shape shows cannot work (``ConfigError``):
+        recompression of sliding-window layers, and each part's own checks (``Options.check_model``)."""
+        for window in sorted({w for w in model.sliding_windows if w is not None}):
+            layers = [index for index, w in enumerate(model.sliding_windows) if w == window]
+            self._check_sliding_layers(window, layers)
+        for part in self.parts:
+            part.check_model(self, model)
+
+    def _check_sliding_layers(self, window: int, layers: list[int]) -> None:
+        """Chunked prefill and decode budgets compress full-attention layers again; a sliding-window
+        layer that its prefill compressed cannot be, so its prefill must keep all it sees (at most
+        ``window - 1`` tokens): the budget of the first forward (the first chunk) must reach that."""
+        run, held = self.run, window - 1
+        if not self.rescores or (run.max_capacity_prompts is None and run.prefill_chunk_size is None):
+            return  # a ratio on unchunked prompts: only each prompt's length tells (checked at its prefill)
+        chunk = run.prefill_chunk_size
+        limit = held if chunk is None else min(chunk, held)
+        if run.max_capacity_prompts is not None:
+            if run.max_capacity_prompts >= limit:
+                return
+            keeping, fix = f"--max_capacity_prompts {run.max_capacity_prompts}", f"raise --max_capacity_prompts to {limit}"
+        else:
+            if self.budget_for(chunk) >= limit:
+                return
+            working = next(c for c in itertools.count(chunk + 1) if self.budget_for(c) >= min(c, held))
+            keeping = f"--compression_ratio {run.compression_ratio} on the first chunk of {chunk} tokens"
+            fix = f"use chunks of at least {working} tokens or --max_capacity_prompts {held}"
+        flags = self.rescoring_flags()
+        raise ConfigError(
+            f"{' and '.join(flags)} compress{'es' if len(flags) == 1 else ''} full-attention layers again; layers "
+            f"{layers} have a sliding window of {window} tokens, and {keeping} keeps fewer than their {limit} at the "
+            f"prefill: they would be compressed, and a compressed sliding-window layer is not compressed again: {fix}"
+        )
 
     @property
     def rescores(self) -> bool:
@@ -290,6 +401,11 @@ class CompressionConfig:
         # Round away float noise first: 1000 * (1 - 0.9) is 99.99999999999997, which must keep 100.
         kept = math.floor(round(length * (1.0 - float(run.compression_ratio)), 9))
         return min(kept, length)
+
+    def files(self) -> dict[str, str]:
+        """The files the run reads, by the option that names them (``--indexmem_weights``, ``--head_scores``)."""
+        return {name: value for part in self.parts for name, spec in option_specs(type(part)).items()
+                if spec.names_file and (value := getattr(part, name)) is not None}
 
     def to_dict(self) -> dict[str, Any]:
         """Every flat option: the value a run uses, None where no active part declares it."""
@@ -381,7 +497,9 @@ def _describe(run: RunOptions, switch_classes) -> str:
 
 
 def _owner_flags(name: str) -> list[str]:
-    """The flags that activate the parts declaring option ``name``."""
+    """The flags that activate the parts declaring option ``name`` (or the common option)."""
+    if name in _SWITCHED_RUN_OPTIONS:
+        return [_SWITCHED_RUN_OPTIONS[name][0]]
     owners = []
     for kind, flag in _KIND_FLAGS.items():
         owners += [f"--{flag} {cls.name}" for cls in registered(kind) if name in option_specs(cls)]
@@ -423,6 +541,15 @@ def option_names() -> list[str]:
 def flat_option_specs() -> dict[str, list[tuple[type, OptionSpec]]]:
     """``option_names()`` with, for each, the parts that declare it (what the runners turn into flags)."""
     return _flat_specs()
+
+
+def config_from_spec(spec: str, **budget: Any) -> CompressionConfig:
+    """The config of a method spec (``snapkv+residual``, ``method_spec_options``) at ``budget``
+    (``max_capacity_prompts=...`` or ``compression_ratio=...``), which a method that evicts
+    nothing (``fullkv``) does not take: what the scripts run for each spec, and check before any
+    model work."""
+    options = method_spec_options(spec)
+    return CompressionConfig(**options, **(budget if lookup("method", options["method"]).evicts else {}))
 
 
 def method_spec_options(spec: str) -> dict[str, Any]:

@@ -24,17 +24,33 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return positions.masked_fill(attention_mask == 0, 0)
 
 
+def _check_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, part: str,
+               rows: int | None = None) -> None:
+    """``input_ids`` of ``part`` ("the context", "question 2") must be ``[batch, tokens]`` with at
+    least one token, ``rows`` rows when given (a question continues its context's rows), and a
+    mask of the same shape: checked before anything runs, so a bad part is a clear ``ValueError``
+    instead of a torch error inside the model (or, for an empty question, a second pass of the
+    whole context through the cache)."""
+    shape = list(input_ids.shape)
+    if input_ids.dim() != 2:
+        raise ValueError(f"{part} must be 2-D [batch, tokens]; got input ids of shape {shape}")
+    if input_ids.shape[-1] == 0:
+        raise ValueError(f"{part} is empty (input ids of shape {shape}); give at least one token")
+    if rows is not None and input_ids.shape[0] != rows:
+        raise ValueError(f"{part} has {input_ids.shape[0]} rows (input ids of shape {shape}); the context has {rows}")
+    if attention_mask is not None and list(attention_mask.shape) != shape:
+        raise ValueError(f"{part}'s mask has shape {list(attention_mask.shape)}; its input ids have {shape}")
+
+
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DynamicCache:
     """Run a (left-padded) prompt through the model once; returns its (compressed) cache."""
+    _check_ids(input_ids, attention_mask, "the prompt")
     return _prefill(model, input_ids, attention_mask)[0]
 
 
-def _prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-             part: str = "prompt") -> tuple[DynamicCache, torch.Tensor]:
-    """``prefill``, also returning the logits of the last position ``[B, 1, vocab]``."""
-    if input_ids.dim() != 2 or input_ids.shape[-1] == 0:
-        raise ValueError(f"the {part} is empty (input ids of shape {list(input_ids.shape)}); give at least one token")
+def _prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[DynamicCache, torch.Tensor]:
+    """``prefill`` of checked ids, also returning the logits of the last position ``[B, 1, vocab]``."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     cache = DynamicCache(config=model.config)
@@ -65,8 +81,10 @@ def generate_after_context(
     generated tokens only, ``[B, new]``. ``return_cache=True`` also returns the cache, so a
     caller can check what it holds (``restkv.cache.cache_report``).
     """
+    _check_ids(context_ids, context_mask, "the context")
+    _check_ids(question_ids, question_mask, "the question", rows=context_ids.shape[0])
     context_mask = torch.ones_like(context_ids) if context_mask is None else context_mask
-    cache = _prefill(model, context_ids, context_mask, part="context")[0]
+    cache = _prefill(model, context_ids, context_mask)[0]
     new_tokens = _answer(model, cache, context_ids, context_mask, question_ids, question_mask, generate_kwargs)
     return (new_tokens, cache) if return_cache else new_tokens
 
@@ -86,13 +104,20 @@ def answer_many(
     ``generate_after_context`` gives for that question alone, bit for bit. Returns the generated
     ids of every question, ``[B, new]`` each.
     """
+    _check_ids(context_ids, context_mask, "the context")
+    if not questions:
+        raise ValueError("answer_many needs at least one question")
+    if question_masks is not None and len(question_masks) != len(questions):
+        raise ValueError(f"{len(questions)} questions but {len(question_masks)} question masks")
+    masks = question_masks if question_masks is not None else [None] * len(questions)
+    for index, (question, mask) in enumerate(zip(questions, masks)):
+        _check_ids(question, mask, f"question {index}", rows=context_ids.shape[0])
     context_mask = torch.ones_like(context_ids) if context_mask is None else context_mask
-    cache = _prefill(model, context_ids, context_mask, part="context")[0]
+    cache = _prefill(model, context_ids, context_mask)[0]
     compressed = [copy.copy(layer) for layer in cache.layers]
     answers = []
-    for index, question in enumerate(questions):
+    for question, mask in zip(questions, masks):
         cache.layers[:] = [copy.copy(layer) for layer in compressed]
-        mask = None if question_masks is None else question_masks[index]
         answers.append(_answer(model, cache, context_ids, context_mask, question, mask, generate_kwargs))
     return answers
 
@@ -118,6 +143,7 @@ def answer_nll(model, prompt_ids: torch.Tensor, answer_ids: torch.Tensor,
     the answer are then fed as new tokens attending to the compressed context. Returns the NLL of
     each answer token, ``[A]`` float32 (natural log).
     """
+    _check_ids(prompt_ids, None, "the prompt")
     if prompt_ids.shape[0] != 1 or answer_ids.shape[0] != 1:
         raise ValueError("answer_nll scores one row at a time")
     if answer_ids.shape[-1] == 0:

@@ -13,13 +13,14 @@ GGUF weights are dequantised once and cached as safetensors under ``$RESTKV_CACH
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -65,11 +66,37 @@ EMBEDDED_MODELS = {
     ),
 }
 
+_WHAT_LOADS = f"a local model folder, a hub id (org/name) or an embedded model ({', '.join(EMBEDDED_MODELS)})"
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
 def _missing(name: str) -> ImportError:
     return ImportError(f"the embedded model {name!r} is not installed; install it with: {EMBEDDED_MODELS[name].install}")
+
+
+class ModelPathError(ValueError):
+    """A ``--model_path`` that names no model this machine can load; the message says why, once."""
+
+
+def check_model_path(model_path: str) -> None:
+    """Before anything loads: a ``--model_path`` that can only be a local path (absolute,
+    starting with ``.`` or ``~``, or with more than one ``/``, which no hub id has) must exist."""
+    if model_path in EMBEDDED_MODELS or Path(model_path).expanduser().exists():
+        return
+    if model_path.startswith(("/", ".", "~")) or model_path.count("/") > 1 or model_path.endswith("/"):
+        raise ModelPathError(f"--model_path {model_path}: no such folder; give {_WHAT_LOADS}")
+
+
+@contextlib.contextmanager
+def model_path_errors(model_path: str) -> Iterator[None]:
+    """A model or tokenizer that cannot be loaded (a hub id offline, a folder without weights)
+    is a bad ``--model_path``, told in one line instead of transformers' page of ``OSError``."""
+    try:
+        yield
+    except OSError as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelPathError(f"--model_path {model_path}: cannot load it ({first_line}); give {_WHAT_LOADS}") from error
 
 
 def cache_dir() -> Path:

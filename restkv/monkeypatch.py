@@ -32,9 +32,9 @@ from typing import Any, Iterator
 
 import torch
 
-from restkv.attention import model_forward, module_config, restkv_attention_forward
-from restkv.compat import check_transformers_version
-from restkv.config import CompressionConfig, ConfigError
+from restkv.attention import LayerParams, model_forward, module_config, restkv_attention_forward
+from restkv.compat import CACHE_ARGUMENT, check_transformers_version
+from restkv.config import CompressionConfig, ConfigError, ModelShape
 
 #: family -> attention classes it covers, as (module, class name)
 FAMILIES: dict[str, tuple[tuple[str, str], ...]] = {
@@ -83,6 +83,12 @@ def _attention_classes(family: str) -> list[type]:
     return _classes(FAMILIES, family)
 
 
+def _attention_modules_of(model: torch.nn.Module, family: str) -> list[torch.nn.Module]:
+    """The model's attention modules of ``family``'s classes, patched or not, in layer order."""
+    classes = tuple(_attention_classes(family))
+    return sorted((m for m in model.modules() if isinstance(m, classes)), key=lambda m: m.layer_idx)
+
+
 def _classes(table: dict[str, tuple[tuple[str, str], ...]], family: str) -> list[type]:
     if family not in table:
         raise ValueError(f"unknown family {family!r}; restkv patches {', '.join(table)}")
@@ -102,9 +108,39 @@ def _replace(family: str, config: CompressionConfig) -> CompressionConfig:
     for cls in _classes(MODEL_CLASSES, family):
         if cls not in _ORIGINAL_MODEL_FORWARDS:
             _ORIGINAL_MODEL_FORWARDS[cls] = cls.forward
-            cls.forward = model_forward(cls.forward)
+            cls.forward = _one_row_reconstruction(model_forward(cls.forward))
     _watch_unpatched_families()
     return config
+
+
+def _one_row_reconstruction(forward):
+    """A patched decoder model's ``forward``, refusing before it runs a prefill that the
+    reconstruction observation cannot compress: it repeats one context, so it needs the
+    ``input_ids`` of one row (found after the whole prefill otherwise)."""
+
+    def checked(self, *args, **kwargs):
+        attention = getattr(self.layers[0], "self_attn", None) if len(self.layers) else None
+        if attention is not None and type(attention) in _ORIGINAL_FORWARDS:
+            _refuse_batched_reconstruction(module_config(attention), args, kwargs)
+        return forward(self, *args, **kwargs)
+
+    return checked
+
+
+def _refuse_batched_reconstruction(config: CompressionConfig, args: tuple, kwargs: dict) -> None:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    tokens = ids if ids is not None else kwargs.get("inputs_embeds")
+    cache = kwargs.get(CACHE_ARGUMENT, kwargs.get("past_key_values"))
+    prefill = tokens is not None and kwargs.get("use_cache") is not False and (cache is None or
+                                                                               cache.get_seq_length() == 0)
+    if config.run.observation != "reconstruction" or not prefill:
+        return
+    length = tokens.shape[1]
+    if config.budget_for(length) < length and (ids is None or ids.shape[0] != 1):
+        given = "inputs_embeds, not input_ids" if ids is None else f"{ids.shape[0]} rows"
+        # deferring_flags() names the reconstruction observation first, as the user chose it
+        raise ValueError(f"{config.deferring_flags()[0]} compresses one prompt at a time: this prefill has {given}; "
+                         "give input_ids of one row")
 
 
 def replace_llama(method: str = "snapkv", **options: Any) -> CompressionConfig:
@@ -128,9 +164,6 @@ def replace_gemma(method: str = "snapkv", **options: Any) -> CompressionConfig:
     return _replace("gemma", CompressionConfig.from_options(method=method, **options))
 
 
-REPLACE_FUNCTIONS = {"llama": replace_llama, "mistral": replace_mistral, "qwen2": replace_qwen2, "gemma": replace_gemma}
-
-
 def family_of(model_or_config: Any) -> str:
     """The patch family of a model (or its config); unsupported model types raise."""
     config = getattr(model_or_config, "config", model_or_config)
@@ -143,8 +176,12 @@ def family_of(model_or_config: Any) -> str:
 
 
 def replace_for_model(model: torch.nn.Module, method: str = "snapkv", **options: Any) -> CompressionConfig:
-    """Patch the family ``model`` belongs to (the runners use this)."""
-    return REPLACE_FUNCTIONS[family_of(model)](method, **options)
+    """Patch the family ``model`` belongs to (the runners use this), after checking the config
+    against the model (``CompressionConfig.check_model``)."""
+    family = family_of(model)
+    config = CompressionConfig.from_options(method=method, **options)
+    config.check_model(model_shape(_attention_modules_of(model, family)))
+    return _replace(family, config)
 
 
 def configure(model: torch.nn.Module, config: CompressionConfig | None = None, /, *, reset: bool = False,
@@ -207,15 +244,29 @@ def config_of(model: torch.nn.Module) -> CompressionConfig:
     return module_config(_patched_attention_modules(model)[0])
 
 
+def model_shape(modules: list[torch.nn.Module]) -> ModelShape:
+    """What a config is checked against (``CompressionConfig.check_model``), read from a model's
+    attention modules in layer order: as the attention forward reads them."""
+    first = modules[0]
+    return ModelShape(
+        num_layers=first.config.num_hidden_layers, num_heads=first.config.num_attention_heads,
+        num_kv_heads=first.config.num_key_value_heads, head_dim=first.head_dim,
+        sliding_windows=tuple(LayerParams.of(module).sliding_window for module in modules),
+        element_size=first.k_proj.weight.element_size(),
+    )
+
+
 def _set_model_config(modules: list[torch.nn.Module], config: CompressionConfig) -> None:
-    """Give these modules their own config, valid while their class's current patch lasts."""
+    """Give these modules their own config, valid while their class's current patch lasts, once
+    it is checked against their model."""
+    config.check_model(model_shape(modules))
     for module in modules:
         module._restkv_model_config = config
         module._restkv_model_patch = type(module)._restkv_patch
 
 
 def _patched_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    modules = [m for m in model.modules() if type(m) in _ORIGINAL_FORWARDS]
+    modules = sorted((m for m in model.modules() if type(m) in _ORIGINAL_FORWARDS), key=lambda m: m.layer_idx)
     if not modules:
         family = family_of(model)
         raise RuntimeError(f"the model's attention is not patched; call restkv.monkeypatch.replace_{family}() first")

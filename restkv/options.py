@@ -38,14 +38,17 @@ def option(
     minimum: float | None = None,
     maximum: float | None = None,
     exclusive_minimum: bool = False,
+    names_file: bool = False,
 ) -> Any:
     """A dataclass field that is also a command-line flag.
 
     ``choices`` (strings), ``minimum``/``maximum`` (numbers, inclusive unless
     ``exclusive_minimum``) are checked with the field's type when the part is built.
+    ``names_file``: the value is the path of a file the run reads (weights, scores), so a run's
+    records fingerprint its content, not only its name.
     """
     metadata = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum,
-                "exclusive_minimum": exclusive_minimum}
+                "exclusive_minimum": exclusive_minimum, "names_file": names_file}
     if isinstance(default, (list, dict, set)):
         raise TypeError("option defaults must be immutable (use a tuple)")
     return field(default=default, metadata=metadata)
@@ -66,6 +69,10 @@ class Options:
     def check(self, config) -> None:
         """Checks against the rest of the composed ``config`` (budget, window, other parts)."""
 
+    def check_model(self, config, model) -> None:
+        """Checks against the model the config is given to (a ``restkv.config.ModelShape``: layers,
+        heads, head dim, sliding windows, dtype), made when the model is configured, before it runs."""
+
     def options(self) -> dict[str, Any]:
         """The part's options by flag name."""
         return {name: getattr(self, name) for name in option_specs(type(self))}
@@ -85,6 +92,7 @@ class OptionSpec:
     minimum: float | None
     maximum: float | None
     exclusive_minimum: bool
+    names_file: bool = False
 
     def check(self, value: Any) -> Any:
         """``value`` in its canonical form (lists become tuples), or ``ConfigError`` naming the flag."""
@@ -154,7 +162,7 @@ def option_specs(cls: type) -> dict[str, OptionSpec]:
             meta = declared.metadata
             specs[declared.name] = OptionSpec(declared.name, kind, item, optional, declared.default, meta["help"],
                                               meta["choices"], meta["minimum"], meta["maximum"],
-                                              meta["exclusive_minimum"])
+                                              meta["exclusive_minimum"], meta["names_file"])
         _SPECS[cls] = specs
     return _SPECS[cls]
 

@@ -23,6 +23,7 @@ The file ``--output`` is what ``--indexmem_weights`` loads.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from tqdm import tqdm
 
 from restkv.attention import project_qkv
 from restkv.indexmem import FUSIONS, INDEXER_FORMS, QUERY_REDUCTIONS, Architecture, IndexMemLayer, IndexMemWeights
-from restkv.models import load_model, load_tokenizer
+from restkv.models import check_model_path, load_model, load_tokenizer, model_path_errors
 from restkv.partial import Probe, reference_kernel
 from restkv.scoring import pool_scores, reduce_groups, window_attention
 from restkv.selection import gather_columns, rank_keys, select_columns
@@ -66,17 +67,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
+    """Every check that needs no model, before the model loads (``ValueError`` naming the flag):
+    a bad value found after the training would lose it."""
+    check_model_path(args.model_path)
     if args.text_file is not None and not Path(args.text_file).is_file():
-        raise SystemExit(f"--text_file {args.text_file!r}: no such file")
+        raise ValueError(f"--text_file {args.text_file!r}: no such file")
+    folder = Path(args.output).expanduser().parent
+    if not folder.is_dir():
+        raise ValueError(f"--output {args.output}: no such folder {folder}")
     if not 0 < args.kept_fraction < 1:
-        raise SystemExit(f"--kept_fraction must lie in (0, 1); got {args.kept_fraction}")
+        raise ValueError(f"--kept_fraction must lie in (0, 1); got {args.kept_fraction}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr must be > 0; got {args.lr}")
     for flag in ("num_sequences", "steps_per_sequence", "blocks", "window_size", "future", "indexmem_features",
-                 "indexer_heads"):
+                 "indexer_heads", "threads"):
         if getattr(args, flag) < 1:
-            raise SystemExit(f"--{flag} must be at least 1; got {getattr(args, flag)}")
+            raise ValueError(f"--{flag} must be at least 1; got {getattr(args, flag)}")
     shortest = 2 * args.window_size + args.future + 1
     if args.seq_len < shortest:
-        raise SystemExit(f"--seq_len {args.seq_len} must be at least 2 x --window_size + --future + 1 = {shortest}")
+        raise ValueError(f"--seq_len {args.seq_len} must be at least 2 x --window_size + --future + 1 = {shortest}")
 
 
 def training_sequences(tokenizer, args: argparse.Namespace) -> list[torch.Tensor]:
@@ -85,7 +94,7 @@ def training_sequences(tokenizer, args: argparse.Namespace) -> list[torch.Tensor
     if args.text_file is not None:
         ids = tokenizer(Path(args.text_file).read_text(encoding="utf-8"), add_special_tokens=False).input_ids
         if len(ids) < args.seq_len:
-            raise SystemExit(f"--text_file {args.text_file!r} holds {len(ids)} tokens, fewer than --seq_len")
+            raise ValueError(f"--text_file {args.text_file!r} holds {len(ids)} tokens, fewer than --seq_len")
     else:
         words = wanted
         while len(ids := tokenizer(synthetic_prose(words), add_special_tokens=False).input_ids) < wanted:
@@ -214,14 +223,19 @@ def train(model, sequences: list[torch.Tensor], args: argparse.Namespace) -> Ind
 
 
 def main(argv: list[str] | None = None) -> IndexMemWeights:
+    """The command line; bad input (flags, a model that does not load) is one ``error:`` line."""
     args = build_parser().parse_args(argv)
-    check_args(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    try:
+        check_args(args)
+        with model_path_errors(args.model_path):
+            tokenizer = load_tokenizer(args.model_path)
+            model = load_model(args.model_path, dtype="float32").requires_grad_(False)
+        sequences = training_sequences(tokenizer, args)
+    except ValueError as error:  # a flag, a --model_path (ModelPathError), too short a --text_file
+        raise SystemExit(f"error: {error}") from None
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    tokenizer = load_tokenizer(args.model_path)
-    model = load_model(args.model_path, dtype="float32").requires_grad_(False)
-    weights = train(model, training_sequences(tokenizer, args), args)
+    weights = train(model, sequences, args)
     weights.save(args.output)
     info = weights.training
     print(f"wrote {args.output}: {info['steps']} steps on {info['tokens']} tokens of {info['text']} in "

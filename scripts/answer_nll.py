@@ -30,16 +30,19 @@ from tqdm import tqdm
 
 from restkv.benchmarks import ruler, ruler_data
 from restkv.benchmarks.benchmark import Sample
+from restkv.benchmarks.errors import FlagError, command_line
+from restkv.benchmarks.flags import check_minimums
 from restkv.benchmarks.prompts import encode_prompt
 from restkv.benchmarks.scoring import format_table
-from restkv.config import method_spec_options
-from restkv.reconstruction_prompt import set_reconstruction_prompt
+from restkv.config import config_from_spec
 from restkv.generation import answer_nll
-from restkv.models import load_model, load_tokenizer
+from restkv.models import check_model_path, load_model, load_tokenizer, model_path_errors
 from restkv.monkeypatch import replace_for_model
+from restkv.reconstruction_prompt import set_reconstruction_prompt
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, every method at every ratio checked (a one-line error) before any work."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default="smollm2-135m")
     parser.add_argument("--length", type=int, default=2048, help="RULER sequence length")
@@ -52,9 +55,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--attn_implementation", default="sdpa")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--save_dir", default="results/answer_nll")
-    args = parser.parse_args()
-    for spec in args.methods:
-        method_spec_options(spec)  # fail on a bad spec before any work
+    args = parser.parse_args(argv)
+    check_minimums(args, {"num_samples": 1, "threads": 1})
+    try:
+        tasks = ruler.parse_task_list(args.tasks)
+    except ValueError as error:
+        raise FlagError(f"--tasks: {error}") from None
+    ruler_data.check_lengths(tasks, [args.length], flag="--length")
+    for ratio in args.compression_ratios:
+        for spec in args.methods:
+            config_from_spec(spec, compression_ratio=ratio)
+    check_model_path(args.model_path)
     return args
 
 
@@ -63,17 +74,20 @@ def load_samples(args: argparse.Namespace, tokenizer) -> list[tuple[str, Sample]
     samples = []
     for task in ruler.parse_task_list(args.tasks):
         ruler_data.write_task(data_dir, task, args.length, args.num_samples, tokenizer, args.model_path)
-        sample_args = argparse.Namespace(data_dir=str(data_dir), chat_template=True)
+        sample_args = argparse.Namespace(data_dir=str(data_dir), chat_template=True, multi_question=False)
         samples += [(task, sample) for sample in ruler.ruler_samples(sample_args, f"{args.length}/{task}")]
     return samples
 
 
-def main() -> None:
-    args = parse_args()
+@command_line
+def main(argv: list[str] | None = None, model=None, tokenizer=None) -> list[dict]:
+    """The command line; ``model``/``tokenizer`` skip loading (tests). Returns every record."""
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    tokenizer = load_tokenizer(args.model_path)
-    model = load_model(args.model_path, attn_implementation=args.attn_implementation)
+    with model_path_errors(args.model_path):
+        tokenizer = tokenizer or load_tokenizer(args.model_path)
+        model = model or load_model(args.model_path, attn_implementation=args.attn_implementation)
     set_reconstruction_prompt(model, tokenizer)
     samples = load_samples(args, tokenizer)
     out = Path(args.save_dir) / "answer_nll.jsonl"
@@ -83,16 +97,13 @@ def main() -> None:
         for line in out.read_text().splitlines():
             record = json.loads(line)
             done[(record["method"], record["budget"], record["setting"], record["task"], record["id"])] = record
-    configs = [("fullkv", "full", setting) for setting in args.settings] + [
-        (spec, f"{1 - ratio:.0%}", setting)
-        for ratio in args.compression_ratios for spec in args.methods for setting in args.settings
+    configs = [("fullkv", None, setting) for setting in args.settings] + [
+        (spec, ratio, setting) for ratio in args.compression_ratios for spec in args.methods for setting in args.settings
     ]
     with open(out, "a") as handle, torch.no_grad():
-        for spec, budget, setting in tqdm(configs, desc="configurations", unit="config"):
-            options = method_spec_options(spec)
-            if spec != "fullkv":
-                options["compression_ratio"] = round(1 - float(budget.rstrip("%")) / 100, 6)
-            replace_for_model(model, **options)
+        for spec, ratio, setting in tqdm(configs, desc="configurations", unit="config"):
+            budget = "full" if ratio is None else f"{1 - ratio:.0%}"
+            replace_for_model(model, **config_from_spec(spec, compression_ratio=ratio).to_dict())
             for task, sample in samples:
                 key = (spec, budget, setting, task, sample.id)
                 if key in done:
@@ -107,6 +118,7 @@ def main() -> None:
                 handle.write(json.dumps(done[key]) + "\n")
                 handle.flush()
     print_summary(args, list(done.values()), [(task, s.id) for task, s in samples])
+    return list(done.values())
 
 
 def print_summary(args: argparse.Namespace, records: list[dict], sample_keys: list[tuple[str, str]]) -> None:

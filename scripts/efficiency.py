@@ -47,13 +47,15 @@ from typing import Callable, TypeVar
 
 import torch
 
+from restkv.benchmarks.errors import FlagError, command_line
+from restkv.benchmarks.flags import check_minimums
 from restkv.benchmarks.haystack import synthetic_prose
 from restkv.cache import cache_report
 from restkv.compat import with_cache
 from restkv.compress import compress_kv
-from restkv.config import method_spec_options
+from restkv.config import config_from_spec
 from restkv.generation import prefill
-from restkv.models import load_model, load_tokenizer
+from restkv.models import check_model_path, load_model, load_tokenizer, model_path_errors
 from restkv.monkeypatch import replace_for_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -62,7 +64,9 @@ from model_shapes import CONFIGS, build_model  # noqa: E402
 T = TypeVar("T")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, every number and every method at every budget checked before any model work
+    (``FlagError``/``ConfigError``: one ``error:`` line from ``main``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default="smollm2-135m")
     parser.add_argument("--attn_implementation", default="sdpa")
@@ -88,15 +92,31 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peak_memory", action="store_true",
                         help="peak memory of each prefill + decode, each run in a fresh process (no timing)")
     parser.add_argument("--peak_run", default=None, help=argparse.SUPPRESS)  # one run of --peak_memory
-    args = parser.parse_args()
-    if args.budget is not None and args.budget < 1:
-        parser.error(f"--budget must be at least 1; got {args.budget}")
-    for spec in args.methods:
-        method_spec_options(spec)  # a bad spec fails before the model loads
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what each --peak_memory run is given
+    check_minimums(args, {"lengths": 1, "budget": 1, "decode_steps": 1, "repeats": 1, "threads": 1})
+    if not all(0 < fraction < 1 for fraction in args.budget_fractions):
+        raise FlagError(f"--budget_fractions must lie in (0, 1); got {' '.join(map(str, args.budget_fractions))}")
+    check_methods(args.methods, {length: budgets_for(args, length) for length in args.lengths})
+    if args.config is None:
+        check_model_path(args.model_path)
     args.baseline = args.baseline or ("snapkv" if "snapkv" in args.methods else args.methods[0])
     if args.baseline not in args.methods:
-        parser.error(f"--baseline {args.baseline} is not among --methods")
+        raise FlagError(f"--baseline {args.baseline} is not among --methods")
     return args
+
+
+def check_methods(specs: list[str], budgets: dict[int, list[int]]) -> None:
+    """Every method spec must build at every budget of every prompt length (``budgets``: length ->
+    budgets), and a compressing one must have something to compress (a budget below the length)."""
+    for length, length_budgets in budgets.items():
+        for budget in length_budgets:
+            if budget < 1:
+                raise FlagError(f"--budget_fractions give a {length}-token prompt a budget of {budget} tokens")
+            for spec in specs:
+                if config_from_spec(spec, max_capacity_prompts=budget).policy.evicts and budget >= length:
+                    raise FlagError(f"--methods {spec}: a budget of {budget} tokens compresses nothing in a "
+                                    f"{length}-token prompt; raise --lengths or lower the budget")
 
 
 def make_prompt(tokenizer, vocab_size: int, length: int, kind: str) -> torch.Tensor:
@@ -156,10 +176,9 @@ def decode(model, cache, token: torch.Tensor, steps: int) -> torch.Tensor:
 def set_method(model, spec: str, budget: int) -> bool:
     """Give ``model`` a fresh config for method ``spec`` at ``budget`` (switches of the previous
     variant must not linger); whether it compresses."""
-    options = method_spec_options(spec)
-    compressing = options["method"] != "fullkv"
-    replace_for_model(model, **options, **({"max_capacity_prompts": budget} if compressing else {}))
-    return compressing
+    config = config_from_spec(spec, max_capacity_prompts=budget)
+    replace_for_model(model, **config.to_dict())
+    return config.policy.evicts
 
 
 def interleaved_runs(model, prompt: torch.Tensor, specs: list[str], budget: int, repeats: int, decode_steps: int,
@@ -188,8 +207,8 @@ def time_scoring(model, specs: list[str], length: int, budget: int, repeats: int
     times: dict[str, list[float]] = {spec: [] for spec in specs}
     for repeat in range(repeats + 1):  # round 0 warms up
         for spec in rotated(specs, repeat):
-            options = dict(method_spec_options(spec), max_capacity_prompts=budget)
-            _, seconds = timed(lambda: [compress_kv(query, key, value, options, layer_idx, len(weights), weight)
+            config = config_from_spec(spec, max_capacity_prompts=budget)
+            _, seconds = timed(lambda: [compress_kv(query, key, value, config, layer_idx, len(weights), weight)
                                         for layer_idx, weight in enumerate(weights)])
             if repeat:
                 times[spec].append(seconds)
@@ -208,8 +227,9 @@ def load(args: argparse.Namespace, max_positions: int):
         args.prompt = "random"
         return build_model(args.config, torch.float32, torch.device("cpu"), args.attn_implementation,
                            max_positions), None
-    model = load_model(args.model_path, attn_implementation=args.attn_implementation, dtype=args.dtype)
-    return model, load_tokenizer(args.model_path)
+    with model_path_errors(args.model_path):
+        return (load_model(args.model_path, attn_implementation=args.attn_implementation, dtype=args.dtype),
+                load_tokenizer(args.model_path))
 
 
 def budgets_for(args: argparse.Namespace, length: int) -> list[int]:
@@ -224,9 +244,9 @@ def resident_bytes(field: str) -> int:
     raise SystemExit(f"--peak_memory reads {field} from /proc/self/status, which this system does not have")
 
 
-def peak_run(args: argparse.Namespace) -> None:
+def peak_run(args: argparse.Namespace) -> dict:
     """One ``--peak_memory`` run (in its own process): prefill + decode of one method at one
-    length; prints a JSON row."""
+    length; prints (and returns) a JSON row."""
     job = json.loads(args.peak_run)
     length, budget, spec = job["length"], job["budget"], job["method"]
     model, tokenizer = load(args, length + args.decode_steps + 1)
@@ -239,13 +259,14 @@ def peak_run(args: argparse.Namespace) -> None:
     row.update(method=spec, prompt_tokens=length, budget=None if spec == "fullkv" else budget,
                peak_memory_bytes=peak, peak_above_ready_bytes=peak - ready)
     print(json.dumps(row))
+    return row
 
 
 def peak_memory_rows(args: argparse.Namespace) -> list[dict]:
     """Every method at every length, each in a fresh process (a process's high-water mark
     never comes down, so runs cannot share one)."""
     rows = []
-    base = [arg for arg in sys.argv[1:] if not arg.startswith("--peak_memory")]
+    base = [arg for arg in args.argv if not arg.startswith("--peak_memory")]
     for length in args.lengths:
         for budget in budgets_for(args, length):
             for spec in args.methods:
@@ -282,16 +303,19 @@ def write_rows(path: str, rows: list[dict]) -> None:
     print(f"wrote {path}")
 
 
-def main() -> None:
-    args = parse_args()
+@command_line
+def main(argv: list[str] | None = None) -> list[dict]:
+    """The command line; returns the rows written to ``--out``."""
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.peak_run is not None:
-        return peak_run(args)
+        return [peak_run(args)]
     if args.peak_memory:
         rows = peak_memory_rows(args)
         print("\n" + format_peak_table(rows, "fullkv" if "fullkv" in args.methods else args.baseline))
-        return write_rows(args.out, rows)
+        write_rows(args.out, rows)
+        return rows
     model, tokenizer = load(args, max(args.lengths) + args.decode_steps + 1)
     replace_for_model(model, method="snapkv", max_capacity_prompts=64)
     timed = CLOCKS[args.clock]
@@ -300,7 +324,7 @@ def main() -> None:
     with torch.no_grad():
         for length in args.lengths:
             prompt = make_prompt(tokenizer, model.config.vocab_size, length, args.prompt).to(model.device)
-            measure(model, prompt[:, :512], 2, compressing=True)  # warm-up
+            measure(model, prompt[:, :512], 2, compressing=False)  # warm-up (a short prompt may keep everything)
             for budget in budgets_for(args, length):
                 runs = interleaved_runs(model, prompt, args.methods, budget, args.repeats, args.decode_steps, run)
                 scoring = time_scoring(model, [s for s in args.methods if s != "fullkv"], length, budget,
@@ -310,6 +334,7 @@ def main() -> None:
                 print("\n" + format_table(block, args.baseline))
                 rows.extend(block)
     write_rows(args.out, rows)
+    return rows
 
 
 def summarise(spec: str, length: int, budget: int | None, runs: list[dict], baseline: list[dict],

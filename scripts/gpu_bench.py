@@ -30,10 +30,11 @@ from typing import Callable, TypeVar
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from efficiency import format_table, interleaved_runs, make_prompt, measure, summarise  # noqa: E402
+from efficiency import check_methods, format_table, interleaved_runs, make_prompt, measure, summarise  # noqa: E402
 from model_shapes import CONFIGS, build_model  # noqa: E402
 
-from restkv.config import CompressionConfig, method_spec_options  # noqa: E402
+from restkv.benchmarks.errors import command_line  # noqa: E402
+from restkv.benchmarks.flags import check_minimums  # noqa: E402
 
 T = TypeVar("T")
 
@@ -57,12 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="results/gpu_bench.json")
     parser.add_argument("--summary", default=None, help="also write the tables to this text file")
     args = parser.parse_args(argv)
-    for spec in args.methods:  # a bad method or option fails before the model is built
-        options = method_spec_options(spec)
-        CompressionConfig.from_options(**options, **({} if options["method"] == "fullkv" else
-                                                     {"max_capacity_prompts": args.budget}))
-    if max(args.lengths) <= args.budget and set(args.methods) != {"fullkv"}:
-        parser.error(f"every prompt is within --budget {args.budget}: nothing would be compressed")
+    # Every number and every method before the model is built (one error: line from main).
+    check_minimums(args, {"lengths": 1, "budget": 1, "decode_steps": 1, "repeats": 1})
+    check_methods(args.methods, {length: [args.budget] for length in args.lengths})
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = DTYPES[args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32")]
     return args
@@ -94,6 +92,7 @@ def measure_on(device: torch.device) -> Callable[..., dict]:
     return measure_cuda
 
 
+@command_line
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     model = build_model(args.config, args.dtype, args.device, args.attn_implementation,

@@ -22,9 +22,12 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from restkv.benchmarks.errors import command_line
+from restkv.benchmarks.flags import check_minimums
 from restkv.benchmarks.haystack import synthetic_prose
-from restkv.models import load_model, load_tokenizer
-from restkv.monkeypatch import configure, replace_for_model
+from restkv.config import CompressionConfig
+from restkv.models import check_model_path, load_model, load_tokenizer, model_path_errors
+from restkv.monkeypatch import compression, replace_for_model
 
 
 class StepClock(LogitsProcessor):
@@ -63,7 +66,10 @@ def run(model, prompt: torch.Tensor, new_tokens: int) -> tuple[list[int], list[f
     return out.sequences[0, prompt.shape[1]:].tolist(), seconds, clock.stored
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, CompressionConfig]:
+    """The flags and the compressed run's config, checked before any model work (a budget below the
+    window or a method that cannot compress while generating once failed after the whole
+    full-cache run)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default="smollm2-135m")
     parser.add_argument("--method", default="snapkv")
@@ -75,18 +81,29 @@ def main() -> None:
     parser.add_argument("--window_size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default="results/long_generation.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    check_minimums(args, {"prompt_tokens": 1, "new_tokens": 1, "threads": 1})
+    config = CompressionConfig(method=args.method, max_capacity_prompts=args.max_capacity_prompts,
+                               window_size=args.window_size, decode_budget=args.decode_budget,
+                               decode_interval=args.decode_interval)
+    check_model_path(args.model_path)
+    return args, config
+
+
+@command_line
+def main(argv: list[str] | None = None, model=None, tokenizer=None) -> dict:
+    """The command line; ``model``/``tokenizer`` skip loading (tests). Returns what ``--out`` holds."""
+    args, config = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    tokenizer = load_tokenizer(args.model_path)
-    model = load_model(args.model_path)
+    with model_path_errors(args.model_path):
+        tokenizer = tokenizer or load_tokenizer(args.model_path)
+        model = model or load_model(args.model_path)
     prompt = tokenizer(synthetic_prose(args.prompt_tokens), return_tensors="pt").input_ids[:, : args.prompt_tokens]
-    replace_for_model(model, "fullkv")
+    replace_for_model(model, **config.to_dict())  # checked against the model before the full-cache run
     with torch.no_grad():
-        full_ids, full_seconds, full_stored = run(model, prompt, args.new_tokens)
-        configure(model, reset=True, method=args.method, max_capacity_prompts=args.max_capacity_prompts,
-                  window_size=args.window_size, decode_budget=args.decode_budget,
-                  decode_interval=args.decode_interval)
+        with compression(model, method="fullkv"):
+            full_ids, full_seconds, full_stored = run(model, prompt, args.new_tokens)
         ids, seconds, stored = run(model, prompt, args.new_tokens)
     agree = next((i for i, (a, b) in enumerate(zip(full_ids, ids)) if a != b), len(ids))
     points = sorted({1, *range(0, args.new_tokens + 1, max(args.new_tokens // 8, 1))} - {0})
@@ -108,9 +125,11 @@ def main() -> None:
           f"{max(stored)} (budget {args.decode_budget} + interval {args.decode_interval})")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(settings=vars(args), agree=agree, rows=rows, stored=stored,
-                                   full_stored=full_stored, seconds=seconds, full_seconds=full_seconds), indent=1))
+    results = dict(settings=vars(args), config=config.to_dict(), agree=agree, rows=rows, stored=stored,
+                   full_stored=full_stored, seconds=seconds, full_seconds=full_seconds)
+    out.write_text(json.dumps(results, indent=1))
     print(f"(written to {out})")
+    return results
 
 
 if __name__ == "__main__":

@@ -80,6 +80,20 @@ def tiny(tokenizer):
     return tiny_model("llama", vocab_size=len(tokenizer))
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama over SmolLM2's vocabulary saved as a model folder (weights, config,
+    tokenizer): what a script given ``--model_path`` loads, in a fraction of a second."""
+    from restkv.models import load_tokenizer
+    from tiny_models import tiny_model
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def ruler_dir(tmp_path_factory):
     """RULER data at 600 tokens for SmolLM2: niah_single_1 and fwe, two samples each."""

@@ -4,6 +4,8 @@ compression during decoding (--decode_budget, --decode_interval), restkv.recompr
 import pytest
 import torch
 
+import restkv
+
 from restkv import CompressionConfig, ConfigError
 from restkv.cache import CompressedLayer
 from restkv.compat import output_cache
@@ -222,14 +224,23 @@ def test_rows_of_a_batch_stay_independent_under_decode_compression():
     [
         (dict(method="snapkv", prefill_chunk_size=4), "--prefill_chunk_size 4 must be at least --window_size 8"),
         (dict(method="snapkv", decode_budget=8), "--decode_budget 8 must exceed --window_size 8"),
-        (dict(method="h2o", h2o_queries="all", prefill_chunk_size=64), "--h2o_queries all"),
-        (dict(method="kvzip", decode_budget=64), "need the whole prompt first"),
-        (dict(method="snapkv", observation="reconstruction", prefill_chunk_size=64), "need the whole prompt first"),
+        (dict(method="h2o", h2o_queries="all", prefill_chunk_size=64),
+         "--h2o_queries all accumulates the attention of every prompt query at once; it cannot score chunk by chunk "
+         "(--prefill_chunk_size 64)"),
+        (dict(method="kvzip", decode_budget=64), "--decode_budget compresses as tokens come; --observation "
+         "reconstruction (--method kvzip's own) and --method kvzip's model-wide model_ranked allocation need the "
+         "whole prompt first"),
+        (dict(method="snapkv", observation="reconstruction", prefill_chunk_size=64),
+         "--prefill_chunk_size compresses as tokens come; --observation reconstruction needs the whole prompt first"),
+        (dict(method="snapkv", allocation="model_ranked", prefill_chunk_size=64),
+         "; --allocation model_ranked needs the whole prompt first"),
         (dict(method="cam", cam_mode="reference", decode_budget=64), "--cam_mode reference"),
         (dict(method="fullkv", decode_budget=64), "--method fullkv evicts nothing"),
     ],
 )
 def test_settings_that_cannot_compress_as_tokens_come_name_the_flag(options, fragment):
+    """The message names the option that makes the layers wait (it once blamed --allocation uniform
+    for a reconstruction observation, and --observation window for LaProx's allocation)."""
     with pytest.raises(ConfigError) as error:
         CompressionConfig(max_capacity_prompts=32, window_size=8, **options)
     assert fragment in str(error.value)
@@ -242,3 +253,21 @@ def test_a_decode_budget_alone_compresses_only_during_generation():
     assert all(layer.kept_counts.tolist() == [[50, 50]] for layer in cache.layers)  # the prompt is whole
     out = model.generate(random_prompt(1, 50), max_new_tokens=9, do_sample=False, return_dict_in_generate=True)
     assert int(output_cache(out).layers[0].kept_counts.max()) + output_cache(out).layers[0].tail_length <= 30 + 4
+
+
+def test_a_ratio_that_leaves_the_first_chunk_no_more_than_the_window_asks_for_a_larger_chunk():
+    """At --compression_ratio 0.9 a 64-token first chunk keeps 6 tokens, fewer than the window: the
+    config refuses it before any model runs (it once failed at the first chunk, telling the user to
+    lower the ratio or the window), and says which chunk works."""
+    with pytest.raises(ConfigError) as error:
+        CompressionConfig(method="snapkv", compression_ratio=0.9, prefill_chunk_size=64, window_size=8)
+    assert str(error.value) == (
+        "--prefill_chunk_size 64: a row of 64 tokens keeps 6 tokens (--compression_ratio 0.9), which does not exceed "
+        "the 8 protected tokens (--window_size 8); lower the ratio or the window; or use chunks of at least 90 tokens "
+        "(the first chunk is compressed alone)")
+    config = CompressionConfig(method="snapkv", compression_ratio=0.9, prefill_chunk_size=90, window_size=8)
+    assert config.budget_for(90) == 9 > 8
+    model = tiny_model("llama")
+    with restkv.compression(model, config):
+        cache = prefill(model, random_prompt(1, 200))
+    assert [layer.kept_counts.tolist() for layer in cache.layers] == [[[20, 20]]] * 3

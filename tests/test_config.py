@@ -99,8 +99,37 @@ def test_an_option_the_method_does_not_use_is_ignored_loudly_and_not_recorded():
     assert CompressionConfig(method="snapkv", max_capacity_prompts=64, pooling="maxpool").to_dict()["pooling"] == "maxpool"
 
 
+@pytest.mark.parametrize("options, warning, switch_on", [
+    (dict(decode_interval=4), r"--decode_interval not used by --method snapkv \(options of --decode_budget\)",
+     dict(decode_budget=100)),
+    (dict(reconstruction_chunk=64, reconstruction_reduce="mean"),
+     r"--reconstruction_chunk, --reconstruction_reduce not used by --method snapkv \(options of --observation "
+     r"reconstruction; --observation reconstruction\)", dict(observation="reconstruction")),
+])
+def test_an_option_whose_switch_is_off_is_ignored_loudly_and_not_recorded(options, warning, switch_on):
+    """--decode_interval without --decode_budget, --reconstruction_chunk without the reconstruction
+    observation: once recorded silently as if they had changed the run."""
+    with pytest.warns(UserWarning, match=warning):
+        config = CompressionConfig(method="snapkv", max_capacity_prompts=64, **options)
+    plain = CompressionConfig(method="snapkv", max_capacity_prompts=64)
+    assert config == plain and config.to_dict() == plain.to_dict()
+    switched_on = config.replace(**switch_on)  # given, then used once its switch is on
+    assert all(getattr(switched_on, name) == value for name, value in options.items())
+
+
 def test_replace_drops_the_old_methods_options_and_keeps_the_shared_ones():
     restkv = CompressionConfig(method="restkv", max_capacity_prompts=64, alpha=0.5, kernel_size=7)
     snapkv = restkv.replace(method="snapkv")
     assert snapkv.alpha is None and snapkv.kernel_size == 7
     assert snapkv.replace(method="restkv").alpha == 0.3  # the dropped option is not resurrected
+
+
+def test_files_lists_every_file_an_active_option_names():
+    """What run_meta.json fingerprints: weights and head scores, by their option."""
+    from pathlib import Path
+
+    scores = str(Path(__file__).resolve().parents[1] / "data" / "heads_score" /
+                 "smollm2-135m_retrieval_reasoning_heads.json")
+    assert CompressionConfig(method="headkv", max_capacity_prompts=64, head_scores=scores).files() == {
+        "head_scores": scores}
+    assert CompressionConfig(method="snapkv", max_capacity_prompts=64).files() == {}

@@ -5,7 +5,7 @@ import torch
 
 from restkv.attention import key_validity
 from restkv.cache import CompressedLayer, new_token_columns
-from restkv.generation import answer_nll, generate_after_context
+from restkv.generation import answer_many, answer_nll, generate_after_context
 from restkv.partial import Probe
 from tiny_models import left_padded, random_prompt, replace_for, tiny_model
 
@@ -111,3 +111,31 @@ def test_an_empty_prompt_or_context_is_a_clear_error():
         generate_after_context(model, empty, random_prompt(1, 5), max_new_tokens=1)
     with pytest.raises(ValueError, match="the prompt is empty"):
         answer_nll(model, empty, random_prompt(1, 2))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda model, ctx, q: generate_after_context(model, ctx, torch.zeros(1, 0, dtype=torch.long)),
+     "the question is empty"),
+    (lambda model, ctx, q: answer_many(model, ctx, [q, torch.zeros(1, 0, dtype=torch.long)]),
+     "question 1 is empty"),
+    (lambda model, ctx, q: answer_many(model, ctx, [random_prompt(2, 5)]),
+     r"question 0 has 2 rows \(input ids of shape \[2, 5\]\); the context has 1"),
+    (lambda model, ctx, q: generate_after_context(model, ctx, q[0]),
+     r"the question must be 2-D \[batch, tokens\]; got input ids of shape \[5\]"),
+    (lambda model, ctx, q: answer_many(model, ctx, [q], question_masks=[torch.ones(1, 3, dtype=torch.long)]),
+     r"question 0's mask has shape \[1, 3\]; its input ids have \[1, 5\]"),
+    (lambda model, ctx, q: generate_after_context(model, ctx, q, context_mask=torch.ones(1, 10, dtype=torch.long)),
+     r"the context's mask has shape \[1, 10\]; its input ids have \[1, 40\]"),
+    (lambda model, ctx, q: answer_many(model, ctx, [q, q], question_masks=[None]),
+     "2 questions but 1 question masks"),
+    (lambda model, ctx, q: answer_many(model, ctx, []), "answer_many needs at least one question"),
+])
+def test_bad_questions_are_refused_before_the_context_is_prefilled(call, message, prefill_calls):
+    """A question that cannot follow the context (empty, another batch size, a mask of another
+    length, a 1-D tensor) is a clear ValueError, raised before anything runs; an empty question
+    once fed the whole context through the cache a second time."""
+    model = tiny_model("llama")
+    replace_for("llama")(method="snapkv", max_capacity_prompts=24, window_size=8)
+    with pytest.raises(ValueError, match=message):
+        call(model, random_prompt(1, 40), random_prompt(1, 5, seed=2))
+    assert not prefill_calls

@@ -111,6 +111,10 @@ def test_command_rejects_bad_grids(tmp_path):
         main(["--model_path", "smollm2-135m", "--depths", "120"])
     with pytest.raises(SystemExit):
         main(["--model_path", "smollm2-135m", "--num_needles", "0"])
+    with pytest.raises(SystemExit) as stop:  # a traceback of transformers' before
+        main(["--model_path", str(tmp_path / "no-model")])
+    assert stop.value.code == (f"error: --model_path {tmp_path / 'no-model'}: no such folder; give a local model folder, "
+                               "a hub id (org/name) or an embedded model (smollm2-135m, gemma3-270m)")
 
 
 @pytest.mark.skipif(not SHIPPED.exists(), reason="shipped score file not present")

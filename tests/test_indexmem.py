@@ -12,8 +12,9 @@ from restkv.cache import CompressedLayer, cache_report
 from restkv.compat import output_cache
 from restkv.compress import compress_layer
 from restkv.context import ScoringContext, plan_layer, valid_from_mask
-from restkv.partial import use_kernel
+import restkv.train_indexmem as train_indexmem
 from restkv.indexmem import Architecture, IndexMemLayer, IndexMemWeights, load_weights, slots_for
+from restkv.partial import use_kernel
 from restkv.train_indexmem import build_parser, train
 from tiny_models import (assert_patch_reproduces_unpatched, assert_rows_match_single_row_runs, greedy, random_prompt,
                          random_qkv, replace_for, tiny_model)
@@ -303,6 +304,7 @@ def test_a_budget_the_memory_leaves_no_room_in_is_an_error():
 # ---------------------------------------------------------------- options and files
 @pytest.mark.parametrize("options, flag", [
     (dict(residual=True), "--residual"),
+    (dict(moments=True), "--moments"),  # once accepted: it reserved the statistics' slots and built nothing
     (dict(prefill_chunk_size=64), "--prefill_chunk_size"),
     (dict(indexmem_fusion="residual"), "--indexmem_weights"),
 ])
@@ -368,3 +370,41 @@ def test_a_short_training_run_on_a_tiny_model(tmp_path):
     out = greedy(model, random_prompt(1, 80))
     assert all(bool(torch.isfinite(step).all()) for step in out.logits)
     assert output_cache(out).layers[0].corrections[0].fusion == "residual"
+
+
+# ---------------------------------------------------------------- the training command
+TRAIN_TINY = ["--num_sequences", "1", "--seq_len", "96", "--window_size", "8", "--future", "16", "--blocks", "1",
+              "--steps_per_sequence", "1", "--indexmem_features", "4"]
+
+
+def test_the_training_command_writes_weights_the_method_loads(tiny_model_dir, tmp_path):
+    out = tmp_path / "weights.pt"
+    weights = train_indexmem.main(["--model_path", str(tiny_model_dir), "--output", str(out), *TRAIN_TINY])
+    assert load_weights(out).arch == weights.arch and weights.training["steps"] == 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    # the weights were lost: the folder was found missing only when they were saved, after the training
+    (["--output", "{tmp}/missing/weights.pt"], "--output {tmp}/missing/weights.pt: no such folder {tmp}/missing"),
+    (["--lr", "-1"], "--lr must be > 0; got -1.0"),
+    (["--model_path", "{tmp}/no-model"], "--model_path {tmp}/no-model: no such folder; give a local model folder, a "
+                                         "hub id (org/name) or an embedded model (smollm2-135m, gemma3-270m)"),
+])
+def test_the_training_command_checks_its_flags_before_the_model_loads(flags, message, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the error was found")
+
+    monkeypatch.setattr(train_indexmem, "load_model", refuse)
+    monkeypatch.setattr(train_indexmem, "load_tokenizer", refuse)
+    with pytest.raises(SystemExit) as stop:
+        train_indexmem.main([*TRAIN_TINY, *(flag.format(tmp=tmp_path) for flag in flags)])
+    assert stop.value.code == f"error: {message.format(tmp=tmp_path)}"
+
+
+def test_a_hub_id_that_cannot_be_reached_is_one_line_naming_the_embedded_models():
+    """It was a 93-line OSError traceback offline."""
+    with pytest.raises(SystemExit) as stop:
+        train_indexmem.main(["--model_path", "org/no-such-model", *TRAIN_TINY])
+    message = stop.value.code
+    assert message.startswith("error: --model_path org/no-such-model: cannot load it (") and "\n" not in message
+    assert message.endswith("or an embedded model (smollm2-135m, gemma3-270m)")

@@ -197,6 +197,13 @@ def test_runs_repeat_bit_for_bit():
         (dict(laprox_floor=1.5), "--laprox_floor"),
         (dict(allocation="adakv"), "own laprox allocation"),
         (dict(kernel_size=4), "--kernel_size"),
+        # Each of these once passed the config, ran the prefill and the whole reconstruction pass, then raised.
+        (dict(observation="reconstruction", window_size=8),
+         "--method laprox scores with each window query's own attention row"),
+        (dict(observation="reconstruction", laprox_alloc="uniform", window_size=8), "--observation reconstruction"),
+        (dict(observation="reconstruction", laprox_cross_heads=True, window_size=8), "--observation reconstruction"),
+        (dict(prefill_chunk_size=64, window_size=8),
+         "--method laprox's model-wide laprox allocation needs the whole prompt"),
     ],
 )
 def test_bad_settings_name_the_flag(options, fragment):

@@ -235,3 +235,25 @@ def test_a_query_agnostic_run_with_reconstruction_observation_compresses_every_c
     reconstruction_run.check(folder, records, tiny.config.num_hidden_layers, 64)
     evaluations = longbench.evaluate_results_dir(folder)
     assert evaluations[folder.name]["datasets"]["hotpotqa"]["samples"] == 2
+
+
+def test_scripts_run_with_valid_flags_and_sweep(tmp_path):
+    """scripts/longbench/{run,sweep,eval}.sh, as the other benchmarks' scripts are checked: the
+    runner's command line they build parses, the sweep covers every method and budget, then scores."""
+    from restkv.benchmarks.flags import parse_args, selected_datasets
+    from top_level import dry_run_script, usage_exit
+
+    (run,) = dry_run_script("longbench/run.sh", "cpu", "snapkv", "128", "smollm2-135m", "--query_agnostic")
+    assert run[0] == "run_longbench.py"
+    args = parse_args(longbench.BENCHMARK, run[1:])
+    assert args.method == "snapkv" and args.max_capacity_prompts == 128 and args.query_agnostic
+    assert len(selected_datasets(args, longbench.BENCHMARK)) == 16 and args.data_dir == "data/LongBench"
+    (tmp_path / "smollm2-135m").mkdir()
+    lines = dry_run_script("longbench/sweep.sh", "cpu", "smollm2-135m", SAVE_DIR=str(tmp_path), BUDGETS="64")
+    runs = [line for line in lines if line[0] == "run_longbench.py"]
+    assert [line[line.index("--method") + 1] for line in runs] == ["fullkv", "streamingllm", "h2o", "snapkv",
+                                                                    "pyramidkv", "restkv"]
+    assert ["eval.py", "--results_dir", str(tmp_path / "smollm2-135m")] in lines
+    for script in ("longbench/run.sh", "longbench/eval.sh", "longbench/sweep.sh"):
+        code, message = usage_exit(script)
+        assert code == 2 and "bash scripts/" + script in message

@@ -7,7 +7,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 
 from restkv.compat import UnsupportedTransformersVersion, check_transformers_version, output_cache
 from restkv.config import CompressionConfig, ConfigError
-from restkv.monkeypatch import config_of, configure, family_of, replace_for_model, replace_llama, unpatch
+from restkv.monkeypatch import compression, config_of, configure, family_of, replace_for_model, replace_llama, unpatch
 from tiny_models import random_prompt, tiny_model
 
 _ORIGINAL_LLAMA_FORWARD = LlamaAttention.forward
@@ -145,3 +145,73 @@ def test_a_model_of_an_unpatched_family_warns_while_another_family_is_patched():
 def test_unpatching_an_unknown_family_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown family 'gpt2'; restkv patches llama, mistral, qwen2, gemma"):
         unpatch("gpt2")
+
+
+# ----------------------------------------------------------------------------- checked against the model
+def _no_forward(model):
+    """A pre-hook that fails the test if the model runs: the error must come when configuring."""
+    def refuse(module, args, kwargs):
+        raise AssertionError("the model ran before the error was found")
+
+    return model.register_forward_pre_hook(refuse, with_kwargs=True)
+
+
+@pytest.mark.parametrize("options, message", [
+    # A memory of 32 features at head dim 16 in float32 takes 17 token slots: 24 - 17 leaves fewer than the window.
+    (dict(method="indexmem", max_capacity_prompts=24, window_size=8),
+     r"--method indexmem: the latent memory takes 17 token slots per KV head \(--indexmem_features 32, head dim "
+     r"16\); a budget of 24 tokens then keeps fewer than the 8 protected ones"),
+])
+def test_a_budget_the_model_cannot_hold_is_refused_when_configured(options, message):
+    """Found at the first generation before; now when the model is given the config."""
+    model = tiny_model("llama")
+    hook = _no_forward(model)
+    replace_llama(method="snapkv", max_capacity_prompts=64)
+    for give in (lambda: configure(model, reset=True, **options), lambda: replace_for_model(model, **options),
+                 lambda: compression(model, **options).__enter__()):
+        with pytest.raises(ConfigError, match=message):
+            give()
+    hook.remove()
+
+
+def test_indexmem_weights_for_another_model_shape_are_refused_when_configured(tmp_path):
+    from restkv.indexmem import Architecture, IndexMemLayer, IndexMemWeights
+
+    arch = Architecture(num_layers=3, num_heads=6, num_kv_heads=2, head_dim=8, features=4)
+    path = tmp_path / "other.pt"
+    IndexMemWeights(arch, [IndexMemLayer(arch, index) for index in range(3)], {}).save(path)
+    model = tiny_model("llama")
+    hook = _no_forward(model)
+    with pytest.raises(ConfigError, match=r"--indexmem_weights .*other.pt was trained for layers/heads/KV heads/head "
+                                          r"dim 3/6/2/8; this model has 3/4/2/16"):
+        compression(model, method="indexmem", max_capacity_prompts=40, window_size=8, indexmem_features=4,
+                    indexmem_weights=str(path)).__enter__()
+    hook.remove()
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(max_capacity_prompts=16, prefill_chunk_size=64),
+     r"--prefill_chunk_size 64 compresses full-attention layers again; layers \[0, 2\] have a sliding window of 32 "
+     r"tokens, and --max_capacity_prompts 16 keeps fewer than their 31 at the prefill: they would be compressed, "
+     r"and a compressed sliding-window layer is not compressed again: raise --max_capacity_prompts to 31"),
+    (dict(max_capacity_prompts=16, decode_budget=24, decode_interval=2), r"--decode_budget 24 compresses"),
+    (dict(compression_ratio=0.5, prefill_chunk_size=48),
+     r"--compression_ratio 0.5 on the first chunk of 48 tokens keeps fewer than their 31 .*: use chunks of at least "
+     r"62 tokens or --max_capacity_prompts 31"),
+])
+def test_recompression_on_sliding_window_layers_is_refused_when_configured(options, message):
+    """A Gemma model whose sliding-window layers would be compressed at prefill could not compress
+    them again: a ValueError at the second chunk or the first decode interval, after the load."""
+    model = tiny_model("gemma3", sliding_window=32)
+    hook = _no_forward(model)
+    with pytest.raises(ConfigError, match=message):
+        compression(model, method="snapkv", window_size=4, **options).__enter__()
+    hook.remove()
+
+
+def test_recompression_with_a_budget_that_keeps_the_sliding_windows_whole_runs():
+    model = tiny_model("gemma3", sliding_window=32)
+    with compression(model, method="snapkv", window_size=4, max_capacity_prompts=31, prefill_chunk_size=64,
+                     decode_budget=40):
+        out = model.generate(random_prompt(1, 150), max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    assert output_cache(out).layers[1].tokens_seen == 155

@@ -189,3 +189,7 @@ def test_a_query_agnostic_run_with_reconstruction_observation_compresses_every_c
     reconstruction_run.check(folder, records, tiny.config.num_hidden_layers, 64)
     results = json.loads((folder / "needle_results.json").read_text())
     assert len(results["cells"]) == 2 and json.loads((folder / "scores.json").read_text())["complete"] is True
+    # The whole config and the mode, as run_meta.json has them (it once recorded only method and budget).
+    settings = json.loads((folder / "run_meta.json").read_text())["settings"]
+    assert results["config"] == settings["config"] and results["config"]["observation"] == "reconstruction"
+    assert results["query_agnostic"] is True and results["method"] == "snapkv" and results["budget"] == 64

@@ -2,6 +2,7 @@
 context for many questions (restkv.deferred, restkv.observation, restkv.policies.kvzip)."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -139,10 +140,14 @@ def test_reconstruction_scores_follow_the_question_not_the_context_end():
     [
         (dict(method="l2norm", observation="reconstruction"), "--method l2norm does not score with queries"),
         (dict(method="restkv", observation="reconstruction", metric_mode="before"), "--metric_mode before"),
-        (dict(method="h2o", observation="reconstruction", h2o_queries="all"), "--h2o_queries all"),
+        (dict(method="h2o", observation="reconstruction", h2o_queries="all"),  # once blamed --allocation uniform too
+         "--h2o_queries all accumulates the attention of every prompt query at once; it cannot wait for the whole "
+         "prefill (--observation reconstruction)"),
         (dict(method="kvzip", allocation="adakv"), "own model_ranked allocation"),
         (dict(method="snapkv", observation="future"), "--observation 'future' is not allowed"),
         (dict(method="snapkv", reconstruction_chunk=0), "--reconstruction_chunk must be >= 1"),
+        (dict(method="kvzip", n_sink=32), "--n_sink 32 must be smaller than --max_capacity_prompts 32"),
+        (dict(method="kvzip", n_sink=1000, kvzip_layerwise=True), "--n_sink 1000 must be smaller"),
     ],
 )
 def test_bad_reconstruction_settings_name_the_flag(options, fragment):
@@ -151,11 +156,42 @@ def test_bad_reconstruction_settings_name_the_flag(options, fragment):
     assert fragment in str(error.value)
 
 
-def test_reconstruction_compresses_one_prompt_at_a_time():
+def test_kvzip_sinks_fill_no_ratio_budget_and_every_head_keeps_them_below_one():
+    """n_sink at or above a row's ratio budget once left whole layers with no token (the model-wide
+    ranking gave the sinks' ties to the first layer); such a row is refused, naming --n_sink, and a
+    budget above the sinks keeps every sink in every layer and head."""
     model = tiny_model("llama")
-    replace_for("llama")(method="snapkv", max_capacity_prompts=16, window_size=4, observation="reconstruction")
-    with pytest.raises(ValueError, match="batch size 1"):
-        prefill(model, random_prompt(2, 40))
+    replace_for("llama")(method="kvzip", compression_ratio=0.9, n_sink=50, reconstruction_chunk=64)
+    with pytest.raises(ConfigError, match=r"a row of 200 tokens keeps 20 tokens \(--compression_ratio 0.9\), "
+                                          r"which does not exceed --n_sink 50"):
+        prefill(model, random_prompt(1, 200))
+    for layerwise in (False, True):
+        replace_for("llama")(method="kvzip", max_capacity_prompts=64, n_sink=60, kvzip_layerwise=layerwise,
+                             reconstruction_chunk=64)
+        for layer in prefill(model, random_prompt(1, 200)).layers:
+            kept = layer.kept_columns
+            assert all(set(range(60)) <= set(kept[0, head].tolist()) for head in range(kept.shape[1]))
+
+
+@pytest.mark.parametrize("options, cause", [
+    (dict(method="snapkv", observation="reconstruction"), "--observation reconstruction"),
+    (dict(method="kvzip"), "--observation reconstruction (--method kvzip's own)"),
+])
+def test_reconstruction_compresses_one_prompt_at_a_time_and_says_so_before_the_prefill(options, cause):
+    """A batch of 2 once ran the whole prefill before the reconstruction pass refused it."""
+    model = tiny_model("llama")
+    replace_for("llama")(max_capacity_prompts=16, window_size=4, **options)
+    layers_run = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda module, args: layers_run.append(1))
+    message = f"{cause} compresses one prompt at a time: this prefill has 2 rows; give input_ids of one row"
+    for call in (lambda: prefill(model, random_prompt(2, 40)),
+                 lambda: model.generate(random_prompt(2, 40), max_new_tokens=2, do_sample=False)):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            call()
+    assert not layers_run
+    hook.remove()
+    short = prefill(model, random_prompt(2, 12))  # within the budget: nothing to reconstruct, nothing refused
+    assert short.get_seq_length() == 12
 
 
 def test_compress_kv_with_a_model_wide_allocation_ranks_the_heads_of_its_one_layer():

@@ -23,6 +23,27 @@ def test_results_folder_names():
     assert results_dir("out", "smollm2-135m", CompressionConfig(method="fullkv")).name == "fullkv"
 
 
+@pytest.mark.parametrize("options, name", [
+    (dict(quant_method="kivi", nbits=2), "snapkv_128_kivi2"),
+    (dict(think=True), "snapkv_128_think"),
+    (dict(method="think"), "think_128"),  # the method's own switch is its name
+    (dict(prefill_chunk_size=256), "snapkv_128_chunk256"),
+    (dict(observation="reconstruction"), "snapkv_128_reconstruction"),
+    (dict(method="kvzip"), "kvzip_128"),  # its own observation and allocation
+    (dict(method="kvzip", observation="window"), "kvzip_128_window"),
+    (dict(decode_budget=512), "snapkv_128_decode512"),
+    (dict(allocation="adakv", residual=True), "snapkv_128_adakv_residual"),
+    (dict(merge="pivot"), "snapkv_128_pivot"),
+    (dict(method="pyramidkv"), "pyramidkv_128"),
+    (dict(observation="window", allocation="uniform"), "snapkv_128"),  # the defaults, named or not
+])
+def test_results_folder_names_say_what_makes_a_run_differ_from_the_plain_method(options, name):
+    """Quantised, ThinK, chunked and reconstruction runs once got the plain method's folder (and
+    table row): ``snapkv_128_agnostic_multi`` for all of them."""
+    config = CompressionConfig(**{"method": "snapkv", "max_capacity_prompts": 128, **options})
+    assert results_dir("out", "smollm2-135m", config, query_agnostic=True, tag="multi").name == f"{name}_agnostic_multi"
+
+
 def test_writer_redoes_a_half_written_last_line(tmp_path):
     path = tmp_path / "d.jsonl"
     with ResultWriter(path) as writer:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 
 import pytest
@@ -140,6 +141,32 @@ def test_a_resume_on_other_data_is_refused_and_grown_data_continue(tmp_path, tin
         runner.main(toy, argv, model=tiny, tokenizer=tokenizer)
 
 
+def test_a_file_an_option_names_is_fingerprinted_and_a_resume_against_another_is_refused(tmp_path, tiny, tokenizer):
+    """IndexMem weights retrained in place between two runs once mixed two weights' predictions in
+    one folder: run_meta.json stored only the path."""
+    from restkv.indexmem import Architecture, IndexMemLayer, IndexMemWeights
+
+    arch = Architecture(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, features=4)
+    weights = tmp_path / "weights.pt"
+
+    def train(seed):
+        IndexMemWeights(arch, [IndexMemLayer(arch, index, seed) for index in range(3)], {}).save(weights)
+
+    train(0)
+    flags = ["--method", "indexmem", "--indexmem_weights", str(weights), "--indexmem_features", "4"]
+    folder = toy_run(tmp_path, tiny, tokenizer, *flags, "--max_num_examples", "1")
+    recorded = json.loads((folder / "run_meta.json").read_text())["settings"]["files"]
+    assert recorded == {"indexmem_weights": hashlib.sha256(weights.read_bytes()).hexdigest()}
+    toy_run(tmp_path, tiny, tokenizer, *flags, "--max_num_examples", "2")  # the same file: the run resumes
+    train(1)
+    with pytest.raises(SystemExit, match=r"holds a run with other settings \(files.indexmem_weights: '[0-9a-f]{64}' "
+                                         r"-> '[0-9a-f]{64}'\)"):
+        toy_run(tmp_path, tiny, tokenizer, *flags)
+    assert len(lines_of(folder / "logs.jsonl")) == 2
+    plain = json.loads((toy_run(tmp_path, tiny, tokenizer, "--max_num_examples", "1") / "run_meta.json").read_text())
+    assert "files" not in plain["settings"]  # runs that name no file keep their settings as before
+
+
 def test_a_benchmark_flag_that_changes_predictions_is_part_of_the_run_settings(tmp_path, tiny, tokenizer):
     toy = dataclasses.replace(TOY, prediction_flags=("answer_style",))
 
@@ -204,12 +231,25 @@ def test_a_prompt_too_short_for_a_ratio_budget_is_answered_with_the_full_cache(t
     assert "compressed" not in first and first["kv_layers_compressed"] == tiny.config.num_hidden_layers
     assert second["compressed"] is False and second["kv_layers_compressed"] == 0
     assert second["uncompressed_reason"] == (
-        f"a prompt of {second['context_tokens']} tokens keeps {second['context_tokens'] // 10} under "
-        "--compression_ratio 0.9, no more than the 16 tokens --method snapkv always keeps")
+        f"a row of {second['context_tokens']} tokens keeps {second['context_tokens'] // 10} tokens "
+        "(--compression_ratio 0.9), which does not exceed the 16 protected tokens (--window_size 16); lower the ratio "
+        "or the window")
     assert second["kv_tokens_stored"] == second["kv_tokens_seen"]
     assert config_of(tiny) == CompressionConfig(method="snapkv", compression_ratio=0.9, window_size=16,
                                                 residual=bool(switches))
 
+
+
+def test_kvzip_sinks_that_fill_a_ratio_budget_answer_with_the_full_cache_and_say_why(tmp_path, tiny, tokenizer):
+    """--n_sink above every prompt once stopped the run with "restkv's attention patch is not
+    active" (the sinks' ties emptied whole layers); each line now says what keeps it uncompressed."""
+    argv = ["--save_dir", str(tmp_path), "--method", "kvzip", "--compression_ratio", "0.9", "--n_sink", "2000",
+            "--query_agnostic", "--reconstruction_chunk", "64", "--max_num_examples", "2"]
+    folder = runner.main(TOY, argv, model=tiny, tokenizer=tokenizer)
+    for record in lines_of(folder / "logs.jsonl"):
+        assert record["compressed"] is False and record["kv_layers_compressed"] == 0
+        assert record["uncompressed_reason"].endswith(
+            "which does not exceed --n_sink 2000 (the first --n_sink tokens are always kept)")
 
 
 # ----------------------------------------------------------------------------- multi-question samples

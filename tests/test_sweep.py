@@ -11,8 +11,8 @@ from restkv.config import ConfigError
 
 def test_method_specs_become_runner_flags():
     assert sweep.method_flags("snapkv") == ["--method", "snapkv"]
-    assert sweep.method_flags("adakv+residual+residual_no_gate") == [
-        "--method", "adakv", "--residual", "--residual_no_gate", "--tag", "residual+residual_no_gate"]
+    assert sweep.method_flags("adakv+residual+residual_no_gate") == [  # the folder names --residual itself
+        "--method", "adakv", "--residual", "--residual_no_gate", "--tag", "residual_no_gate"]
     with pytest.raises(ConfigError, match="'bogus' is not a boolean option"):
         sweep.method_flags("snapkv+bogus")
 
@@ -88,8 +88,9 @@ def test_a_sharded_sweep_marks_every_score_that_stands_on_part_of_the_samples(tm
 
 def test_a_method_spec_can_set_an_option_to_a_value():
     assert sweep.method_flags("snapkv+residual+observation=reconstruction") == [
-        "--method", "snapkv", "--residual", "--observation", "reconstruction",
-        "--tag", "residual+observation=reconstruction"]
+        "--method", "snapkv", "--residual", "--observation", "reconstruction"]  # the folder names both
+    assert sweep.method_flags("snapkv+kernel_size=7") == ["--method", "snapkv", "--kernel_size", "7",
+                                                          "--tag", "kernel_size=7"]
 
 
 def test_a_multi_question_sweep_runs_reconstruction_and_kvzip_and_records_them(tmp_path, tiny, tokenizer):
@@ -108,7 +109,7 @@ def test_a_multi_question_sweep_runs_reconstruction_and_kvzip_and_records_them(t
     assert {name: (s["config"]["method"], s["config"]["observation"]) for name, s in recorded.items()} == {
         "fullkv_agnostic_multi": ("fullkv", "window"),
         "snapkv_64_agnostic_multi": ("snapkv", "window"),
-        "snapkv_64_agnostic_multi_observation=reconstruction": ("snapkv", "reconstruction"),
+        "snapkv_64_reconstruction_agnostic_multi": ("snapkv", "reconstruction"),
         "kvzip_64_agnostic_multi": ("kvzip", "reconstruction"),
     }
     assert all(s["query_agnostic"] and s["benchmark_flags"]["multi_question"] and s["max_new_tokens"] == 3

@@ -70,6 +70,17 @@ def test_budget_curves_from_scored_run_folders(tmp_path):
     lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ruler_axes.get_lines()}
     assert lines["snapkv"] == ([128, 512], [50.0, 70.0]) and lines["restkv"] == ([128], [70.0])
     assert lines["fullkv"][1] == [95.0, 95.0]  # the full-cache reference line
+
+
+def test_budget_curves_keep_variants_of_a_method_apart(tmp_path):
+    """Runs of one method with other switches or modes (their folders say so) were averaged into
+    one line under the method's name."""
+    _scored_run(tmp_path, "snapkv_128", "snapkv", 128, ruler_scores={"4096": {"vt": 40.0}})
+    _scored_run(tmp_path, "snapkv_128_residual_agnostic", "snapkv", 128, ruler_scores={"4096": {"vt": 80.0}})
+    _scored_run(tmp_path, "snapkv_256_residual_agnostic", "snapkv", 256, ruler_scores={"4096": {"vt": 90.0}})
+    rows = figures.read_run_scores(tmp_path)
+    assert {(r["method"], r["budget"]): r["score"] for r in rows} == {
+        ("snapkv", 128): 40.0, ("snapkv_residual_agnostic", 128): 80.0, ("snapkv_residual_agnostic", 256): 90.0}
     with pytest.raises(ValueError, match="no scores"):
         figures.budget_curves([], tmp_path / "none.png")
 

@@ -1,5 +1,5 @@
-"""Run the repository's top-level scripts (run_*.py, eval*.py, scripts/*/*.sh) and import
-visualization/ in tests.
+"""Run the repository's top-level scripts (run_*.py, eval*.py, scripts/*.py, scripts/*/*.sh) and
+import visualization/ in tests.
 
 pytest puts ``tests/`` on sys.path, not the repository root where those live.
 """
@@ -40,15 +40,24 @@ def usage_exit(script: str) -> tuple[int, str]:
     return result.returncode, result.stderr
 
 
-def script_help(script: str) -> tuple[int, str]:
-    """(exit code, stdout) of ``python <script> --help`` for a top-level ``run_*.py``/``eval*.py``,
-    run in this process (its imports are already loaded, so it takes no time)."""
+def load_scripts_module(name: str) -> ModuleType:
+    """``scripts/<name>.py`` as the module ``name`` (the scripts import each other that way:
+    ``gpu_bench`` takes ``efficiency``'s functions), so a test patches what the script runs."""
+    folder = str(ROOT / "scripts")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(name)
+
+
+def run_main(script: str, *args: str) -> tuple[int | str, str]:
+    """(exit code or message, stdout) of ``python <script> args...`` for a top-level ``run_*.py``/
+    ``eval*.py``, run in this process (its imports are already loaded, so it starts at once)."""
     import contextlib
     import io
     import runpy
 
     saved_argv, output = sys.argv, io.StringIO()
-    sys.argv = [script, "--help"]
+    sys.argv = [script, *args]
     try:
         with contextlib.redirect_stdout(output):
             runpy.run_path(str(ROOT / script), run_name="__main__")
@@ -57,3 +66,8 @@ def script_help(script: str) -> tuple[int, str]:
     finally:
         sys.argv = saved_argv
     return 0, output.getvalue()
+
+
+def script_help(script: str) -> tuple[int | str, str]:
+    """(exit code, stdout) of ``python <script> --help``."""
+    return run_main(script, "--help")

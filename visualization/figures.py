@@ -62,7 +62,8 @@ def needle_heatmap(rows: Iterable[Mapping], out_path: str | Path, title: str = "
 
 
 def read_run_scores(results_root: str | Path) -> list[dict]:
-    """One row ``{benchmark, method, budget, score, run}`` per run folder under ``results_root``.
+    """One row ``{benchmark, method, budget, score, run}`` per run folder under ``results_root``
+    (``method``: the method and what its folder name says of the run besides the budget).
 
     A run folder has the runner's ``run_meta.json`` (method and budget) and a score file of
     an eval: ``metrics.json`` (LongBench average), ``ruler_scores.json`` (mean over lengths of
@@ -78,9 +79,19 @@ def read_run_scores(results_root: str | Path) -> list[dict]:
         if budget is None and config["method"] != "fullkv":
             continue  # a --compression_ratio run has no place on a budget axis
         for benchmark, score in _scores_in(folder):
-            rows.append({"benchmark": benchmark, "method": config["method"], "budget": budget,
-                         "score": score, "run": str(folder)})
+            rows.append({"benchmark": benchmark, "method": _variant_label(folder.name, config["method"], budget),
+                         "budget": budget, "score": score, "run": str(folder)})
     return rows
+
+
+def _variant_label(folder_name: str, method: str, budget: int | None) -> str:
+    """A run's line in a budget plot: its folder's name without the budget
+    (``snapkv_128_residual_agnostic`` -> ``snapkv_residual_agnostic``), so variants of a method
+    (switches, modes, tags: what the runners name folders by) are not averaged into one line."""
+    prefix = method if budget is None else f"{method}_{budget}"
+    if folder_name == prefix or folder_name.startswith(prefix + "_"):
+        return method + folder_name[len(prefix):]
+    return folder_name
 
 
 def _scores_in(folder: Path) -> list[tuple[str, float]]:

@@ -13,6 +13,7 @@ import sys
 from typing import Callable, TypeVar
 
 from restkv.config import ConfigError
+from restkv.models import ModelPathError
 
 Entry = TypeVar("Entry", bound=Callable)
 
@@ -45,9 +46,9 @@ class CompressionMismatch(CompressionNotApplied):
     """The cache was compressed with other settings than the ones the run records."""
 
 
-#: What ``command_line`` reports in one line: the errors above, a bad compression option, and
-#: a missing file or folder named on the command line.
-REPORTED = (BenchmarkError, ConfigError, FileNotFoundError)
+#: What ``command_line`` reports in one line: the errors above, a bad compression option, a
+#: model path that loads nothing, and a missing file or folder named on the command line.
+REPORTED = (BenchmarkError, ConfigError, ModelPathError, FileNotFoundError)
 
 
 def command_line(entry: Entry) -> Entry:

@@ -8,7 +8,7 @@ only one of the benchmarks that builds configs (``compression_config_from_args``
 ``parse_args`` checks every value before anything is loaded, so a typo in a sweep script
 stops with the flag's name at once: the compression options (the config's own checks), the
 datasets, the shard, the lengths and counts, ``--model_path`` when it can only be a local
-folder, and the benchmark's own flags (``Benchmark.check_flags``).
+folder (``restkv.models.check_model_path``), and the benchmark's own flags (``Benchmark.check_flags``).
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 import typing
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from restkv.benchmarks.benchmark import Benchmark
 from restkv.benchmarks.errors import DataError, FlagError
 from restkv.config import CompressionConfig, ConfigError
 from restkv.flags import add_compression_flags, config_from_flags
+from restkv.models import ModelPathError, check_model_path
 
 #: Prompt-token limits of the original release (ReST-KV run_*.py), keyed by a substring of the
 #: lower-cased model path, plus the embedded models and "llama-3-" (hub names of the 8K Llama 3,
@@ -140,7 +140,7 @@ def parse_args(benchmark: Benchmark, argv: Sequence[str] | None = None,
     args = parser.parse_args(argv)
     try:
         check_flags(args, benchmark)
-    except (ConfigError, DataError, FlagError) as error:
+    except (ConfigError, DataError, FlagError, ModelPathError) as error:
         parser.error(str(error))
     return args
 
@@ -153,26 +153,18 @@ def check_flags(args: argparse.Namespace, benchmark: Benchmark) -> None:
     selected_datasets(args, benchmark)
     shard_of(args)
     check_model_path(args.model_path)
-    for flag, minimum in (("model_max_len", MIN_MODEL_MAX_LEN), ("max_new_tokens", 1), ("max_num_examples", 1)):
-        value = getattr(args, flag)
-        if value is not None and value < minimum:
-            raise FlagError(f"--{flag} must be >= {minimum}; got {value}")
+    check_minimums(args, {"model_max_len": MIN_MODEL_MAX_LEN, "max_new_tokens": 1, "max_num_examples": 1})
     if benchmark.check_flags is not None:
         benchmark.check_flags(args)
 
 
-def check_model_path(model_path: str) -> None:
-    """A ``--model_path`` that can only be a local path (absolute, starting with ``.`` or ``~``,
-    or with more than one ``/``, which no hub id has) must exist."""
-    from restkv.models import EMBEDDED_MODELS
-
-    if model_path in EMBEDDED_MODELS or Path(model_path).expanduser().exists():
-        return
-    if model_path.startswith(("/", ".", "~")) or model_path.count("/") > 1 or model_path.endswith("/"):
-        raise FlagError(
-            f"--model_path {model_path}: no such folder; give a local model folder, a hub id (org/name) or an "
-            f"embedded model ({', '.join(EMBEDDED_MODELS)})"
-        )
+def check_minimums(args: argparse.Namespace, minimums: Mapping[str, float]) -> None:
+    """``FlagError`` for a flag (or an item of a list flag) below its minimum; None is "not given"."""
+    for flag, minimum in minimums.items():
+        value = getattr(args, flag)
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if item is not None and item < minimum:
+                raise FlagError(f"--{flag} must be >= {minimum}; got {item}")
 
 
 def selected_datasets(args: argparse.Namespace, benchmark: Benchmark) -> list[str]:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from restkv.benchmarks.errors import command_line
 from restkv.benchmarks.longbench_metrics import qa_f1_score
 from restkv.compat import with_cache
 from restkv.head_scores import head_key, save_head_scores
@@ -247,6 +248,7 @@ def compute_head_scores(
     return per_head
 
 
+@command_line
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(
         prog="python -m restkv.benchmarks.head_scores",
@@ -274,10 +276,12 @@ def main(argv: list[str] | None = None) -> Path:
     if any(n < 16 for n in args.context_lengths):
         parser.error("--context_lengths must be at least 16 tokens")
 
-    from restkv.models import load_model, load_tokenizer, model_label
+    from restkv.models import check_model_path, load_model, load_tokenizer, model_label, model_path_errors
 
-    model = load_model(args.model_path, attn_implementation="eager", dtype=args.dtype)
-    tokenizer = load_tokenizer(args.model_path)
+    check_model_path(args.model_path)
+    with model_path_errors(args.model_path):
+        model = load_model(args.model_path, attn_implementation="eager", dtype=args.dtype)
+        tokenizer = load_tokenizer(args.model_path)
     out = Path(args.out or f"data/heads_score/{model_label(args.model_path)}_retrieval_reasoning_heads.json")
     scores = compute_head_scores(
         model, tokenizer, args.context_lengths, args.depths, NEEDLES[: args.num_needles],

@@ -23,7 +23,8 @@ Haystack: the essays of ``--haystack_dir`` (a folder that must hold some), by de
 (:mod:`restkv.benchmarks.haystack`); the choice is recorded with the results.
 
 ``run`` is the command line of ``run_needle_in_haystack.py``; it scores the cells written so far
-into ``needle_results.json`` and ``scores.json`` (``restkv.benchmarks.scoring``).
+into ``needle_results.json`` (with the model, the mode and the whole config) and ``scores.json``
+(``restkv.benchmarks.scoring``).
 """
 
 from __future__ import annotations
@@ -316,6 +317,6 @@ def run(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> Path:
     config = compression_config_from_args(args)
     rows = score_records(read_predictions(folder, "needle"))
     write_results(rows, folder / "needle_results.json", model=args.model_path, method=config.method,
-                  budget=config.max_capacity_prompts)
+                  budget=config.max_capacity_prompts, query_agnostic=bool(args.query_agnostic), config=config.to_dict())
     print(f"predictions in {folder}\n{scoring.runs_table([scoring.score_run(folder, BENCHMARK)])}")
     return folder

@@ -1,7 +1,8 @@
 """A run's results folder: its name and its prediction files.
 
-**Folder.** ``<save_dir>/<model>/<method>_<budget>[_agnostic][_<tag>]/`` (``fullkv`` has no
-budget) holds ``run_meta.json`` and one jsonl per dataset: ``<dataset>.jsonl``, or
+**Folder.** ``<save_dir>/<model>/<method>_<budget>[_<variant>...][_agnostic][_<tag>]/``
+(``fullkv`` has no budget; the variant parts name what makes the run differ from the plain
+method: ``snapkv_128_kivi2_think_chunk512``) holds ``run_meta.json`` and one jsonl per dataset: ``<dataset>.jsonl``, or
 ``<dataset>.shard-<k>-of-<n>.jsonl`` for shard ``k`` of ``n`` (a dataset name with "/" makes a
 subfolder). One line per sample, written (flushed and fsynced) as soon as it is generated.
 
@@ -25,6 +26,7 @@ from typing import Any, Iterator, Mapping
 
 from restkv.benchmarks.errors import DataError, RunFolderBusy
 from restkv.config import CompressionConfig
+from restkv.options import registered
 
 # --------------------------------------------------------------------------- folder
 
@@ -38,12 +40,45 @@ def budget_label(config: CompressionConfig) -> str:
     return f"ratio{config.compression_ratio:g}"
 
 
+def variant_parts(config: CompressionConfig) -> list[str]:
+    """What a run does beyond its method and budget, as parts of its folder name (and so of the
+    evaluators' table rows): an allocation or a merge, quantisation and its bits, each switch the
+    method does not turn on itself, an observation that is not the method's own, chunked prefill,
+    a decode budget (``adakv``, ``pivot``, ``kivi2``, ``residual``, ``think``, ``reconstruction``,
+    ``chunk512``, ``decode1024``)."""
+    policy_cls, run = type(config.policy), config.run
+    parts = []
+    if run.allocation not in ("uniform", policy_cls.own_allocation(config.to_dict())):
+        parts.append(run.allocation)
+    if config.merger is not None:
+        parts.append(run.merge)
+    if config.quantizer is not None:
+        parts.append(f"{run.quant_method}{config.nbits}")
+    parts += [part.name for part in config.switches if part.name not in policy_cls.own_switches]
+    if run.observation != policy_cls.default_observation:
+        parts.append(run.observation)
+    if run.prefill_chunk_size is not None:
+        parts.append(f"chunk{run.prefill_chunk_size}")
+    if run.decode_budget is not None:
+        parts.append(f"decode{run.decode_budget}")
+    return parts
+
+
+def named_in_folder(option: str) -> bool:
+    """Whether a run's folder name says the value of ``option`` (``variant_parts``), so a variant
+    that sets only such options needs no ``--tag`` to keep its folder apart."""
+    switches = {cls.name for cls in registered("switch")}
+    return option in switches or option in ("allocation", "use_pyramid", "merge", "quant_method", "nbits",
+                                             "observation", "prefill_chunk_size", "decode_budget")
+
+
 def results_dir(save_dir: str | Path, model_path: str, config: CompressionConfig,
                 query_agnostic: bool = False, tag: str | None = None) -> Path:
-    """``<save_dir>/<model>/<method>_<budget>[_agnostic][_<tag>]`` (``fullkv`` has no budget)."""
+    """``<save_dir>/<model>/<method>_<budget>[_<variant>...][_agnostic][_<tag>]`` (``fullkv`` has
+    no budget; the variant parts: ``variant_parts``)."""
     from restkv.models import model_label
 
-    name = "_".join(part for part in (config.method, budget_label(config)) if part)
+    name = "_".join(part for part in (config.method, budget_label(config), *variant_parts(config)) if part)
     if query_agnostic:
         name += "_agnostic"
     if tag:

@@ -469,8 +469,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                        "ask one question per inserted needle, in RULER's wording for that key, from that one "
                        "compressed context; one line per question (id <sample>/<needle>), each scored on its own "
                        "needle's values. Query-agnostic by definition (implies --query_agnostic); its folder is "
-                       "<method>_<budget>_agnostic_multi[_<tag>]. Needs data from restkv.benchmarks.ruler_data, "
-                       "which records the needles")
+                       "<method>_<budget>[_<variant>...]_agnostic_multi[_<tag>]. Needs data from "
+                       "restkv.benchmarks.ruler_data, which records the needles")
 
 
 @command_line

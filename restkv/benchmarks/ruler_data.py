@@ -53,6 +53,7 @@ from typing import Callable, Sequence
 from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, given_essays, load_essays, split_sentences
 from restkv.benchmarks.ruler import FAMILIES, RulerTask, get_task, niah_prompt, parse_task_list, SYNTHETIC_TASKS
 from restkv.benchmarks.errors import FlagError, command_line
+from restkv.benchmarks.flags import check_minimums
 from restkv.benchmarks.prompts import chat_wrap
 from restkv.text import wonderwords_list, wonderwords_version
 
@@ -656,8 +657,7 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
     args = parser.parse_args(argv)
     try:  # everything that needs no tokenizer
         tasks = parse_task_list(args.tasks)
-        if args.num_samples < 1:
-            raise FlagError(f"--num_samples must be >= 1; got {args.num_samples}")
+        check_minimums(args, {"num_samples": 1})
         check_lengths(tasks, args.lengths)
         for task in tasks:
             if (missing := missing_qa_file(task, args.qa_dir)) is not None:

@@ -2,7 +2,8 @@
 keep one run per folder.
 
 **Settings.** ``run_meta.json`` records the command line, the config, the resolved settings
-(``run_settings``), the git sha and library versions. A folder's settings are fixed by its
+(``run_settings``, with a sha256 of every file an option names: weights, head scores), the git
+sha and library versions. A folder's settings are fixed by its
 first completed sample: rerunning into it with a different config, model, prompt length or
 mode stops with the list of differences (``RunMismatch``; use ``--tag`` or another
 ``--save_dir`` for a variant). A folder without any completed sample (a run that failed at
@@ -69,7 +70,19 @@ def run_settings(args: argparse.Namespace, benchmark: Benchmark, config: Compres
         "attn_implementation": args.attn_implementation,
         **({"benchmark_flags": {name: getattr(args, name) for name in benchmark.prediction_flags}}
            if benchmark.prediction_flags else {}),
+        **({"files": {name: file_fingerprint(path) for name, path in config.files().items()}}
+           if config.files() else {}),
     }
+
+
+def file_fingerprint(path: str) -> str:
+    """sha256 of a file's content: a file an option names (weights retrained in place, head scores
+    recomputed) changes the predictions without changing the path."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ compressed layer must have been built with the run's config, else ``CompressionM
 Tokens seen / stored go in the line.
 
 **Prompts too short to compress.** Under ``--compression_ratio`` a short prompt may keep no
-more tokens than the method always keeps; the library refuses such a row, so the sample is
-answered with the full cache and its line says so (``"compressed": false`` and
-``"uncompressed_reason"``); the evaluators count such samples.
+more tokens than the method always keeps (its window, KVzip's sinks); the library refuses such
+a row, so the sample is answered with the full cache and its line says so (``"compressed":
+false`` and ``"uncompressed_reason"``: the library's refusal); the evaluators count such samples.
 
 **Output line.** ``id, index, pred`` (the field name of LongBench's and RULER's own tools), the
 adapter's ``fields``, then ``prompt_tokens, context_tokens, question_tokens, truncated,
@@ -49,7 +49,7 @@ import torch
 from tqdm import tqdm
 
 from restkv.benchmarks.benchmark import Benchmark, Sample
-from restkv.benchmarks.errors import CompressionMismatch, CompressionNotApplied, DataError, FlagError
+from restkv.benchmarks.errors import CompressionMismatch, CompressionNotApplied, DataError
 from restkv.benchmarks.flags import compression_config_from_args, default_model_max_len, full_cache_config, shard_of
 from restkv.benchmarks.prompts import EncodedPrompt, encode_prompt, encode_questions, stop_token_ids
 from restkv.benchmarks.results import results_dir
@@ -207,18 +207,16 @@ def uncompressible_reason(config: CompressionConfig, prefill_tokens: int) -> str
     """Why a prefill of ``prefill_tokens`` tokens cannot be compressed under ``config``, or None.
 
     A ratio budget can leave a short prompt no more tokens than the method always keeps (its
-    observation window), and the library refuses to compress such a row; the runner decides
-    before generating, from the same budget rule, and answers that sample with the full cache.
+    observation window, KVzip's sinks), and the library refuses to compress such a row; the
+    runner asks the library's own plan before generating, answers that sample with the full
+    cache, and records the library's reason.
     """
     from restkv.context import plan_layer
 
     try:
         plan_layer(config, torch.ones(1, prefill_tokens, dtype=torch.bool))
-    except ConfigError:
-        budget = config.budget_for(prefill_tokens)
-        protected = config.policy.protected_count(config.run.window_size, budget)
-        return (f"a prompt of {prefill_tokens} tokens keeps {budget} under --compression_ratio "
-                f"{config.compression_ratio}, no more than the {protected} tokens --method {config.method} always keeps")
+    except ConfigError as refusal:
+        return str(refusal)
     return None
 
 
@@ -267,16 +265,6 @@ def _dtype_name(args: argparse.Namespace, model) -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
-@contextlib.contextmanager
-def _model_path_errors(model_path: str) -> Iterator[None]:
-    """A model or tokenizer that cannot be loaded is a bad ``--model_path``, told in one line."""
-    try:
-        yield
-    except OSError as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise FlagError(f"--model_path {model_path}: cannot load it ({first_line})") from error
-
-
 def load_dataset_samples(benchmark: Benchmark, args: argparse.Namespace, dataset: str, tokenizer) -> list[Sample]:
     """The dataset's samples as the adapter loads them, ids checked unique (they are the resume key)."""
     samples = benchmark.load_samples(args, dataset, tokenizer)
@@ -310,12 +298,12 @@ class BenchmarkRun:
         data), then load (unless given) and patch the model and write ``run_meta.json``."""
         from transformers import AutoConfig
 
-        from restkv.models import load_model, load_tokenizer, resolve_model_path
+        from restkv.models import load_model, load_tokenizer, model_path_errors, resolve_model_path
         from restkv.monkeypatch import configure, replace_for_model
 
         config = compression_config_from_args(args)
         shard_id, num_shards = shard_of(args)
-        with _model_path_errors(args.model_path):
+        with model_path_errors(args.model_path):
             if tokenizer is None:
                 tokenizer = load_tokenizer(args.model_path)
             model_config = model.config if model is not None else AutoConfig.from_pretrained(
@@ -335,7 +323,7 @@ class BenchmarkRun:
             results.claim(datasets, shard_id, num_shards)
             set_seed(config.seed)
             if model is None:
-                with _model_path_errors(args.model_path):
+                with model_path_errors(args.model_path):
                     model = load_model(args.model_path, args.attn_implementation, dtype, _device_map(args))
             # replace_* patches the family (and drops what an earlier configure() left on this
             # model); configure() gives the model exactly the run's config.

@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Sequence
 
 from restkv.benchmarks import ruler, ruler_data, scoring
-from restkv.benchmarks.errors import FlagError, command_line
+from restkv.benchmarks.errors import command_line
+from restkv.benchmarks.flags import check_minimums
 from restkv.benchmarks.flags import parse_args as parse_runner_args
-from restkv.benchmarks.results import read_predictions
+from restkv.benchmarks.results import named_in_folder, read_predictions
 from restkv.config import ConfigError, method_spec_options
 
 DEFAULT_TASKS = "niah_single_1,niah_single_2,niah_multikey_1"
@@ -66,15 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def method_flags(spec: str) -> list[str]:
-    """``snapkv+residual`` -> ``--method snapkv --residual --tag residual``, and
-    ``snapkv+observation=reconstruction`` -> ``--method snapkv --observation reconstruction --tag
-    observation=reconstruction`` (the tag keeps the run's folder apart from the plain method's)."""
+    """``snapkv+residual`` -> ``--method snapkv --residual``, ``snapkv+kernel_size=7`` ->
+    ``--method snapkv --kernel_size 7 --tag kernel_size=7``: the tag holds the spec's parts that
+    the run's folder name does not say (``results.named_in_folder``), so every variant's folder
+    stays apart from the plain method's."""
     options = method_spec_options(spec)
     method = options.pop("method")
     flags = []
     for name, value in options.items():
         flags += [f"--{name}"] if value is True else [f"--{name}", str(value)]
-    tag = ["--tag", spec.split("+", 1)[1]] if options else []
+    unnamed = [part for part in spec.split("+")[1:] if not named_in_folder(part.partition("=")[0])]
+    tag = ["--tag", "+".join(unnamed)] if unnamed else []
     return ["--method", method, *flags, *tag]
 
 
@@ -119,8 +122,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     try:
         tasks = ruler.parse_task_list(args.tasks)
-        if args.num_samples < 1:
-            raise FlagError(f"--num_samples must be >= 1; got {args.num_samples}")
+        check_minimums(args, {"num_samples": 1})
         ruler_data.check_lengths(tasks, [args.length], flag="--length")
         for spec, budget in configurations(args):
             runner_args(args, spec, budget)

@@ -141,6 +141,26 @@ class GroupedScores(Policy):
         return ctx.reduce_groups(scores, self.gqa_score_agg)
 
 
+class KeepsSinks:
+    """For a policy with an ``n_sink`` option whose first ``n_sink`` tokens are always kept: the
+    sinks must leave room in the budget (else they fill it, and a model-wide ranking gives their
+    ties to the first layers, leaving later ones empty)."""
+
+    def check_sinks(self, config: "CompressionConfig") -> None:
+        budget = config.run.max_capacity_prompts
+        if budget is not None and self.n_sink >= budget:
+            raise ConfigError(f"--n_sink {self.n_sink} must be smaller than --max_capacity_prompts {budget} (the "
+                              "first --n_sink tokens are always kept)")
+
+    def check_row(self, config: "CompressionConfig", length: int, budget: int, protected: int) -> None:
+        if self.n_sink >= budget:
+            raise ConfigError(
+                f"a row of {length} tokens keeps {budget} tokens (--compression_ratio "
+                f"{config.run.compression_ratio}), which does not exceed --n_sink {self.n_sink} (the first --n_sink "
+                "tokens are always kept)"
+            )
+
+
 POOLING_HELP = "spatial smoothing of the scores (adaptive: ReST-KV's drift-driven kernel)"
 
 

@@ -40,10 +40,11 @@ class H2O(GroupedScores):
     def check(self, config) -> None:
         super().check(config)
         if self.h2o_queries == "all" and (config.compresses_after_prefill or config.rescores):
+            cannot = (f"wait for the whole prefill ({' and '.join(config.deferring_flags())})"
+                      if config.compresses_after_prefill else
+                      f"score chunk by chunk ({' and '.join(config.rescoring_flags())})")
             raise ConfigError(
-                "--h2o_queries all accumulates the attention of every prompt query at once; it cannot wait for the "
-                f"whole prefill (--observation {config.run.observation}, --allocation {config.run.allocation}) nor "
-                "score chunk by chunk (--prefill_chunk_size, --decode_budget)"
+                f"--h2o_queries all accumulates the attention of every prompt query at once; it cannot {cannot}"
             )
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:

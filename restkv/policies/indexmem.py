@@ -32,7 +32,7 @@ from restkv.policies.base import PooledScores
 from restkv.selection import Reservation
 
 if TYPE_CHECKING:
-    from restkv.config import CompressionConfig
+    from restkv.config import CompressionConfig, ModelShape
 
 _FALLBACK_WARNED = False
 
@@ -44,7 +44,8 @@ class IndexMem(PooledScores):
     summarises_evicted = True
 
     indexmem_weights: str | None = option(
-        None, "IndexMem weights file (python -m restkv.train_indexmem); without it the training-free fallback runs")
+        None, "IndexMem weights file (python -m restkv.train_indexmem); without it the training-free fallback runs",
+        names_file=True)
     indexmem_features: int = option(32, "features of the latent memory per KV head (its size: features x (head_dim "
                                         "+ 1) float32 numbers, taken from the budget in token slots)", minimum=1)
     indexmem_query_reduction: str = option("mean", "how the indexer's scores are reduced over the observation queries",
@@ -57,9 +58,10 @@ class IndexMem(PooledScores):
 
     def check(self, config: "CompressionConfig") -> None:
         super().check(config)
-        if config.switch("residual") is not None:
-            raise ConfigError("--method indexmem keeps its own memory of the evicted tokens; it does not combine "
-                              "with --residual")
+        for summary in ("residual", "moments"):
+            if config.switch(summary) is not None:
+                raise ConfigError("--method indexmem keeps its own memory of the evicted tokens; it does not "
+                                  f"combine with --{summary}")
         if config.rescores:
             raise ConfigError("--method indexmem writes its memory when the prompt is compressed; "
                               "--prefill_chunk_size and --decode_budget are not supported")
@@ -75,6 +77,33 @@ class IndexMem(PooledScores):
             raise ConfigError(f"--indexmem_features {self.indexmem_features} differs from the "
                               f"{weights.arch.features} features of --indexmem_weights {self.indexmem_weights}")
 
+    def check_model(self, config: "CompressionConfig", model: "ModelShape") -> None:
+        if self.indexmem_weights is not None:
+            self._check_weights_shape(model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim)
+        budget = config.run.max_capacity_prompts
+        if budget is None or not self.indexmem_memory or all(w is not None for w in model.sliding_windows):
+            return
+        slots = slots_for(self.indexmem_features, model.head_dim, 2 * model.head_dim * model.element_size)
+        protected = self.protected_count(config.run.window_size, budget)
+        if budget - slots < protected:
+            raise self._no_room(slots, model.head_dim, budget, protected)
+
+    def _check_weights_shape(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        arch = _weights(self.indexmem_weights).arch
+        model = (num_layers, num_heads, num_kv_heads, head_dim)
+        if (arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim) != model:
+            raise ConfigError(
+                f"--indexmem_weights {self.indexmem_weights} was trained for layers/heads/KV heads/head dim "
+                f"{arch.num_layers}/{arch.num_heads}/{arch.num_kv_heads}/{arch.head_dim}; this model has "
+                f"{'/'.join(map(str, model))}")
+
+    def _no_room(self, slots: int, head_dim: int, budget: int, protected: int) -> ConfigError:
+        return ConfigError(
+            f"--method indexmem: the latent memory takes {slots} token slots per KV head (--indexmem_features "
+            f"{self.indexmem_features}, head dim {head_dim}); a budget of {budget} tokens then keeps fewer than the "
+            f"{protected} protected ones (--window_size). Raise the budget, lower --indexmem_features or turn the "
+            "memory off (--no-indexmem_memory)")
+
     @property
     def fusion(self) -> str:
         if self.indexmem_fusion != "auto":
@@ -89,15 +118,8 @@ class IndexMem(PooledScores):
             arch = Architecture(ctx.num_layers, num_heads, ctx.num_kv_heads, head_dim, self.indexmem_features)
             layer = _fallback_layer(arch, ctx.layer_idx, ctx.plan.seed)
         else:
-            weights = _weights(self.indexmem_weights)
-            arch = weights.arch
-            model = (ctx.num_layers, num_heads, ctx.num_kv_heads, head_dim)
-            if (arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim) != model:
-                raise ConfigError(
-                    f"--indexmem_weights {self.indexmem_weights} was trained for layers/heads/KV heads/head dim "
-                    f"{arch.num_layers}/{arch.num_heads}/{arch.num_kv_heads}/{arch.head_dim}; this model has "
-                    f"{'/'.join(map(str, model))}")
-            layer = weights.layers[ctx.layer_idx]
+            self._check_weights_shape(ctx.num_layers, num_heads, ctx.num_kv_heads, head_dim)
+            layer = _weights(self.indexmem_weights).layers[ctx.layer_idx]
         return _on_device(layer, ctx.key.device)
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
@@ -125,11 +147,7 @@ class IndexMem(PooledScores):
         reserved = torch.where(evicting, keep - slots, keep)
         protected = ctx.protected.sum(dim=-1, keepdim=True)
         if bool((reserved < protected).any()):
-            raise ConfigError(
-                f"--method indexmem: the latent memory takes {slots} token slots per KV head (--indexmem_features "
-                f"{self.indexmem_features}, head dim {ctx.key.shape[-1]}); a budget of {int(keep.min())} tokens "
-                f"then keeps fewer than the {int(protected.max())} protected ones (--window_size). Raise the budget, "
-                "lower --indexmem_features or turn the memory off (--no-indexmem_memory)")
+            raise self._no_room(slots, ctx.key.shape[-1], int(keep.min()), int(protected.max()))
         return Reservation(scores, reserved)
 
     def summarise(self, ctx: ScoringContext, columns: torch.Tensor, memo) -> list:

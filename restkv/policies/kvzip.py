@@ -3,7 +3,8 @@
 After the context's prefill the model is asked to repeat it (``--observation
 reconstruction``, the method's default; ``restkv.deferred``); a cached token's score is the
 largest attention any reconstruction query gives it, the query group pooled by its maximum
-(``--gqa_score_agg max``). The first ``--n_sink`` tokens are always kept (attention sinks)
+(``--gqa_score_agg max``). The first ``--n_sink`` tokens are always kept (attention sinks;
+``--n_sink`` must stay below the budget, fixed or of each row under a ratio, else it is an error)
 and no recent window is protected: the context is compressed once, for any later question.
 The budget is spread by one ranking of every (layer, KV head, token) score across the model
 (``--max_capacity_prompts`` x layers x KV heads entries in all, ragged per layer and head);
@@ -33,7 +34,7 @@ import torch
 
 from restkv.context import ScoringContext
 from restkv.options import option, register
-from restkv.policies.base import GQA_AGGREGATIONS, GroupedScores
+from restkv.policies.base import GQA_AGGREGATIONS, GroupedScores, KeepsSinks
 
 #: the score of a sink token: above any attention weight, so sinks always rank first
 SINK_SCORE = 2.0
@@ -41,7 +42,7 @@ SINK_SCORE = 2.0
 
 @register("method")
 @dataclass(frozen=True)
-class KVzip(GroupedScores):
+class KVzip(KeepsSinks, GroupedScores):
     name = "kvzip"
     allocation = "model_ranked"
     default_observation = "reconstruction"
@@ -60,6 +61,10 @@ class KVzip(GroupedScores):
 
     def protected_count(self, window_size: int, budget: int) -> int:
         return 0
+
+    def check(self, config) -> None:
+        super().check(config)
+        self.check_sinks(config)
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         scores = self.reduce(ctx, ctx.observation.maximum()).clone()

@@ -86,6 +86,15 @@ class LaProx(PooledScores):
             raise ConfigError(f"--laprox_alloc must be one of {', '.join(LAPROX_ALLOCATIONS)}; got {choice!r}")
         return LAPROX_ALLOCATIONS[choice]
 
+    def check(self, config) -> None:
+        super().check(config)
+        if config.run.observation == "reconstruction":
+            raise ConfigError(
+                "--method laprox scores with each window query's own attention row (the column norm "
+                "||A_window,j||), which --observation reconstruction does not keep (it accumulates reductions over "
+                "its queries); use --observation window"
+            )
+
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         if ctx.o_proj_weight is None:
             raise ValueError("LaProx scores in output space: pass the layer's o_proj_weight ([hidden, heads * "

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from restkv.context import ScoringContext
-from restkv.options import ConfigError, option, register
-from restkv.policies.base import Policy
+from restkv.options import option, register
+from restkv.policies.base import KeepsSinks, Policy
 
 
 @register("method")
 @dataclass(frozen=True)
-class StreamingLLM(Policy):
+class StreamingLLM(KeepsSinks, Policy):
     name = "streamingllm"
     ranks_by_position = True
     observes_queries = False
@@ -33,16 +33,7 @@ class StreamingLLM(Policy):
         return max(budget - self.n_sink, 0)
 
     def check(self, config) -> None:
-        budget = config.run.max_capacity_prompts
-        if budget is not None and self.n_sink >= budget:
-            raise ConfigError(f"--n_sink {self.n_sink} must be smaller than --max_capacity_prompts {budget}")
-
-    def check_row(self, config, length: int, budget: int, protected: int) -> None:
-        if self.n_sink >= budget:
-            raise ConfigError(
-                f"a row of {length} tokens keeps {budget} tokens (--compression_ratio "
-                f"{config.run.compression_ratio}), which does not exceed --n_sink {self.n_sink}"
-            )
+        self.check_sinks(config)  # not the window check: the recent tokens here are budget - n_sink
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         # Earlier tokens rank higher, so the top `n_sink` candidates are the first real tokens.

