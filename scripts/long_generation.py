@@ -42,8 +42,8 @@ class StepClock(LogitsProcessor):
     def __call__(self, input_ids, scores):
         self.times.append(time.perf_counter())
         layer = self.cache_of().layers[0]
-        if hasattr(layer, "kept_counts"):
-            self.stored.append(int((layer.kept_counts + layer.residual_counts).max()) + layer.tail_length)
+        if hasattr(layer, "held_counts"):
+            self.stored.append(int((layer.held_counts + layer.summary_slots).max()))
         else:
             self.stored.append(layer.get_seq_length())
         return scores
