@@ -94,7 +94,7 @@ def replay(case: str, **changes) -> tuple[list[list[list[int]]], dict[int, tuple
     """Prefill the fixtures' prompt with the case's options (``changes`` applied): per layer and KV
     head the kept positions, and per layer the policy's scores ``[H_kv, N]`` with the mask of the
     positions that competed (not protected)."""
-    options = {**CASES[case], **changes}
+    options = {**case_options(case), **changes}
     model = tiny_llama(metadata()[case]["attn_implementation"])
     scores = {}
     with contextlib.ExitStack() as stack:
@@ -117,6 +117,12 @@ def replay(case: str, **changes) -> tuple[list[list[list[int]]], dict[int, tuple
         cache = output_cache(model.model(input_ids=prompt(), use_cache=True))
     kept = [layer.exact[0] for layer in kept_positions(cache)]
     return kept, scores
+
+
+def case_options(case: str) -> dict:
+    """The table's options of ``case``, with ``{fixtures}`` in a value replaced by the fixtures' folder."""
+    return {name: value.replace("{fixtures}", str(FIXTURES)) if isinstance(value, str) else value
+            for name, value in CASES[case].items()}
 
 
 def as_mask(kept: list[list[list[int]]], shape) -> np.ndarray:
@@ -246,7 +252,7 @@ def test_think_channels_are_kvpress_thinks_given_its_own_32_query_window():
     case = "composed_snapkv_think_r0.5"
     reference = load_file(str(FIXTURES / "reference_llama_sdpa.safetensors"))
     model, kept = tiny_llama("sdpa"), replay(case)[0]
-    config = restkv.CompressionConfig(**{**CASES[case], "window_size": 32})
+    config = restkv.CompressionConfig(**{**case_options(case), "window_size": 32})
     zeroed = torch.from_numpy(fixture(case)["zeroed_key_channels"]).bool()
     for layer in range(4):
         hidden = reference["attn_input"][layer][None]

@@ -15,7 +15,7 @@ from restkv.policies.pyramidkv import kvpress_pyramid_totals
 from test_policies import dense_attention
 from tiny_models import greedy, random_prompt, random_qkv, replace_for, tiny_model
 
-PORTED = ["keydiff", "lagkv", "cur", "noncausal_attn", "finch"]
+PORTED = ["keydiff", "lagkv", "cur", "noncausal_attn", "finch", "qfilter"]
 
 
 def scores_of(options, query, key, value, attention_mask=None):
@@ -229,6 +229,38 @@ def test_finch_refuses_the_reconstruction_observation():
         CompressionConfig(method="finch", max_capacity_prompts=40, observation="reconstruction")
 
 
+# ---------------------------------------------------------------- Q-Filters
+def write_filters(path, filters):
+    from safetensors.torch import save_file
+
+    save_file({"q_filters": filters}, str(path))
+    return str(path)
+
+
+def test_qfilter_scores_minus_the_projection_on_the_layers_filter(tmp_path):
+    query, key, value = random_qkv(length=30, seed=3)
+    filters = torch.randn(3, 2, 16, generator=torch.Generator().manual_seed(0))
+    path = write_filters(tmp_path / "filters.safetensors", filters)
+    config = CompressionConfig(method="qfilter", max_capacity_prompts=10, window_size=0, qfilter_file=path)
+    ctx = ScoringContext.of(query, key, value, plan_layer(config, torch.ones(1, 30, dtype=torch.bool), 2, 3))
+    expected = torch.stack([-(key[0, head] @ filters[2, head]) for head in range(2)])
+    torch.testing.assert_close(config.policy.score(ctx)[0], expected)
+
+
+def test_qfilter_file_errors_name_the_flag(tmp_path):
+    with pytest.raises(ConfigError, match="--qfilter_file FILE"):
+        CompressionConfig(method="qfilter", max_capacity_prompts=40)
+    with pytest.raises(ConfigError, match="--qfilter_file .* is not a file"):
+        CompressionConfig(method="qfilter", max_capacity_prompts=40, qfilter_file=str(tmp_path / "missing"))
+    (tmp_path / "broken").write_text("not safetensors")
+    with pytest.raises(ConfigError, match="cannot be read as safetensors"):
+        CompressionConfig(method="qfilter", max_capacity_prompts=40, qfilter_file=str(tmp_path / "broken"))
+    wrong = write_filters(tmp_path / "wrong.safetensors", torch.zeros(3, 4, 16))  # 4 KV heads, not 2
+    query, key, value = random_qkv(length=30)
+    with pytest.raises(ConfigError, match=r"--qfilter_file .* holds filters \[3, 4, 16\]"):
+        compress_kv(query, key, value, dict(method="qfilter", max_capacity_prompts=10, window_size=0, qfilter_file=wrong))
+
+
 # ---------------------------------------------------------------- PyramidKV, kvpress' schedule
 def test_kvpress_pyramid_schedule_counts_the_window_inside_and_falls_back_to_the_budget():
     assert kvpress_pyramid_totals(192, 64, 384, 4, 20) == [320, 235, 149, 64]
@@ -252,8 +284,10 @@ def test_pyramid_kvpress_schedule_is_the_allocation_of_its_switch():
 @pytest.mark.parametrize("method", PORTED)
 @pytest.mark.parametrize("extra", [dict(quant_method="kivi", nbits=4), dict(allocation="adakv"),
                                    dict(residual=True, residual_no_validation=True, residual_fixed_ratio=0.25)])
-def test_ported_scorers_compress_a_model_with_the_other_parts(method, extra):
+def test_ported_scorers_compress_a_model_with_the_other_parts(method, extra, tmp_path):
     model = tiny_model("llama")
+    if method == "qfilter":  # the tiny Llama's 3 layers, 2 KV heads of 16 channels
+        extra = dict(extra, qfilter_file=write_filters(tmp_path / "filters.safetensors", torch.randn(3, 2, 16)))
     replace_for("llama")(method=method, max_capacity_prompts=24, window_size=8, **extra)
     out = greedy(model, random_prompt(1, 70), new_tokens=3)
     cache = output_cache(out)
