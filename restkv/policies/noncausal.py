@@ -45,12 +45,14 @@ class NonCausalAttention(GroupedScores):
 
     def check(self, config) -> None:
         super().check(config)
-        if config.compresses_after_prefill or config.rescores:
-            raise ConfigError(
-                f"--method {self.name} reads the queries of every prompt token during the prefill; it cannot wait for "
-                f"the whole prefill (--observation {config.run.observation}, --allocation {config.run.allocation}) "
-                "nor score chunk by chunk (--prefill_chunk_size, --decode_budget)"
-            )
+        run = config.run
+        if config.rescores:
+            flag = "--prefill_chunk_size" if run.prefill_chunk_size is not None else "--decode_budget"
+            raise ConfigError(f"{flag} scores a layer again with its newest queries only; --method {self.name} needs "
+                              "the queries of every prompt token")
+        if config.compresses_after_prefill:
+            raise ConfigError(f"--allocation {run.allocation} compresses after the whole prefill, which keeps only the "
+                              f"last prompt queries; --method {self.name} needs the queries of every prompt token")
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         if ctx.query.shape[2] != ctx.key.shape[2]:
