@@ -5,18 +5,18 @@ After the first ``--n_sink`` tokens (attention sinks), each row is cut into part
 min-max normalised with the next partition's minimum and maximum, the standard deviation over
 channels measures how much the token stands out, and a softmax over the partition turns it
 into a score; key and value scores are averaged. Without ``--lagkv_cross_scoring`` (the
-default, as in the paper's code) the score is the token's rank within its partition divided
-by ``--lag_size``, so every partition competes on the same footing. The last full partition
-and the remainder (the "tail") have no later partition yet and are not scored. No attention
-is read, and no recent window is protected: the tail plays that role.
+default) the score is the token's rank within its partition divided by ``--lag_size``, so
+every partition competes on the same footing. The last full partition and the remainder (the
+"tail") have no later partition yet and are not scored. No attention is read, and no recent
+window is protected: the tail plays that role.
 
 Ranking: sinks first, then the tail, newest first, then the scored tokens by score. When the
 budget cannot hold the sinks and the whole tail, the sinks and the newest tokens stay.
 
-Where this differs from kvpress' ``LagKVPress`` (its defaults are the paper's: 4 sinks, lag
-128, ranks): kvpress scores the sinks and the tail 1, the same value, so with a budget below
-them (the default lag keeps 256 of a 384-token prompt unscored) its top-k keeps whichever of
-them its tie-breaking picks, dropping the sinks and every scored token
+Where this differs from kvpress' ``LagKVPress`` (same defaults: 4 sinks, lag 128, ranks):
+kvpress scores the sinks and the tail 1, the same value, so with a budget below them (the
+default lag leaves 256 of a 384-token prompt unscored) its top-k keeps whichever of them its
+tie-breaking picks, dropping the sinks and every scored token
 (``../shared/golden_kvpress`` README §12.3). ``--lagkv_kvpress_scores`` reproduces those
 scores. A channel whose next-partition minimum equals its maximum (a constant channel) carries
 no information here and adds 0; kvpress divides by zero. In a padded batch each row is
