@@ -31,7 +31,7 @@ import torch
 import restkv
 from restkv.cache import kept_positions
 from restkv.compat import output_cache
-from restkv.deferred import set_reconstruction_prompt
+from restkv.reconstruction_prompt import set_reconstruction_prompt
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "golden_kvpress"
 TABLE = json.loads((Path(__file__).parent / "golden_kvpress_cases.json").read_text())
