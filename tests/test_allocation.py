@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from golden import GOLDEN_DIR, kept_sets, load_case, reference_kept_sets
-from restkv import CompressionConfig, ConfigError, available_methods, compress_kv
+from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.allocation import adakv_caps, allocation_of, headkv_table, pyramid_schedule
 from restkv.cache import cache_report
 from restkv.head_scores import load_head_scores, save_head_scores
-from restkv.policies import get_policy
 from tiny_models import (
     FAMILY_BACKENDS,
     assert_patch_reproduces_unpatched,
@@ -21,6 +20,7 @@ from tiny_models import (
     left_padded,
     random_prompt,
     random_qkv,
+    registered_methods,
     replace_for,
     tiny_model,
 )
@@ -336,9 +336,9 @@ def test_methods_keep_their_original_allocation():
 
 
 #: scorers whose heads keep their allocated counts in tokens (MomentKV's statistics and IndexMem's
-#: memory take slots of them: tests/test_momentkv.py and tests/test_indexmem.py check the allocations)
-SCORERS = [m for m in available_methods()
-           if m != "fullkv" and get_policy(m).allocation is None and not get_policy(m).summarises_evicted]
+#: memory take slots of them: tests/test_momentkv.py and tests/test_indexmem.py check the allocations;
+#: a scorer that needs a file, such as qfilter's filters, has its own tests)
+SCORERS = registered_methods(uniform=True)
 
 
 @pytest.mark.parametrize("method", SCORERS)

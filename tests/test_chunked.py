@@ -19,7 +19,8 @@ from tiny_models import (
     tiny_model,
 )
 
-CHUNKABLE = ["snapkv", "restkv", "h2o", "tova", "l2norm", "streamingllm", "adakv", "pyramidkv", "random"]
+CHUNKABLE = ["snapkv", "restkv", "h2o", "tova", "l2norm", "streamingllm", "adakv", "pyramidkv", "random", "keydiff", "lagkv",
+             "cur", "finch"]
 
 
 def config_is_uniform(method):

@@ -15,13 +15,18 @@ from restkv.options import register
 from restkv.policies.base import Policy
 
 
+def layer_generator(ctx: ScoringContext) -> torch.Generator:
+    """A CPU generator seeded with the run's ``--seed`` and the layer: each layer draws its own
+    numbers, the same ones every run (the run's global RNG is never touched)."""
+    return torch.Generator().manual_seed(ctx.plan.seed * 100_003 + ctx.layer_idx)
+
+
 def random_scores(ctx: ScoringContext) -> torch.Tensor:
     """``[B, H_kv, N]`` uniform scores from the run's seed and the layer, in row-local order."""
     batch, length = ctx.valid.shape
     scores = torch.zeros(batch, ctx.num_kv_heads, length, dtype=torch.float32)
     for row, real in enumerate(ctx.plan.visible_counts.tolist()):
-        generator = torch.Generator().manual_seed(ctx.plan.seed * 100_003 + ctx.layer_idx)
-        scores[row, :, length - real :] = torch.rand(ctx.num_kv_heads, real, generator=generator)
+        scores[row, :, length - real :] = torch.rand(ctx.num_kv_heads, real, generator=layer_generator(ctx))
     return scores.to(ctx.valid.device)
 
 

@@ -1,0 +1,78 @@
+"""Q-Filters (Godey et al., 2025, arXiv 2503.02812): keys scored against a learned direction per head.
+
+A token's score is ``-<f_{l,h}, k_i>``: each layer and KV head has one filter ``f`` (for a
+trained model, the principal direction of its queries, estimated offline), and keys that
+project strongly against it receive little attention from typical queries. The filters come
+from ``--qfilter_file``, a safetensors file holding ``q_filters`` ``[layers, KV heads,
+head_dim]``, as kvpress' ``QFilterPress`` stores them; kvpress downloads them from the Hub for
+its supported models, which this library does not do (no hub access): point the flag at a
+local copy. No attention is read.
+
+Where this differs from kvpress: the recent ``--window_size`` tokens are kept as for every
+restkv scorer (kvpress protects none: ``--window_size 0`` reproduces it).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from restkv.context import ScoringContext
+from restkv.options import ConfigError, option, register
+from restkv.policies.base import Policy
+
+
+@register("method")
+@dataclass(frozen=True)
+class QFilter(Policy):
+    name = "qfilter"
+    observes_queries = False
+
+    qfilter_file: str | None = option(
+        None, "Q-Filters: safetensors file of the filters, a tensor q_filters [layers, KV heads, head_dim]"
+    )
+
+    def validate(self) -> None:
+        if self.qfilter_file is not None:
+            filters_of(self.qfilter_file)
+
+    def check(self, config) -> None:
+        super().check(config)
+        if self.qfilter_file is None:
+            raise ConfigError("--method qfilter needs --qfilter_file FILE (a safetensors file holding q_filters "
+                              "[layers, KV heads, head_dim])")
+
+    def score(self, ctx: ScoringContext) -> torch.Tensor:
+        filters = filters_of(self.qfilter_file)
+        if filters.shape[0] <= ctx.layer_idx or filters.shape[1:] != (ctx.num_kv_heads, ctx.key.shape[-1]):
+            raise ConfigError(
+                f"--qfilter_file {self.qfilter_file!r} holds filters {list(filters.shape)}; layer {ctx.layer_idx} of "
+                f"this model needs [>{ctx.layer_idx}, {ctx.num_kv_heads}, {ctx.key.shape[-1]}]"
+            )
+        direction = filters[ctx.layer_idx].to(ctx.key.device)  # [H_kv, d]
+        return -(ctx.key.float() * direction[None, :, None, :]).sum(dim=-1)
+
+
+def filters_of(path: str) -> torch.Tensor:
+    """The ``q_filters`` tensor of ``path`` as float32 (read once while the file is unchanged)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--qfilter_file {path!r} is not a file")
+    return _read_filters(os.path.abspath(path), os.path.getmtime(path))
+
+
+@functools.lru_cache(maxsize=4)
+def _read_filters(path: str, modified: float) -> torch.Tensor:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError) as error:
+        raise ConfigError(f"--qfilter_file {path!r} cannot be read as safetensors: {error}") from None
+    filters = tensors.get("q_filters")
+    if filters is None or filters.dim() != 3 or not bool(torch.isfinite(filters).all()):
+        raise ConfigError(f"--qfilter_file {path!r} must hold a finite tensor q_filters [layers, KV heads, head_dim]")
+    return filters.float()

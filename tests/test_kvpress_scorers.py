@@ -1,0 +1,296 @@
+"""The scorers ported from kvpress 0.5.5 (KeyDiff, LagKV, CUR, NonCausalAttn, Finch) and the
+PyramidKV parity schedule, each against an oracle written from its formula on small tensors,
+and composed with the rest of the library (or refusing what it cannot do, naming the flag)."""
+
+import math
+
+import pytest
+import torch
+
+from restkv import CompressionConfig, ConfigError, compress_kv
+from restkv.cache import cache_report, kept_positions
+from restkv.compat import output_cache
+from restkv.context import ScoringContext, plan_layer, valid_from_mask
+from restkv.policies.pyramidkv import kvpress_pyramid_totals
+from test_policies import dense_attention
+from tiny_models import greedy, random_prompt, random_qkv, replace_for, tiny_model
+
+PORTED = ["keydiff", "lagkv", "cur", "noncausal_attn", "finch", "qfilter"]
+
+
+def scores_of(options, query, key, value, attention_mask=None):
+    """``policy.score(ctx)`` of the config ``options`` (no protected window unless given) on one
+    layer's tensors."""
+    config = CompressionConfig(**{"window_size": 0, **options})
+    valid = valid_from_mask(attention_mask, key.shape[0], key.shape[2], key.device)
+    ctx = ScoringContext.of(query, key, value, plan_layer(config, valid))
+    return config.policy.score(ctx)
+
+
+def kept(out, row=0, head=0):
+    return [i for i in out.indices[row, head].tolist() if i >= 0]
+
+
+# ---------------------------------------------------------------- KeyDiff
+def test_keydiff_scores_minus_the_cosine_to_the_mean_unit_key():
+    query, key, value = random_qkv(length=30, seed=2)
+    scores = scores_of(dict(method="keydiff", max_capacity_prompts=10), query, key, value)
+    for head in range(2):
+        keys = key[0, head]
+        anchor = sum(k / k.norm() for k in keys) / len(keys)
+        expected = torch.stack([-(k @ anchor) / (k.norm() * anchor.norm()) for k in keys])
+        torch.testing.assert_close(scores[0, head], expected)
+
+
+def test_keydiff_keeps_the_key_that_points_elsewhere():
+    key = torch.tensor([[[[1.0, 0.0], [2.0, 0.1], [1.0, -0.1], [0.0, 1.0], [3.0, 0.0]]]])
+    out = compress_kv(key, key, key, dict(method="keydiff", max_capacity_prompts=1, window_size=0))
+    assert kept(out) == [3]
+
+
+# ---------------------------------------------------------------- LagKV
+def lagkv_oracle(keys, values, n_sink, lag, cross):
+    """Scores of the tokens that have a successor partition, one partition at a time."""
+    heads, length, _ = keys.shape
+    partitions = (length - n_sink) // lag - 1
+    scores = torch.zeros(heads, partitions * lag)
+    for head in range(heads):
+        for p in range(partitions):
+            start = n_sink + p * lag
+            per_state = []
+            for states in (keys[head], values[head]):
+                target, reference = states[start : start + lag], states[start + lag : start + 2 * lag]
+                low, high = reference.min(dim=0).values, reference.max(dim=0).values
+                per_state.append(torch.softmax(((target - low) / (high - low)).std(dim=1), dim=0))
+            score = (per_state[0] + per_state[1]) / 2
+            if not cross:
+                score = torch.tensor([sum(int(other < value) for other in score) for value in score]) / lag
+            scores[head, p * lag : (p + 1) * lag] = score
+    return scores
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_lagkv_scores_each_partition_against_the_next(cross):
+    _, key, value = random_qkv(length=2 + 4 * 4 + 3, seed=5)  # 2 sinks, 4 partitions of 4, 3 more
+    config = CompressionConfig(method="lagkv", max_capacity_prompts=10, n_sink=2, lag_size=4,
+                               lagkv_cross_scoring=cross)
+    scores = config.policy.row_scores(key[0], value[0])
+    torch.testing.assert_close(scores[:, 2:14], lagkv_oracle(key[0], value[0], 2, 4, cross))
+    assert bool((scores[:, :2] == 3.0).all())  # sinks above everything
+    tail = scores[:, 14:]  # the last full partition and the remainder: unscored, newest first
+    assert bool((tail >= 2.0).all() & (tail < 3.0).all() & (tail[:, 1:] > tail[:, :-1]).all())
+
+
+def test_lagkv_keeps_the_sinks_and_the_newest_tokens_when_the_budget_is_below_the_tail():
+    query, key, value = random_qkv(length=4 + 2 * 16 + 5, seed=1)
+    out = compress_kv(query, key, value, dict(method="lagkv", max_capacity_prompts=12, lag_size=16))
+    assert kept(out) == [0, 1, 2, 3] + list(range(41 - 8, 41))
+
+
+def test_lagkv_kvpress_scores_flatten_the_sinks_and_tail_and_ramp_short_prompts():
+    _, key, value = random_qkv(length=40, seed=1)
+    policy = CompressionConfig(method="lagkv", max_capacity_prompts=10, lag_size=16, lagkv_kvpress_scores=True).policy
+    scores = policy.row_scores(key[0], value[0])
+    assert bool((scores[:, :4] == 1).all() & (scores[:, 20:] == 1).all() & (scores[:, 4:20] < 1).all())
+    short = policy.row_scores(key[0, :, :20], value[0, :, :20])  # under n_sink + 2 lag: nothing is scored
+    torch.testing.assert_close(short[0], torch.cat([torch.ones(4), torch.arange(16) / 16]))
+
+
+def test_lagkv_a_constant_channel_adds_nothing_instead_of_dividing_by_zero():
+    _, key, value = random_qkv(length=4 + 3 * 8, seed=3)
+    key[..., 0] = 1.0  # the same in every token: no range
+    policy = CompressionConfig(method="lagkv", max_capacity_prompts=10, lag_size=8, lagkv_cross_scoring=True).policy
+    scores = policy.row_scores(key[0], value[0])
+    assert bool(torch.isfinite(scores).all())
+    key[..., 0] = 0.0  # a constant channel's normalised value is 0 whatever the constant
+    torch.testing.assert_close(scores, policy.row_scores(key[0], value[0]))
+
+
+# ---------------------------------------------------------------- CUR
+def test_cur_multiplies_windowed_key_and_value_leverages():
+    key = torch.tensor([1.0, 2.0, 1.0, 3.0, 1.0]).sqrt()[None, None, :, None] * torch.tensor([1.0, 0.0])
+    value = torch.tensor([2.0, 2.0, 1.0, 1.0, 4.0]).sqrt()[None, None, :, None] * torch.tensor([0.0, 1.0])
+    scores = scores_of(dict(method="cur", max_capacity_prompts=2, n_sink=1, cur_local_window=2), key, key, value)
+    k2 = torch.tensor([1 / 3, 2 / 3, 1 / 4, 3 / 4, 1.0])  # windows [0, 1], [2, 3], [4]
+    v2 = torch.tensor([1 / 2, 1 / 2, 1 / 2, 1 / 2, 1.0])
+    expected = k2 * v2 / (k2 * v2).sum()
+    expected[0] = 1.0  # the sink
+    torch.testing.assert_close(scores[0, 0], expected)
+    averaged = scores_of(dict(method="cur", max_capacity_prompts=2, n_sink=0, cur_local_window=0,
+                              cur_leverage="kv_avg"), key, key, value)
+    k2, v2 = torch.tensor([1.0, 2, 1, 3, 1]) / 8, torch.tensor([2.0, 2, 1, 1, 4]) / 10
+    torch.testing.assert_close(averaged[0, 0], (k2 + v2) / 2 / ((k2 + v2) / 2).sum())
+
+
+def test_cur_random_projection_is_seeded_per_layer_and_projects_before_the_norms(monkeypatch):
+    query, key, value = random_qkv(length=40, seed=4)
+    options = dict(method="cur", max_capacity_prompts=10, cur_random_projection=True, cur_projection_dim=3)
+    first, again = scores_of(options, query, key, value), scores_of(options, query, key, value)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, scores_of({**options, "seed": 1}, query, key, value))
+    import restkv.policies.cur as cur
+
+    monkeypatch.setattr(cur, "random_projection", lambda ctx, columns: torch.eye(16)[:, :1] * math.sqrt(columns))
+    projected = scores_of({**options, "cur_projection_dim": 1}, query, key, value)
+    first_channel = {**options, "cur_random_projection": False}
+    torch.testing.assert_close(projected, scores_of(first_channel, query, key[..., :1], value[..., :1]))
+
+
+def test_cur_an_all_zero_window_scores_zero():
+    query, key, value = random_qkv(length=32, seed=2)
+    key[:, :, 16:] = 0.0
+    scores = scores_of(dict(method="cur", max_capacity_prompts=8, cur_local_window=16), query, key, value)
+    assert bool(torch.isfinite(scores).all()) and bool((scores[..., 16:] == 0).all())
+
+
+# ---------------------------------------------------------------- NonCausalAttn
+def noncausal_oracle(query, key, value, chunk, kv_heads):
+    """Row 0: per chunk, the full (non-causal) softmax of scaled logits, summed over queries; group
+    mean, times the value norm, average pool of 3 (zeros beyond the ends), z-score over the row."""
+    groups = query.shape[1] // kv_heads
+    received = torch.zeros(query.shape[1], query.shape[2])
+    for head in range(query.shape[1]):
+        for start in range(0, query.shape[2], chunk):
+            q = query[0, head, start : start + chunk]
+            k = key[0, head // groups, start : start + chunk]
+            received[head, start : start + chunk] = torch.softmax(q @ k.T / math.sqrt(q.shape[-1]), dim=-1).sum(0)
+    scores = received.view(kv_heads, groups, -1).mean(dim=1) * value[0].norm(dim=-1)
+    padded = torch.nn.functional.pad(scores, (1, 1))
+    pooled = (padded[:, :-2] + padded[:, 1:-1] + padded[:, 2:]) / 3
+    return (pooled - pooled.mean()) / pooled.std()
+
+
+def test_noncausal_attention_scores_full_chunks_and_a_shorter_last_one():
+    query, key, value = random_qkv(length=50, seed=6)
+    scores = scores_of(dict(method="noncausal_attn", max_capacity_prompts=10, noncausal_chunk=16), query, key, value)
+    torch.testing.assert_close(scores[0], noncausal_oracle(query, key, value, 16, 2))
+
+
+def test_noncausal_kvpress_logits_pad_the_last_chunk_without_masking():
+    """kvpress (README §12.6): no 1/sqrt(d); the 2 padded queries of the last chunk give each of its
+    4 columns 1/4, and the padded key columns take logit -1e-9 from the real queries."""
+    query, key, value = random_qkv(heads=1, kv_heads=1, length=6, dim=2, seed=0)
+    policy = CompressionConfig(method="noncausal_attn", max_capacity_prompts=3, window_size=0, noncausal_chunk=4,
+                               noncausal_kvpress_logits=True).policy
+    received = policy.received_attention(query[0], key[0], 1.0, None)
+    first = torch.softmax(query[0, 0, :4] @ key[0, 0, :4].T, dim=-1).sum(0)
+    last_logits = torch.cat([query[0, 0, 4:] @ key[0, 0, 4:].T, torch.full((2, 2), -1e-9)], dim=-1)
+    last = torch.softmax(last_logits, dim=-1).sum(0)[:2] + 2 * 0.25
+    torch.testing.assert_close(received[0], torch.cat([first, last]))
+
+
+def test_noncausal_default_is_kvpress_with_the_scale_and_without_its_padded_chunk():
+    query, key, value = random_qkv(heads=2, kv_heads=2, length=48, seed=8)
+    options = dict(method="noncausal_attn", max_capacity_prompts=10, window_size=0, noncausal_chunk=16)
+    default = CompressionConfig(**options).policy
+    kvpress = CompressionConfig(**options, noncausal_kvpress_logits=True).policy
+    scaling = 1 / math.sqrt(16)
+    ours = default.received_attention(query[0], key[0], scaling, None)
+    torch.testing.assert_close(ours, kvpress.received_attention(query[0] * scaling, key[0], 1.0, None))  # 3 chunks
+    partial = default.received_attention(query[0, :, :40], key[0, :, :40], scaling, None)
+    padded = kvpress.received_attention(query[0, :, :40] * scaling, key[0, :, :40], 1.0, None)
+    torch.testing.assert_close(partial[:, :32], padded[:, :32])
+    assert not torch.allclose(partial[:, 32:], padded[:, 32:])
+
+
+@pytest.mark.parametrize("options", [dict(prefill_chunk_size=64), dict(decode_budget=48),
+                                     dict(allocation="model_ranked"), dict(observation="reconstruction")])
+def test_noncausal_attention_refuses_what_cannot_give_it_every_prompt_query(options):
+    flag = "--" + next(iter(options))
+    with pytest.raises(ConfigError, match=flag):
+        CompressionConfig(method="noncausal_attn", max_capacity_prompts=40, window_size=8, **options)
+
+
+# ---------------------------------------------------------------- Finch
+def test_finch_weights_each_window_query_by_the_tokens_before_it():
+    query, key, value = random_qkv(length=40, seed=7)
+    scores = scores_of(dict(method="finch", max_capacity_prompts=20, window_size=8), query, key, value)
+    window = dense_attention(query, key, 2)[0, :, -8:, :]  # [H, 8, N]
+    weighted = window * torch.arange(32, 40, dtype=torch.float32)[None, :, None]
+    expected = weighted.mean(dim=1).view(2, 2, -1).mean(dim=1)
+    torch.testing.assert_close(scores[0, :, :32], expected[:, :32])
+    plain = scores_of(dict(method="finch", max_capacity_prompts=20, window_size=8, finch_normalize=False),
+                      query, key, value)
+    torch.testing.assert_close(plain[0, :, :32], window.mean(dim=1).view(2, 2, -1).mean(dim=1)[:, :32])
+
+
+def test_finch_counts_a_padded_rows_tokens_from_its_first_real_one():
+    query, key, value = random_qkv(batch=2, length=40, seed=7)
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :10] = 0
+    options = dict(method="finch", max_capacity_prompts=20, window_size=8)
+    batched = scores_of(options, query, key, value, mask)
+    alone = scores_of(options, query[1:, :, 10:], key[1:, :, 10:], value[1:, :, 10:])
+    torch.testing.assert_close(batched[1, :, 10:32], alone[0, :, :22])
+
+
+def test_finch_refuses_the_reconstruction_observation():
+    with pytest.raises(ConfigError, match="--observation reconstruction"):
+        CompressionConfig(method="finch", max_capacity_prompts=40, observation="reconstruction")
+
+
+# ---------------------------------------------------------------- Q-Filters
+def write_filters(path, filters):
+    from safetensors.torch import save_file
+
+    save_file({"q_filters": filters}, str(path))
+    return str(path)
+
+
+def test_qfilter_scores_minus_the_projection_on_the_layers_filter(tmp_path):
+    query, key, value = random_qkv(length=30, seed=3)
+    filters = torch.randn(3, 2, 16, generator=torch.Generator().manual_seed(0))
+    path = write_filters(tmp_path / "filters.safetensors", filters)
+    config = CompressionConfig(method="qfilter", max_capacity_prompts=10, window_size=0, qfilter_file=path)
+    ctx = ScoringContext.of(query, key, value, plan_layer(config, torch.ones(1, 30, dtype=torch.bool), 2, 3))
+    expected = torch.stack([-(key[0, head] @ filters[2, head]) for head in range(2)])
+    torch.testing.assert_close(config.policy.score(ctx)[0], expected)
+
+
+def test_qfilter_file_errors_name_the_flag(tmp_path):
+    with pytest.raises(ConfigError, match="--qfilter_file FILE"):
+        CompressionConfig(method="qfilter", max_capacity_prompts=40)
+    with pytest.raises(ConfigError, match="--qfilter_file .* is not a file"):
+        CompressionConfig(method="qfilter", max_capacity_prompts=40, qfilter_file=str(tmp_path / "missing"))
+    (tmp_path / "broken").write_text("not safetensors")
+    with pytest.raises(ConfigError, match="cannot be read as safetensors"):
+        CompressionConfig(method="qfilter", max_capacity_prompts=40, qfilter_file=str(tmp_path / "broken"))
+    wrong = write_filters(tmp_path / "wrong.safetensors", torch.zeros(3, 4, 16))  # 4 KV heads, not 2
+    query, key, value = random_qkv(length=30)
+    with pytest.raises(ConfigError, match=r"--qfilter_file .* holds filters \[3, 4, 16\]"):
+        compress_kv(query, key, value, dict(method="qfilter", max_capacity_prompts=10, window_size=0, qfilter_file=wrong))
+
+
+# ---------------------------------------------------------------- PyramidKV, kvpress' schedule
+def test_kvpress_pyramid_schedule_counts_the_window_inside_and_falls_back_to_the_budget():
+    assert kvpress_pyramid_totals(192, 64, 384, 4, 20) == [320, 235, 149, 64]
+    assert kvpress_pyramid_totals(76, 64, 384, 4, 20) == [76] * 4  # n_min = 3.8 < the window
+    assert kvpress_pyramid_totals(192, 64, 384, 1, 20) == [192]
+
+
+def test_pyramid_kvpress_schedule_is_the_allocation_of_its_switch():
+    config = CompressionConfig(method="pyramidkv", compression_ratio=0.5, window_size=8, pyramid_kvpress_schedule=True)
+    assert config.run.allocation == "pyramid_kvpress"
+    query, key, value = random_qkv(length=96, seed=2)
+    counts = [compress_kv(query, key, value, config, layer_idx=layer, num_layers=4).indices.shape[-1]
+              for layer in range(4)]
+    assert counts == kvpress_pyramid_totals(48, 8, 96, 4, 20)
+    with pytest.raises(ConfigError, match="--pyramid_reference_rounding"):
+        CompressionConfig(method="pyramidkv", max_capacity_prompts=40, pyramid_kvpress_schedule=True,
+                          pyramid_reference_rounding=True)
+
+
+# ---------------------------------------------------------------- composition
+@pytest.mark.parametrize("method", PORTED)
+@pytest.mark.parametrize("extra", [dict(quant_method="kivi", nbits=4), dict(allocation="adakv"),
+                                   dict(residual=True, residual_no_validation=True, residual_fixed_ratio=0.25)])
+def test_ported_scorers_compress_a_model_with_the_other_parts(method, extra, tmp_path):
+    model = tiny_model("llama")
+    if method == "qfilter":  # the tiny Llama's 3 layers, 2 KV heads of 16 channels
+        extra = dict(extra, qfilter_file=write_filters(tmp_path / "filters.safetensors", torch.randn(3, 2, 16)))
+    replace_for("llama")(method=method, max_capacity_prompts=24, window_size=8, **extra)
+    out = greedy(model, random_prompt(1, 70), new_tokens=3)
+    cache = output_cache(out)
+    assert all(report.compressed for report in cache_report(cache))
+    for layer, held in zip(cache.layers, kept_positions(cache)):  # 24 per head, then the decoded tokens
+        assert sum(len(head) for head in held.exact[0]) + sum(held.summaries[0]) == 2 * (24 + layer.tail_length)
