@@ -249,7 +249,7 @@ def test_think_channels_are_kvpress_thinks_given_its_own_32_query_window():
 
     from restkv.attention import project_qkv
     from restkv.context import ScoringContext, plan_layer
-    from restkv.selection import Selection, gather_columns
+    from restkv.selection import gather_columns
 
     case = "composed_snapkv_think_r0.5"
     reference = load_file(str(FIXTURES / "reference_llama_sdpa.safetensors"))
@@ -263,7 +263,6 @@ def test_think_channels_are_kvpress_thinks_given_its_own_32_query_window():
             query, key, value = project_qkv(model.model.layers[layer].self_attn, hidden, rotary)
         ctx = ScoringContext.of(query, key, value, plan_layer(config, torch.ones(1, 384, dtype=torch.bool), layer, 4))
         columns = torch.tensor([kept[layer]])
-        selection = Selection(gather_columns(key, columns), gather_columns(value, columns), columns)
-        channels = config.switch("think").prune(ctx, selection, 0).key_channels[0]
+        channels = config.switch("think").choose_channels(ctx, gather_columns(key, columns), columns, 384)[0]
         dropped = torch.ones(2, 32, dtype=torch.bool).scatter(1, channels, False)
         assert torch.equal(dropped, zeroed[layer])
