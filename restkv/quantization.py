@@ -17,9 +17,17 @@ The maths, and the two parts that choose it:
   (attention sink) in full precision; none of those are implemented here: keys are the
   post-RoPE keys the cache holds, levels are uniform and the threshold is fixed.
 
-A quantise-dequantise round trip is off by at most half a step (``scale / 2``) per
-element, outliers restored exactly. Scales and zero-points are stored in the tensor's own
-dtype (as KIVI does); the codes are computed from the stored (rounded) scale.
+A quantise-dequantise round trip is off by at most half a step (``scale / 2``, the stored
+scale) per element in every dtype, plus the rounding of the dequantised value to the
+tensor's dtype (half its spacing there: at most 2^-8 of the value in bfloat16, 2^-11 in float16;
+in bfloat16 at 8 bits the two terms are of a size, the codes being as fine as its mantissa),
+outliers restored exactly. Scales and zero-points are stored in the tensor's own dtype, as
+KIVI's kernels keep them (KIVI computes minimum, maximum, scale and codes in float16 and stores
+scale and minimum in float16, so its rounded scale can leave the top code short of the maximum).
+Here they are computed in float32, the scale is rounded *up* to the dtype (so the top code
+reaches the group's maximum: a scale rounded down cost up to one whole step in bfloat16 at
+8 bits, and float16 scales below its subnormals rounded to zero), and the codes come from
+the stored scale.
 
 Where it is used: ``restkv.storage.QuantizedEntries`` holds a compressed layer's kept
 tokens and residual entries this way, quantised once after eviction; ``restkv.cache``
@@ -29,6 +37,7 @@ quantises the tokens appended during decoding in blocks of ``--quant_residual_le
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -132,6 +141,14 @@ class QuantizedTensor:
         return mapped
 
 
+def _rounded_up(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``scale`` in ``dtype``, never below it: the top code then reaches the group's
+    maximum, so no element is clamped by more than half a step (a scale rounded down, or to
+    zero below float16's subnormals, would clamp the group's largest elements)."""
+    stored = scale.to(dtype)
+    return torch.where(stored.float() < scale, torch.nextafter(stored, torch.full_like(stored, math.inf)), stored)
+
+
 def _spread(groups: torch.Tensor, size: int, dim: int, length: int) -> torch.Tensor:
     """Per-group statistics repeated over their members along ``dim``, cut to ``length``."""
     return groups.repeat_interleave(size, dim=dim).narrow(dim, 0, length)
@@ -171,7 +188,7 @@ def quantize(x: torch.Tensor, nbits: int, group: int, per_channel: bool, valid: 
     low, high = low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
     top = (1 << nbits) - 1
     zero = low.to(x.dtype)
-    scale = ((high - zero.float()) / top).to(x.dtype)
+    scale = _rounded_up((high - zero.float()) / top, x.dtype)
     step = _spread(scale, group, dim, length).float()
     offset = _spread(zero, group, dim, length).float()
     codes = torch.round((x.float() - offset) / torch.where(step > 0, step, 1.0)).clamp(0, top).to(torch.uint8)

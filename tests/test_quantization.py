@@ -34,20 +34,33 @@ def test_packing_round_trips_every_code_exactly(nbits):
         assert torch.equal(unpack(packed, nbits, count), codes)
 
 
+def dtype_spacing(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``[...]``: the gap from ``|x|`` to the next larger number of ``x``'s dtype."""
+    magnitude = x.abs()
+    return torch.nextafter(magnitude, torch.full_like(magnitude, math.inf)).float() - magnitude.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("per_channel", [True, False])
 @pytest.mark.parametrize("nbits", sorted(CODES_PER_BYTE))
-def test_round_trip_error_is_at_most_half_a_step(nbits, per_channel):
-    """Property over random tensors, shapes (partial groups included), groups and magnitudes."""
+def test_round_trip_error_is_at_most_half_a_step_in_every_dtype(nbits, per_channel, dtype):
+    """Property over random tensors, shapes (partial groups included), groups and magnitudes
+    (1e-6 to 10: float16's subnormal steps too): half a (stored) step, plus the rounding of the
+    result to the dtype; float32 arithmetic adds a few of its own units at the tensor's magnitude."""
     generator = torch.Generator().manual_seed(10 * nbits + per_channel)
     for trial in range(25):
         shape = random_shape(generator)
         group = int(torch.randint(1, 9, (1,), generator=generator))
-        x = torch.randn(shape, generator=generator) * float(torch.rand(1, generator=generator) * 10 + 1e-3)
+        magnitude = 10 ** float(torch.rand(1, generator=generator) * 7 - 6)
+        x = (torch.randn(shape, generator=generator) * magnitude).to(dtype)
         quantized = quantize(x, nbits, group, per_channel)
-        step = quantized.scale.repeat_interleave(group, dim=-2 if per_channel else -1)
+        step = quantized.scale.float().repeat_interleave(group, dim=-2 if per_channel else -1)
         step = step[..., : shape[-2], :] if per_channel else step[..., : shape[-1]]
-        error = (quantized.dequantize() - x).abs()
-        assert bool((error <= step / 2 + 1e-5 * x.abs().amax()).all()), (trial, shape, group)
+        restored = quantized.dequantize()
+        assert restored.dtype == quantized.scale.dtype == dtype
+        error = (restored.float() - x.float()).abs()
+        bound = step / 2 + dtype_spacing(restored) / 2 + 4 * torch.finfo(torch.float32).eps * x.float().abs().amax()
+        assert bool((error <= bound).all()), (trial, shape, group, float((error / step).max()))
 
 
 def test_unused_slots_do_not_widen_a_key_group():
