@@ -164,21 +164,21 @@ def _spread(groups: torch.Tensor, size: int, dim: int, length: int) -> torch.Ten
 
 
 def quantize(x: torch.Tensor, nbits: int, group: int, per_channel: bool, valid: torch.Tensor | None = None,
-             exact: torch.Tensor | None = None) -> QuantizedTensor:
+             outliers: torch.Tensor | None = None) -> QuantizedTensor:
     """Asymmetric ``nbits`` codes of ``x`` ``[..., S, d]`` in groups of ``group`` tokens per
     channel (``per_channel``) or ``group`` channels per token.
 
     valid: optional bool ``[..., S]``, the slots that hold entries (unused slots of a padded
-    layer do not widen a group's range). exact: optional bool ``[..., S, d]``, elements kept
-    exactly in the side store (outliers, whole sink tokens) and left out of their group's range.
+    layer do not widen a group's range). outliers: optional bool ``[..., S, d]``, elements kept
+    exactly in the side store (KVQuant's outliers, whole sink tokens) and left out of their
+    group's range.
     """
     if nbits not in CODES_PER_BYTE:
         raise ValueError(f"nbits must be one of {sorted(CODES_PER_BYTE)}; got {nbits}")
     tokens, channels = x.shape[-2:]
     member = torch.ones_like(x, dtype=torch.bool) if valid is None else valid[..., None].expand_as(x).clone()
-    outliers = None
-    if exact is not None:
-        outliers = member & exact
+    if outliers is not None:
+        outliers = member & outliers
         member &= ~outliers
     dim, length = (-2, tokens) if per_channel else (-1, channels)
     grow = -length % group
@@ -310,7 +310,7 @@ class KVQuant(KIVI):
     quant_outlier_fraction: float = option(
         0.01, "--quant_method kvquant: share of each vector's elements kept exactly in the sparse side store, half "
         "from each end (KVQuant's per-vector percentile thresholds: a key channel over its tokens, a value token "
-        "over its channels, computed when quantised)", minimum=0, maximum=1, exclusive_minimum=True,
+        "over its channels, computed when quantised; below 1)", minimum=0, exclusive_minimum=True,
     )
     quant_outlier_threshold: float | None = option(
         None, "--quant_method kvquant: a fixed threshold instead of the percentiles (the original release's, 6): "
