@@ -26,9 +26,9 @@ ALGORITHMS.md §5.3's variants behind options. Per layer (``IndexMemLayer``):
   between the evicted token and the end of the prompt). Read: ``m(q) = phi(q)^T M / phi(q)^T b``
   and the estimated evicted mass ``Z_E(q) = phi(q)^T b``.
 * **Fusion**: ``residual`` (the paper as reported): ``o + g(q) m(q)``, ``g(q) = sigmoid(q . c_h + c0_h)``
-  learned per query head, on the query the memory reads; ``shared_softmax`` (§5.3 (a)): the evicted mass joins the softmax,
-  ``(N_M + Z_E m) / (Z_M + Z_E) = o + g (m - o)`` with ``g = Z_E / (Z_M + Z_E)`` from the
-  log-sum-exp of the exact logits.
+  learned per query head, on the query the memory reads; ``shared_softmax`` (§5.3 (a)): the
+  evicted mass joins the softmax, ``(N_M + Z_E m) / (Z_M + Z_E) = o + g (m - o)`` with
+  ``g = Z_E / (Z_M + Z_E)`` from the log-sum-exp of the exact logits.
 
 The state is stored as ``log_mass = log b`` ``[B, H_kv, F]`` and ``feature_values = M / b``
 ``[B, H_kv, F, d]`` (float32), which keeps the read stable (a softmax over features) however

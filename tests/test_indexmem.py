@@ -245,7 +245,8 @@ def memory_read_at(path, offset, pre_rope=True):
     prompt, step = (cos[:, :120], sin[:, :120]), (cos[:, 120:], sin[:, 120:])
     rotated_query, rotated_key = apply_rotary_pos_emb(query, key, *prompt)
     rotated_step = apply_rotary_pos_emb(new_query, new_query, *step)[0]
-    ctx = ScoringContext.of(rotated_query, rotated_key, value, plan_layer(cfg, valid_from_mask(None, 1, 120, key.device)))
+    plan = plan_layer(cfg, valid_from_mask(None, 1, 120, key.device))
+    ctx = ScoringContext.of(rotated_query, rotated_key, value, plan)
     columns = torch.arange(80, 120).expand(1, 2, -1)  # the newest 40 kept, 80 evicted into the memory
     state = cfg.policy.summarise(ctx, columns, pre_rope_key=unrotate(rotated_key, *prompt) if pre_rope else None)
     output, lse = torch.randn(1, 1, 4, 16, generator=torch.Generator().manual_seed(9)), torch.zeros(1, 4, 1)

@@ -117,7 +117,8 @@ def _encode_split(tokenizer, chat: bool, context: str, question: str, answer_pre
     """Opening, context and question (with the closing and ``answer_prefix``) tokenised apart,
     the chat wrapper around them; the first two are the context ids."""
     if chat and getattr(tokenizer, "chat_template", None):
-        opening, context, after = chat_wrap(tokenizer, _SPLIT_MARK + context + _SPLIT_MARK + question).split(_SPLIT_MARK)
+        wrapped = chat_wrap(tokenizer, _SPLIT_MARK + context + _SPLIT_MARK + question)
+        opening, context, after = wrapped.split(_SPLIT_MARK)
         opening_ids, context_ids = _tokens(tokenizer, opening, False), _tokens(tokenizer, context, False)
     else:
         after = question
