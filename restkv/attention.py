@@ -101,7 +101,7 @@ def restkv_attention_forward(
     pending = pending_of(cache)
     weights = None
     if isinstance(layer, CompressedLayer) and layer.tokens_seen > 0:
-        output = layer.attend(query, key, value, attention_mask, params.scaling, params.softcap)
+        output = layer.attend(query, key, value, attention_mask, params.scaling, params.softcap, position_embeddings)
         if config.rescores:
             _compress_again(self, config, cache, layer, query, params)
     elif pending is not None and pending.observing:  # a reconstruction chunk (restkv.deferred)
@@ -120,7 +120,8 @@ def restkv_attention_forward(
             ))
         else:
             output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
-            ctx = ScoringContext.of(query, key, value, plan, params.scaling, params.softcap, self.o_proj.weight)
+            ctx = ScoringContext.of(query, key, value, plan, params.scaling, params.softcap, self.o_proj.weight,
+                                    rotary=position_embeddings)
             cache.layers[self.layer_idx] = compressed = CompressedLayer.from_state(
                 compress_layer(config, ctx), query.shape[2], params.sliding_window, config, plan.padding)
             if config.run.decode_budget is not None:

@@ -34,6 +34,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from restkv.partial import Probe, merge
+from restkv.rope import unrotate
 from restkv.storage import DenseTokens, SegmentReport, exact_tokens, joined_view, tensor_bytes
 
 
@@ -108,19 +109,21 @@ class CompressedLayer(CacheLayerMixin):
 
     # ----------------------------------------------------------- reading
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-               scaling: float, softcap: float | None = None) -> torch.Tensor:
+               scaling: float, softcap: float | None = None, rotary=None) -> torch.Tensor:
         """Append the new tokens ``key``/``value`` ``[B, H_kv, q, d]`` and attend ``query``
         ``[B, H, q, d]`` over every segment in one softmax. Used for decode steps and for a
         question chunk fed after a context-only compression; ``attention_mask`` is the mask the
-        model built for this step. Returns ``[B, q, H, d]``."""
+        model built for this step, ``rotary`` its ``(cos, sin)`` (what a correction that reads
+        queries before RoPE undoes). Returns ``[B, q, H, d]``."""
         first = self.tokens_seen
         self.append(key, value, new_token_columns(attention_mask, query.shape[0], first, query.shape[2], query.device))
-        output = self.read(Probe(query, key.shape[1], first, scaling, softcap, self.sliding_window))
+        output = self.read(Probe(query, key.shape[1], first, scaling, softcap, self.sliding_window), rotary)
         self._settle()
         return output
 
-    def read(self, probe: Probe) -> torch.Tensor:
-        """``[B, q, H, d]``: the probe's attention over every segment (nothing is appended)."""
+    def read(self, probe: Probe, rotary=None) -> torch.Tensor:
+        """``[B, q, H, d]``: the probe's attention over every segment (nothing is appended);
+        ``rotary``: the queries' ``(cos, sin)``, for corrections that read them before RoPE."""
         probe.need_lse = len(self.kept) > 1 or bool(self.summaries) or bool(self.corrections)
         probe.need_peak = any(summary.needs_peak for summary in self.summaries)
         probe.need_count = any(summary.needs_count for summary in self.summaries)
@@ -129,8 +132,10 @@ class CompressedLayer(CacheLayerMixin):
         for summary in self.summaries:
             current = summary.join(current, exact, probe)
         output = probe.interface(current.output)
-        for correction in self.corrections:
-            output = correction.correct(probe.query, output, probe.per_query_head(exact.lse))
+        if self.corrections:
+            pre_rope = None if rotary is None else unrotate(probe.query, *rotary)
+            for correction in self.corrections:
+                output = correction.correct(probe.query, output, probe.per_query_head(exact.lse), pre_rope)
         return output.to(probe.query.dtype)
 
     # ----------------------------------------------------------- writing

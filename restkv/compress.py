@@ -49,8 +49,7 @@ class KeyPruner(Protocol):
 
     def exact_recent_tokens(self, config: Any) -> int: ...
 
-    def choose_channels(self, ctx: ScoringContext, keys: torch.Tensor, columns: torch.Tensor,
-                        first_recent: int) -> torch.Tensor | None: ...
+    def choose_channels(self, ctx: ScoringContext, keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor | None: ...
 
 
 @runtime_checkable
@@ -139,7 +138,7 @@ def store(config: CompressionConfig, ctx: ScoringContext, keys: torch.Tensor, va
     pruner, quantiser = _part(config, KeyPruner), _part(config, Quantiser)
     recent = max((part.exact_recent_tokens(config) for part in (pruner, quantiser) if part is not None), default=0)
     first_recent = ctx.key.shape[2] - recent
-    channels = None if pruner is None else pruner.choose_channels(ctx, keys, columns, first_recent)
+    channels = None if pruner is None else pruner.choose_channels(ctx, keys, columns)
     if channels is None and quantiser is None:  # every token whole and exact
         return [exact_tokens(keys, values, ctx.positions_of(columns))]
     older = (columns >= 0) & (columns < first_recent)
@@ -150,7 +149,7 @@ def store(config: CompressionConfig, ctx: ScoringContext, keys: torch.Tensor, va
     if channels is not None:
         older_keys = older_keys.gather(-1, channels[:, :, None, :].expand(-1, -1, width, -1))
     if quantiser is not None:
-        segment = QuantizedTokens(older_keys, older_values, older_columns, quantiser)
+        segment = QuantizedTokens(older_keys, older_values, older_columns, quantiser, ctx.row_padding)
     else:
         segment = exact_tokens(older_keys, older_values, older_columns, capacity=0)
     if channels is not None:

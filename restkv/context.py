@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from restkv.observation import WindowObservation
+from restkv.rope import unrotate
 from restkv.scoring import pool_scores, reduce_groups
 
 
@@ -136,7 +137,10 @@ class ScoringContext:
         computed once and shared by every part of the layer's compression.
     positions: ``[B, H_kv, N]`` the padded-batch column of every key, when the keys are not the
         prompt itself (recompression scores each head's held tokens as its own sequence); None:
-        key ``j`` is column ``j``.
+        key ``j`` is column ``j``. prompt_padding: ``[B]`` each row's left padding in those columns
+        (with ``positions``).
+    rotary: the ``(cos, sin)`` ``[B, N, d]`` the keys were rotated with (the forward's position
+        embeddings), for parts that read keys before RoPE (``pre_rope_key``); None where unknown.
     """
 
     query: torch.Tensor
@@ -148,6 +152,8 @@ class ScoringContext:
     o_proj_weight: torch.Tensor | None = None
     observation: Any = field(default=None, repr=False)
     positions: torch.Tensor | None = field(default=None, repr=False)
+    prompt_padding: torch.Tensor | None = field(default=None, repr=False)
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.observation is None:
@@ -155,9 +161,21 @@ class ScoringContext:
 
     @classmethod
     def of(cls, query, key, value, plan: LayerPlan, scaling: float | None = None, softcap=None,
-           o_proj_weight=None, observation=None, positions=None) -> "ScoringContext":
+           o_proj_weight=None, observation=None, positions=None, prompt_padding=None,
+           rotary=None) -> "ScoringContext":
         return cls(query, key, value, plan, scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1]),
-                   softcap, o_proj_weight, observation, positions)
+                   softcap, o_proj_weight, observation, positions, prompt_padding, rotary)
+
+    @property
+    def pre_rope_key(self) -> torch.Tensor | None:
+        """``[B, H_kv, N, d]`` the keys before RoPE (None without ``rotary``)."""
+        return None if self.rotary is None else unrotate(self.key, *self.rotary)
+
+    @property
+    def row_padding(self) -> torch.Tensor:
+        """``[B]`` each row's left padding in the padded batch the ``positions`` index (the plan's,
+        unless the keys are held sequences: ``prompt_padding`` then)."""
+        return self.plan.padding if self.prompt_padding is None else self.prompt_padding
 
     def positions_of(self, columns: torch.Tensor) -> torch.Tensor:
         """``[B, H_kv, K]`` int32 padded-batch columns of the keys at ``columns`` (-1 stays -1)."""

@@ -14,7 +14,11 @@ ALGORITHMS.md §5.3's variants behind options. Per layer (``IndexMemLayer``):
   ``I = tau sum_u w_u(q) ReLU(<n(q W_q^u), n(k W_k)>)`` with ``w_u(q) = q . a_u``. The score of
   key ``j`` is ``softmax_j(I)`` over the keys each observation query sees, reduced over the
   queries (mean, max or last) and over the query group.
-* **Memory** (per KV head): positive features ``phi(x) = exp(W x~ - |x~|^2 / 2) / sqrt(F)`` with
+* **Memory** (per KV head), on the pre-RoPE keys and queries (``Architecture.memory_inputs``;
+  NEWER_METHODS.md §3.1: the memory carries no position, so it does not compete with the real
+  keys' RoPE; ``post_rope`` reads the rotated ones, what the training-free fallback needs, its
+  features estimating the attention logits): positive features
+  ``phi(x) = exp(W x~ - |x~|^2 / 2) / sqrt(F)`` with
   ``x~ = sqrt(scale) P x`` (``P = I`` and ``W`` Gaussian make ``phi(q) . phi(k)`` an unbiased
   estimate of ``exp(scale <q, k>)``, Performer's positive random features; training learns
   both). Write: ``M = sum_e w_e phi(k_e) v_e^T``, ``b = sum_e w_e phi(k_e)`` with
@@ -22,14 +26,18 @@ ALGORITHMS.md §5.3's variants behind options. Per layer (``IndexMemLayer``):
   between the evicted token and the end of the prompt). Read: ``m(q) = phi(q)^T M / phi(q)^T b``
   and the estimated evicted mass ``Z_E(q) = phi(q)^T b``.
 * **Fusion**: ``residual`` (the paper as reported): ``o + g(q) m(q)``, ``g(q) = sigmoid(q . c_h + c0_h)``
-  learned per query head; ``shared_softmax`` (§5.3 (a)): the evicted mass joins the softmax,
-  ``(N_M + Z_E m) / (Z_M + Z_E) = o + g (m - o)`` with ``g = Z_E / (Z_M + Z_E)`` from the
-  log-sum-exp of the exact logits.
+  learned per query head, on the query the memory reads; ``shared_softmax`` (§5.3 (a)): the
+  evicted mass joins the softmax, ``(N_M + Z_E m) / (Z_M + Z_E) = o + g (m - o)`` with
+  ``g = Z_E / (Z_M + Z_E)`` from the log-sum-exp of the exact logits.
 
 The state is stored as ``log_mass = log b`` ``[B, H_kv, F]`` and ``feature_values = M / b``
 ``[B, H_kv, F, d]`` (float32), which keeps the read stable (a softmax over features) however
 large the features get: ``F (d + 1)`` numbers per row and KV head, counted against the budget
 in token slots of the cache's key+value bytes (``MemoryState.token_slots``).
+
+The cache and the compression pipeline hold post-RoPE keys and queries; a ``pre_rope`` memory
+is written from ``pre_rope_key`` (``restkv.policies.indexmem.IndexMem.summarise``) and read with
+``pre_rope_query`` (``MemoryState.correct``), both from ``restkv.rope``.
 """
 
 from __future__ import annotations
@@ -46,11 +54,15 @@ from restkv.options import ConfigError
 from restkv.scoring import key_visibility, window_attention
 from restkv.storage import SegmentReport, tensor_bytes
 
-#: the file format ``save_weights`` writes and ``load_weights`` accepts
-WEIGHTS_FORMAT = "restkv-indexmem-v1"
+#: the file format ``IndexMemWeights.save`` writes and ``load_weights`` accepts
+WEIGHTS_FORMAT = "restkv-indexmem-v2"
+#: the earlier format, still read (its memories were all trained on post-RoPE keys and queries)
+POST_ROPE_FORMAT = "restkv-indexmem-v1"
 INDEXER_FORMS = ("dot", "dsa")
 QUERY_REDUCTIONS = ("mean", "max", "last")
 FUSIONS = ("residual", "shared_softmax")
+#: what the memory and the gate read: the keys and queries before RoPE (the paper) or after it
+MEMORY_INPUTS = ("pre_rope", "post_rope")
 #: decay logit of a memory that forgets nothing (lambda = 1 exactly: logsigmoid(inf) = 0)
 NO_DECAY = float("inf")
 
@@ -69,6 +81,7 @@ class Architecture:
     indexer_dim: int | None = None
     normalize: bool = True
     fusion: str = "residual"
+    memory_inputs: str = "pre_rope"
 
     @property
     def index_dim(self) -> int:
@@ -173,13 +186,14 @@ class IndexMemLayer(torch.nn.Module):
         return readout.view(batch, num_heads, q_len, d), log_mass.view(batch, num_heads, q_len)
 
     def gate(self, query: torch.Tensor) -> torch.Tensor:
-        """``g(q)`` ``[B, H, q]`` of the residual fusion."""
+        """``g(q)`` ``[B, H, q]`` of the residual fusion (``query`` as the memory reads it)."""
         return torch.sigmoid(torch.einsum("bhqd,hd->bhq", query.float(), self.gate_weight) + self.gate_bias[:, None])
 
     def fuse(self, output: torch.Tensor, lse: torch.Tensor, readout: torch.Tensor, log_mass: torch.Tensor,
              query: torch.Tensor, fusion: str) -> torch.Tensor:
         """The corrected output ``[B, H, q, d]`` (float32) from the attention output ``[B, H, q, d]``,
-        its log-sum-exp and the memory's read; queries that read no memory keep ``output``."""
+        its log-sum-exp, the memory's read and the ``query`` it read with (the gate's input);
+        queries that read no memory keep ``output``."""
         output = output.float()
         if fusion == "residual":
             fused = output + self.gate(query)[..., None] * readout
@@ -204,9 +218,14 @@ class MemoryState:
     #: bytes of one token slot of the cache (key + value of one head)
     slot_bytes: int = 1
 
-    def correct(self, query: torch.Tensor, output: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        readout, log_mass = self.layer.read(self, query, self.scaling)
-        fused = self.layer.fuse(output.transpose(1, 2), lse, readout, log_mass, query, self.fusion)
+    def correct(self, query: torch.Tensor, output: torch.Tensor, lse: torch.Tensor,
+                pre_rope_query: torch.Tensor | None = None) -> torch.Tensor:
+        """The corrected output ``[B, q, H, d]`` from the post-RoPE ``query`` ``[B, H, q, d]``, the
+        attention ``output`` and its ``lse``; a ``pre_rope`` memory reads ``pre_rope_query`` (the
+        same query before RoPE: ``restkv.rope.unrotate`` with the step's position embeddings)."""
+        memory_query = memory_input(self.layer.arch, query, pre_rope_query, "queries")
+        readout, log_mass = self.layer.read(self, memory_query, self.scaling)
+        fused = self.layer.fuse(output.transpose(1, 2), lse, readout, log_mass, memory_query, self.fusion)
         return fused.transpose(1, 2).to(output.dtype)
 
     def tensors(self) -> Iterable[torch.Tensor]:
@@ -224,6 +243,18 @@ class MemoryState:
 
     def fork(self) -> "MemoryState":
         return self  # never written in place
+
+
+def memory_input(arch: Architecture, post_rope: torch.Tensor, pre_rope: torch.Tensor | None,
+                 what: str) -> torch.Tensor:
+    """The ``what`` (keys or queries) a memory of ``arch`` reads: ``post_rope``, or ``pre_rope``,
+    which its caller must give for a ``pre_rope`` memory."""
+    if arch.memory_inputs == "post_rope":
+        return post_rope
+    if pre_rope is None:
+        raise ConfigError(f"--indexmem_weights: this memory reads pre-RoPE {what} (trained with --memory_inputs "
+                          f"pre_rope) and none were passed (restkv.rope makes them from the post-RoPE ones)")
+    return pre_rope
 
 
 def slots_for(features: int, head_dim: int, slot_bytes: int) -> int:
@@ -256,10 +287,13 @@ def load_weights(path: str | Path, flag: str = "--indexmem_weights") -> IndexMem
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many kinds for a file that is not a checkpoint
         raise ConfigError(f"{flag} {str(path)!r} is not a readable weights file ({type(error).__name__})") from None
-    if not isinstance(payload, dict) or payload.get("format") != WEIGHTS_FORMAT:
+    if not isinstance(payload, dict) or payload.get("format") not in (WEIGHTS_FORMAT, POST_ROPE_FORMAT):
         raise ConfigError(f"{flag} {str(path)!r} is not an IndexMem weights file (format {WEIGHTS_FORMAT})")
     try:
-        arch = Architecture(**payload["architecture"])
+        earlier = {"memory_inputs": "post_rope"} if payload["format"] == POST_ROPE_FORMAT else {}
+        arch = Architecture(**{**payload["architecture"], **earlier})
+        if arch.memory_inputs not in MEMORY_INPUTS:
+            raise TypeError(f"memory_inputs {arch.memory_inputs!r} is not one of {', '.join(MEMORY_INPUTS)}")
         layers = []
         for index, state in enumerate(payload["layers"]):
             layer = IndexMemLayer(arch, index)

@@ -8,18 +8,35 @@ The maths, and the two parts that choose it:
   the outlier channels of keys get their own ranges), values **per token** (a group is
   ``--quant_group_size`` consecutive channels of one token). Codes are packed into uint8
   (four 2-bit, two 4-bit or one 8-bit code per byte) along the channel axis.
-* ``kvquant``: the original release's variant of KVQuant (Hooper et al., 2024, arXiv
-  2401.18079): the same codes, with every element beyond ``+-quant_outlier_threshold``
-  kept exactly in a sparse side store (flat int32/int64 index and value) and left out of
-  its group's range (KVQuant's dense-and-sparse split). KVQuant's paper also quantises keys
-  **before** RoPE (per channel), uses non-uniform, sensitivity-weighted levels (``nuq``),
-  picks outliers per vector by a percentile calibrated offline, and keeps the first token
-  (attention sink) in full precision; none of those are implemented here: keys are the
-  post-RoPE keys the cache holds, levels are uniform and the threshold is fixed.
+* ``kvquant``: KVQuant's dense-and-sparse split (Hooper et al., 2024, arXiv 2401.18079) on the
+  same codes. In each vector (a key channel over the tokens quantised together, a value token
+  over its channels) the elements at or beyond its ``1 - f/2`` and ``f/2`` quantiles
+  (``--quant_outlier_fraction`` f, default 1%; upper and lower apart, as KVQuant's
+  ``sparsity_threshold``) are kept exactly in a sparse side store (flat int32/int64 index and
+  value) and left out of their group's range. KVQuant computes value thresholds per token online,
+  as here, and key thresholds per channel offline on calibration data (here online, over the
+  block). ``--quant_outlier_threshold T`` uses the original release's fixed ``|x| > T`` (it ran
+  6) instead: on SmolLM2 (1024 tokens) that keeps 2.0% of key entries but 0.08% of value entries,
+  where the percentiles keep 1.2% and 3.1% (a 64-channel token's largest and smallest). The first
+  ``--quant_exact_sinks`` prompt tokens (default 5, KVQuant's attention-sink-aware
+  ``--first_few_fp16``) are kept whole in the side store when the storage passes their slots
+  (``KIVI.exact_sink_slots``). Not implemented: keys quantised before RoPE (the cache holds
+  post-RoPE keys), non-uniform sensitivity-weighted levels (``nuq``), Q-Norm (rescaling those
+  levels to each vector's mean and spread), a cap on outliers per token, and KVQuant's ranges
+  (one per key channel, calibrated, and one per value token, with no groups): KIVI's groups of
+  ``--quant_group_size`` stay.
 
-A quantise-dequantise round trip is off by at most half a step (``scale / 2``) per
-element, outliers restored exactly. Scales and zero-points are stored in the tensor's own
-dtype (as KIVI does); the codes are computed from the stored (rounded) scale.
+A quantise-dequantise round trip is off by at most half a step (``scale / 2``, the stored
+scale) per element in every dtype, plus the rounding of the dequantised value to the
+tensor's dtype (half its spacing there: at most 2^-8 of the value in bfloat16, 2^-11 in float16;
+in bfloat16 at 8 bits the two terms are of a size, the codes being as fine as its mantissa),
+outliers restored exactly. Scales and zero-points are stored in the tensor's own dtype, as
+KIVI's kernels keep them (KIVI computes minimum, maximum, scale and codes in float16 and stores
+scale and minimum in float16, so its rounded scale can leave the top code short of the maximum).
+Here they are computed in float32, the scale is rounded *up* to the dtype (so the top code
+reaches the group's maximum: a scale rounded down cost up to one whole step in bfloat16 at
+8 bits, and float16 scales below its subnormals rounded to zero), and the codes come from
+the stored scale.
 
 Where it is used: ``QuantizedTokens`` is the segment of a compressed layer (``restkv.cache``)
 that holds kept tokens this way, quantised once after eviction; tokens appended during
@@ -31,6 +48,7 @@ full-precision copy of a quantised layer persists between steps.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -140,27 +158,35 @@ class QuantizedTensor:
         return mapped
 
 
+def _rounded_up(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``scale`` in ``dtype``, never below it: the top code then reaches the group's
+    maximum, so no element is clamped by more than half a step (a scale rounded down, or to
+    zero below float16's subnormals, would clamp the group's largest elements)."""
+    stored = scale.to(dtype)
+    return torch.where(stored.float() < scale, torch.nextafter(stored, torch.full_like(stored, math.inf)), stored)
+
+
 def _spread(groups: torch.Tensor, size: int, dim: int, length: int) -> torch.Tensor:
     """Per-group statistics repeated over their members along ``dim``, cut to ``length``."""
     return groups.repeat_interleave(size, dim=dim).narrow(dim, 0, length)
 
 
 def quantize(x: torch.Tensor, nbits: int, group: int, per_channel: bool, valid: torch.Tensor | None = None,
-             outlier_threshold: float | None = None) -> QuantizedTensor:
+             outliers: torch.Tensor | None = None) -> QuantizedTensor:
     """Asymmetric ``nbits`` codes of ``x`` ``[..., S, d]`` in groups of ``group`` tokens per
     channel (``per_channel``) or ``group`` channels per token.
 
     valid: optional bool ``[..., S]``, the slots that hold entries (unused slots of a padded
-    layer do not widen a group's range). outlier_threshold: elements with ``|x|`` above it
-    go to the exact side store and are left out of their group's range.
+    layer do not widen a group's range). outliers: optional bool ``[..., S, d]``, elements kept
+    exactly in the side store (KVQuant's outliers, whole sink tokens) and left out of their
+    group's range.
     """
     if nbits not in CODES_PER_BYTE:
         raise ValueError(f"nbits must be one of {sorted(CODES_PER_BYTE)}; got {nbits}")
     tokens, channels = x.shape[-2:]
     member = torch.ones_like(x, dtype=torch.bool) if valid is None else valid[..., None].expand_as(x).clone()
-    outliers = None
-    if outlier_threshold is not None:
-        outliers = member & (x.abs() > outlier_threshold)
+    if outliers is not None:
+        outliers = member & outliers
         member &= ~outliers
     dim, length = (-2, tokens) if per_channel else (-1, channels)
     grow = -length % group
@@ -179,7 +205,7 @@ def quantize(x: torch.Tensor, nbits: int, group: int, per_channel: bool, valid: 
     low, high = low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
     top = (1 << nbits) - 1
     zero = low.to(x.dtype)
-    scale = ((high - zero.float()) / top).to(x.dtype)
+    scale = _rounded_up((high - zero.float()) / top, x.dtype)
     step = _spread(scale, group, dim, length).float()
     offset = _spread(zero, group, dim, length).float()
     codes = torch.round((x.float() - offset) / torch.where(step > 0, step, 1.0)).clamp(0, top).to(torch.uint8)
@@ -198,14 +224,18 @@ class QuantizedTokens:
 
     keys, values: ``[B, H_kv, S, d]`` the tokens (a padded view); columns: ``[B, H_kv, S]`` their
     padded-batch columns (-1 = unused slot, quantised too: head-adaptive budgets pay
-    ``nbits / 16`` of a 16-bit slot for each); quantizer: the ``KIVI``/``KVQuant`` part.
+    ``nbits / 16`` of a 16-bit slot for each); quantizer: the ``KIVI``/``KVQuant`` part; padding:
+    ``[B]`` each row's left padding, given for prompt tokens, whose first ``exact_sinks`` stay exact
+    in the side store (appended blocks hold none).
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, quantizer) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, quantizer,
+                 padding: torch.Tensor | None = None) -> None:
         held = columns >= 0
         self.quantizer = quantizer
-        self.keys = quantizer.quantize_keys(keys, held)
-        self.values = quantizer.quantize_values(values, held)
+        exact = None if padding is None else quantizer.exact_sink_slots(columns, padding)
+        self.keys = quantizer.quantize_keys(keys, held, exact)
+        self.values = quantizer.quantize_values(values, held, exact)
         self.columns = columns.to(torch.int32)
 
     @property
@@ -272,6 +302,26 @@ class QuantizedTokens:
                                    self.quantizer)
 
 
+def percentile_outliers(x: torch.Tensor, member: torch.Tensor, fraction: float, per_channel: bool) -> torch.Tensor:
+    """KVQuant's per-vector outliers: bool ``[..., S, d]``, the ``member`` elements of ``x`` at or
+    beyond their vector's ``1 - fraction / 2`` and ``fraction / 2`` quantiles (upper and lower
+    apart; a vector is a channel over the tokens, ``per_channel``, or a token over its channels),
+    the quantiles taken over the vector's members (KVQuant's ``get_outliers_dynamic``)."""
+    dim = -2 if per_channel else -1
+    values = x.float().masked_fill(~member, float("nan"))
+    upper = torch.nanquantile(values, 1 - fraction / 2, dim=dim, keepdim=True)
+    lower = torch.nanquantile(values, fraction / 2, dim=dim, keepdim=True)
+    return member & ((values >= upper) | (values <= lower))
+
+
+def sink_slots(columns: torch.Tensor, padding: torch.Tensor | None, count: int) -> torch.Tensor:
+    """bool ``[B, H_kv, S]``: the slots whose token is one of each row's first ``count`` real
+    tokens (``columns``: padded-batch columns, -1 for slots without an exact token;
+    ``padding`` ``[B]``: each row's left padding)."""
+    position = columns if padding is None else columns - padding.to(columns.device)[:, None, None]
+    return (columns >= 0) & (position < count)
+
+
 # ---------------------------------------------------------------- the parts
 @register("quantization")
 @dataclass(frozen=True)
@@ -290,8 +340,8 @@ class KIVI(Options):
         "then they are quantised as one block (a multiple of --quant_group_size)", minimum=1,
     )
 
-    #: the exact side store's threshold (None: no outliers)
-    outlier_threshold = None
+    #: the first prompt tokens kept exactly (KVQuant's attention sinks; none for KIVI)
+    exact_sinks = 0
 
     def validate(self) -> None:
         if self.nbits not in CODES_PER_BYTE:
@@ -314,28 +364,71 @@ class KIVI(Options):
         """The newest prompt tokens that stay exact beside the codes (none: every kept token is quantised)."""
         return 0
 
-    def quantize_keys(self, keys: torch.Tensor, valid: torch.Tensor | None = None) -> QuantizedTensor:
-        """``[..., S, d]`` keys, per channel (groups of ``--quant_group_size`` tokens)."""
-        return quantize(keys, self.nbits, self.quant_group_size, True, valid, self.outlier_threshold)
+    def outliers(self, x: torch.Tensor, member: torch.Tensor, per_channel: bool) -> torch.Tensor | None:
+        """bool ``[..., S, d]``: the ``member`` elements kept exactly in the side store (None: no side store)."""
+        return None
 
-    def quantize_values(self, values: torch.Tensor, valid: torch.Tensor | None = None) -> QuantizedTensor:
+    def exact_sink_slots(self, columns: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor | None:
+        """bool ``[B, H_kv, S]``: the slots of a layer's entries (``columns`` ``[B, H_kv, S]``,
+        padded-batch, -1 where no exact token; ``padding`` ``[B]``) that a storage keeps
+        exactly, passed as ``exact`` to ``quantize_keys``/``quantize_values``; None when none are."""
+        return sink_slots(columns, padding, self.exact_sinks) if self.exact_sinks else None
+
+    def quantize_keys(self, keys: torch.Tensor, valid: torch.Tensor | None = None,
+                      exact: torch.Tensor | None = None) -> QuantizedTensor:
+        """``[..., S, d]`` keys, per channel (groups of ``--quant_group_size`` tokens); ``exact``
+        ``[..., S]``: slots kept whole in the side store (``exact_sink_slots``)."""
+        return self._quantize(keys, self.quant_group_size, True, valid, exact)
+
+    def quantize_values(self, values: torch.Tensor, valid: torch.Tensor | None = None,
+                        exact: torch.Tensor | None = None) -> QuantizedTensor:
         """``[..., S, d]`` values, per token (groups of ``--quant_group_size`` channels, at most ``d``)."""
-        group = min(self.quant_group_size, values.shape[-1])
-        return quantize(values, self.nbits, group, False, valid, self.outlier_threshold)
+        return self._quantize(values, min(self.quant_group_size, values.shape[-1]), False, valid, exact)
+
+    def _quantize(self, x: torch.Tensor, group: int, per_channel: bool, valid: torch.Tensor | None,
+                  exact: torch.Tensor | None) -> QuantizedTensor:
+        member = torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device) if valid is None else valid
+        sinks = None if exact is None else (member & exact)[..., None].expand_as(x)
+        dense = member[..., None].expand_as(x) if sinks is None else member[..., None] & ~sinks
+        outliers = self.outliers(x, dense, per_channel)  # the sinks do not move a vector's percentiles
+        if sinks is not None:
+            outliers = sinks if outliers is None else outliers | sinks
+        return quantize(x, self.nbits, group, per_channel, valid, outliers)
 
 
 @register("quantization")
 @dataclass(frozen=True)
 class KVQuant(KIVI):
-    """KIVI's codes with an exact sparse store of the outliers (the release's KVQuant variant)."""
+    """KIVI's codes with KVQuant's dense-and-sparse split: per-vector outliers and the first
+    tokens kept exactly in a sparse side store."""
 
     name = "kvquant"
 
-    quant_outlier_threshold: float = option(
-        6.0, "--quant_method kvquant: elements with a magnitude above this are kept exactly in a sparse side store",
-        minimum=0, exclusive_minimum=True,
+    quant_outlier_fraction: float = option(
+        0.01, "--quant_method kvquant: share of each vector's elements kept exactly in the sparse side store, half "
+        "from each end (KVQuant's per-vector percentile thresholds: a key channel over its tokens, a value token "
+        "over its channels, computed when quantised; below 1)", minimum=0, exclusive_minimum=True,
+    )
+    quant_outlier_threshold: float | None = option(
+        None, "--quant_method kvquant: a fixed threshold instead of the percentiles (the original release's, 6): "
+        "elements with a magnitude above it are kept exactly", minimum=0, exclusive_minimum=True,
+    )
+    quant_exact_sinks: int = option(
+        5, "--quant_method kvquant: the first prompt tokens kept exactly, keys and values (KVQuant's attention-sink-"
+        "aware quantisation, its --first_few_fp16)", minimum=0,
     )
 
+    def validate(self) -> None:
+        super().validate()
+        if self.quant_outlier_fraction >= 1:
+            raise ConfigError(f"--quant_outlier_fraction must be a fraction in (0, 1); got "
+                              f"{self.quant_outlier_fraction}")
+
     @property
-    def outlier_threshold(self) -> float:
-        return self.quant_outlier_threshold
+    def exact_sinks(self) -> int:
+        return self.quant_exact_sinks
+
+    def outliers(self, x: torch.Tensor, member: torch.Tensor, per_channel: bool) -> torch.Tensor:
+        if self.quant_outlier_threshold is not None:
+            return member & (x.abs() > self.quant_outlier_threshold)
+        return percentile_outliers(x, member, self.quant_outlier_fraction, per_channel)

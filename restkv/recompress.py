@@ -55,7 +55,7 @@ def recompress(layer, queries: torch.Tensor, config: Any, budgets: list[int], sc
         plan = plan_layer(config, order[:, 0] >= 0, layer_idx, num_layers,
                           budgets=[b - int(s) for b, s in zip(budgets, slots[:, 0].tolist())])
         ctx = ScoringContext.of(queries, sequence_keys, sequence_values, plan, scaling, softcap, o_proj_weight,
-                                positions=positions)
+                                positions=positions, prompt_padding=layer.prompt_padding)
         layer.replace(compress_layer(config, ctx, previous=layer.summaries))
         return
     groups = queries.shape[1] // num_kv_heads
@@ -66,7 +66,8 @@ def recompress(layer, queries: torch.Tensor, config: Any, budgets: list[int], sc
         contexts.append(ScoringContext.of(
             queries[:, head * groups : (head + 1) * groups], sequence_keys[:, head : head + 1],
             sequence_values[:, head : head + 1], plan, scaling, softcap,
-            _group_columns(o_proj_weight, head, num_kv_heads, queries.shape[1]), positions=positions[:, head : head + 1]))
+            _group_columns(o_proj_weight, head, num_kv_heads, queries.shape[1]), positions=positions[:, head : head + 1],
+            prompt_padding=layer.prompt_padding))
     scores = [config.policy.score(ctx) for ctx in contexts]
     if config.policy.shares_scores_across_heads:  # one kept set per layer
         shared = torch.stack(scores).mean(dim=0)

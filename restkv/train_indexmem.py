@@ -3,18 +3,22 @@
     python -m restkv.train_indexmem --model_path smollm2-135m --output indexmem-smollm2.pt
 
 One forward of the frozen full-cache model over each training sequence captures every
-layer's post-RoPE queries, keys and values; every layer's parts then train on local losses
-at a few random block ends ``e`` of the sequence (each a simulated compression of the prefix
-``[0, e)`` with the observation window ``[e - W, e)``):
+layer's queries, keys and values, after RoPE (what attention and the indexer read) and before
+it (what the memory and its gate read, ``--memory_inputs pre_rope``, the paper's memory without
+position; ``post_rope`` trains on the rotated ones); every layer's parts then train on local
+losses at a few random block ends ``e`` of the sequence (each a simulated compression of the
+prefix ``[0, e)`` with the observation window ``[e - W, e)``):
 
 * **indexer**: ``KL(teacher || student)`` over the candidates ``[0, e - W)``, the teacher being
   the model's own attention reduced over each query group (``--indexer_target window``: the
   window's queries, the ones the indexer reads, as ALGORITHMS.md §5.3 says; ``future``: the
   next ``--future`` queries, what later tokens will need);
 * **memory**: the indexer keeps ``--kept_fraction`` of the prefix, the rest is written into
-  the memory, and the next ``--future`` queries (reading kept tokens and the new ones) are
-  corrected with the memory's read; the loss is the squared error to the full-cache
-  attention output divided by the uncorrected one's (below 1 = the memory helps).
+  the memory, and ``--future`` queries at distances drawn from the first ``--read_distance``
+  tokens after ``e`` (as the question and answer tokens read a compressed prompt: each reads
+  the kept tokens and every token from ``e`` to itself) are corrected with the memory's read;
+  the loss is the squared error to the full-cache attention output divided by the
+  uncorrected one's (below 1 = the memory helps).
 
 The text is ``--text_file`` (plain text) or the library's synthetic prose (``restkv.text``).
 The file ``--output`` is what ``--indexmem_weights`` loads.
@@ -25,15 +29,18 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from restkv.attention import project_qkv
-from restkv.indexmem import FUSIONS, INDEXER_FORMS, QUERY_REDUCTIONS, Architecture, IndexMemLayer, IndexMemWeights
+from restkv.indexmem import (FUSIONS, INDEXER_FORMS, MEMORY_INPUTS, QUERY_REDUCTIONS, Architecture, IndexMemLayer,
+                             IndexMemWeights)
 from restkv.models import check_model_path, load_model, load_tokenizer, model_path_errors
 from restkv.partial import Probe, reference_kernel
+from restkv.rope import unrotate
 from restkv.scoring import pool_scores, reduce_groups, window_attention
 from restkv.selection import gather_columns, rank_keys, select_columns
 from restkv.text import synthetic_prose
@@ -51,7 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps_per_sequence", type=int, default=4, help="optimiser steps on each captured sequence")
     parser.add_argument("--blocks", type=int, default=4, help="random block ends per step")
     parser.add_argument("--window_size", type=int, default=32, help="observation window of the simulated compressions")
-    parser.add_argument("--future", type=int, default=64, help="queries after a block end that read the memory")
+    parser.add_argument("--future", type=int, default=64,
+                        help="queries after a block end that read the memory (and the indexer's future target)")
+    parser.add_argument("--read_distance", type=int, default=256,
+                        help="the memory's reading queries are drawn from this many tokens after a block end")
+    parser.add_argument("--memory_inputs", choices=MEMORY_INPUTS, default="pre_rope",
+                        help="what the memory and its gate read: keys and queries before RoPE (the paper) or after")
     parser.add_argument("--kept_fraction", type=float, default=0.2, help="prefix share the simulated compressions keep")
     parser.add_argument("--indexer_target", choices=("window", "future"), default="window")
     parser.add_argument("--indexmem_features", type=int, default=32)
@@ -83,9 +95,13 @@ def check_args(args: argparse.Namespace) -> None:
                  "indexer_heads", "threads"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be at least 1; got {getattr(args, flag)}")
-    shortest = 2 * args.window_size + args.future + 1
+    if args.read_distance < args.future:
+        raise ValueError(f"--read_distance {args.read_distance} must be at least --future {args.future} (the reading "
+                         "queries are distinct)")
+    shortest = 2 * args.window_size + args.read_distance + 1
     if args.seq_len < shortest:
-        raise ValueError(f"--seq_len {args.seq_len} must be at least 2 x --window_size + --future + 1 = {shortest}")
+        raise ValueError(f"--seq_len {args.seq_len} must be at least 2 x --window_size + --read_distance + 1 = "
+                         f"{shortest}")
 
 
 def training_sequences(tokenizer, args: argparse.Namespace) -> list[torch.Tensor]:
@@ -103,14 +119,33 @@ def training_sequences(tokenizer, args: argparse.Namespace) -> list[torch.Tensor
     return [torch.tensor(ids[i * args.seq_len : (i + 1) * args.seq_len])[None] for i in range(count)]
 
 
-def capture_layers(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Every layer's post-RoPE ``(query, key, value)`` of one full-cache forward (float32)."""
-    captured: dict[int, tuple] = {}
+@dataclass
+class CapturedLayer:
+    """One layer's float32 ``[1, H | H_kv, n, d]`` tensors of a full-cache forward: the post-RoPE
+    queries, keys and values, and the queries and keys before RoPE."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    pre_rope_query: torch.Tensor
+    pre_rope_key: torch.Tensor
+
+    def memory_inputs(self, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queries and keys the memory reads (``--memory_inputs``)."""
+        return (self.pre_rope_query, self.pre_rope_key) if which == "pre_rope" else (self.query, self.key)
+
+
+def capture_layers(model, input_ids: torch.Tensor) -> list[CapturedLayer]:
+    """Every layer's ``CapturedLayer`` of one full-cache forward (pre-RoPE: ``restkv.rope.unrotate``
+    with the forward's own position embeddings)."""
+    captured: dict[int, CapturedLayer] = {}
     hooks = []
     for index, block in enumerate(model.model.layers):
         def hook(module, args, kwargs, index=index):
             hidden = kwargs.get("hidden_states", args[0] if args else None)
-            captured[index] = tuple(t.float() for t in project_qkv(module, hidden, kwargs["position_embeddings"]))
+            cos, sin = kwargs["position_embeddings"]
+            query, key, value = (t.float() for t in project_qkv(module, hidden, (cos, sin)))
+            captured[index] = CapturedLayer(query, key, value, unrotate(query, cos, sin), unrotate(key, cos, sin))
         hooks.append(block.self_attn.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         with torch.no_grad():
@@ -121,9 +156,42 @@ def capture_layers(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, t
     return [captured[index] for index in range(len(captured))]
 
 
-def block_losses(layer: IndexMemLayer, query, key, value, scaling: float, end: int,
+def read_distances(args: argparse.Namespace, generator: torch.Generator) -> torch.Tensor:
+    """``--future`` distinct distances (ascending) among the first ``--read_distance`` tokens after a
+    block end: where the memory's reading queries sit."""
+    return torch.randperm(args.read_distance, generator=generator)[: args.future].sort().values
+
+
+def read_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, columns: torch.Tensor, end: int,
+                   distances: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention of the queries at ``end + distances`` as a compressed cache gives it (the
+    kept ``columns`` ``[1, H_kv, k]`` of ``[0, end)``, then every token from ``end`` to the query,
+    exact), its log-sum-exp, and as the full cache gives it: ``[1, H, n, d]``, ``[1, H, n]``,
+    ``[1, H, n, d]`` (float32)."""
+    span, kv = int(distances.max()) + 1, key.shape[1]
+    read_query = query[:, :, end + distances]
+    probe = Probe(read_query, kv, end, scaling, need_lse=True)
+    query_columns = (end + distances)[None, None, :, None]
+
+    def seen(held: torch.Tensor) -> torch.Tensor:  # [1, H_kv, S] columns -> [1, H_kv, G * n, S]
+        visible = (held[:, :, None, :] >= 0) & (held[:, :, None, :] <= query_columns)
+        return visible[:, :, None].expand(-1, -1, probe.groups, -1, -1).reshape(1, kv, -1, held.shape[-1])
+
+    tail_columns = torch.arange(end, end + span).expand(1, kv, -1)
+    main = reference_kernel(probe, torch.cat([gather_columns(key, columns), key[:, :, end : end + span]], 2),
+                            torch.cat([gather_columns(value, columns), value[:, :, end : end + span]], 2),
+                            seen(torch.cat([columns, tail_columns], dim=2)))
+    full = reference_kernel(probe, key[:, :, : end + span], value[:, :, : end + span],
+                            seen(torch.arange(end + span).expand(1, kv, -1)))
+    return (probe.interface(main.output).transpose(1, 2).float(), probe.per_query_head(main.lse),
+            probe.interface(full.output).transpose(1, 2).float())
+
+
+def block_losses(layer: IndexMemLayer, captured: CapturedLayer, scaling: float, end: int, distances: torch.Tensor,
                  args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
-    """The indexer's KL and the memory's relative error at one simulated compression of ``[0, end)``."""
+    """The indexer's KL and the memory's relative error at one simulated compression of ``[0, end)``,
+    the memory read by the queries at ``end + distances``."""
+    query, key, value = captured.query, captured.key, captured.value
     window, future, kv = args.window_size, args.future, key.shape[1]
     valid = torch.ones(1, end, dtype=torch.bool)
     candidates = torch.arange(end) < end - window
@@ -148,21 +216,13 @@ def block_losses(layer: IndexMemLayer, query, key, value, scaling: float, end: i
         budget = max(int(args.kept_fraction * end), window + 1)
         columns = select_columns(rank_keys(scores, valid, protected), torch.full((1, kv), budget))
         kept = torch.zeros(1, kv, end, dtype=torch.bool).scatter_(2, columns, True)
-        future_query = query[:, :, end : end + future]
-        probe = Probe(future_query, kv, end, scaling, need_lse=True)
-        future_columns = torch.arange(end, end + future).expand(1, kv, -1)
-        main = reference_kernel(probe, torch.cat([gather_columns(key, columns), key[:, :, end : end + future]], 2),
-                                torch.cat([gather_columns(value, columns), value[:, :, end : end + future]], 2),
-                                probe.visibility(torch.cat([columns, future_columns], dim=2)))
-        everything = torch.arange(end + future).expand(1, kv, -1)
-        full = reference_kernel(probe, key[:, :, : end + future], value[:, :, : end + future],
-                                probe.visibility(everything))
-        lse = probe.per_query_head(main.lse)
-        main, full = (probe.interface(part.output).transpose(1, 2).float() for part in (main, full))
+        main, lse, full = read_attention(query, key, value, columns, end, distances, scaling)
         baseline = (main - full).square().sum().clamp_min(1e-12)
-    state = layer.write(key[:, :, :end], value[:, :, :end], ~kept, torch.arange(end - 1, -1, -1), scaling)
-    readout, log_mass = layer.read(state, future_query, scaling)
-    fused = layer.fuse(main, lse, readout, log_mass, future_query, args.indexmem_fusion)
+    memory_query, memory_key = captured.memory_inputs(args.memory_inputs)
+    state = layer.write(memory_key[:, :, :end], value[:, :, :end], ~kept, torch.arange(end - 1, -1, -1), scaling)
+    reading = memory_query[:, :, end + distances]
+    readout, log_mass = layer.read(state, reading, scaling)
+    fused = layer.fuse(main, lse, readout, log_mass, reading, args.indexmem_fusion)
     return kl, (fused - full).square().sum() / baseline
 
 
@@ -183,7 +243,8 @@ def train(model, sequences: list[torch.Tensor], args: argparse.Namespace) -> Ind
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     arch = Architecture(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, head_dim,
                         args.indexmem_features, args.indexer_form,
-                        args.indexer_heads if args.indexer_form == "dsa" else 1, fusion=args.indexmem_fusion)
+                        args.indexer_heads if args.indexer_form == "dsa" else 1, fusion=args.indexmem_fusion,
+                        memory_inputs=args.memory_inputs)
     layers = [IndexMemLayer(arch, index, args.seed) for index in range(arch.num_layers)]
     scalings = [block.self_attn.scaling for block in model.model.layers]
     optimizer = torch.optim.AdamW([p for layer in layers for p in layer.parameters()], lr=args.lr, weight_decay=0.0)
@@ -193,15 +254,17 @@ def train(model, sequences: list[torch.Tensor], args: argparse.Namespace) -> Ind
     progress = tqdm(total=total, desc="indexmem", unit="step")
     for ids in sequences:
         captured = capture_layers(model, ids)
-        lowest, highest = 2 * args.window_size + 1, ids.shape[1] - args.future
+        lowest, highest = 2 * args.window_size + 1, ids.shape[1] - args.read_distance
         for _ in range(args.steps_per_sequence):
             ends = torch.randint(lowest, highest + 1, (args.blocks,), generator=rng).tolist()
+            distances = [read_distances(args, rng) for _ in ends]
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, total, args.lr)
             optimizer.zero_grad()
             kl_sum = memory_sum = 0.0
-            for layer, (query, key, value), scaling in zip(layers, captured, scalings):
-                losses = [block_losses(layer, query, key, value, scaling, end, args) for end in ends]
+            for layer, layer_capture, scaling in zip(layers, captured, scalings):
+                losses = [block_losses(layer, layer_capture, scaling, end, reads, args)
+                          for end, reads in zip(ends, distances)]
                 kl = sum(loss[0] for loss in losses) / len(ends)
                 memory = sum(loss[1] for loss in losses) / len(ends)
                 (kl + memory).backward()
@@ -218,6 +281,7 @@ def train(model, sequences: list[torch.Tensor], args: argparse.Namespace) -> Ind
                     seq_len=args.seq_len, tokens=sum(ids.shape[1] for ids in sequences), steps=step,
                     seconds=round(seconds, 1),
                     indexer_target=args.indexer_target, kept_fraction=args.kept_fraction,
+                    memory_inputs=args.memory_inputs, read_distance=args.read_distance,
                     query_reduction=args.indexmem_query_reduction, first_losses=first, last_losses=last)
     return IndexMemWeights(arch, [layer.requires_grad_(False) for layer in layers], training)
 

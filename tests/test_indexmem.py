@@ -13,9 +13,12 @@ from restkv.compat import output_cache
 from restkv.compress import compress_layer
 from restkv.context import ScoringContext, plan_layer, valid_from_mask
 import restkv.train_indexmem as train_indexmem
+from restkv.attention import project_qkv
 from restkv.indexmem import Architecture, IndexMemLayer, IndexMemWeights, load_weights, slots_for
 from restkv.partial import use_kernel
-from restkv.train_indexmem import build_parser, train
+from restkv.rope import unrotate
+from restkv.train_indexmem import build_parser, capture_layers, read_attention, read_distances, train
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from tiny_models import (assert_patch_reproduces_unpatched, assert_rows_match_single_row_runs, greedy, random_prompt,
                          random_qkv, replace_for, tiny_model)
 
@@ -23,6 +26,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:restkv. --method indexmem withou
 
 #: the tiny models' shapes (tests/tiny_models.py COMMON): 3 layers, 4 heads, 2 KV heads, head dim 16
 TINY = dict(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16)
+#: a memory of post-RoPE keys and queries, the ones the compression pipeline and the cache pass today
+POST_ROPE = dict(memory_inputs="post_rope")
 
 
 def qkv(length=120, **options):
@@ -182,7 +187,8 @@ def compressed_layer(query, key, value, options) -> CompressedLayer:
 
 def test_a_zero_gate_is_plain_eviction_bit_for_bit(tmp_path):
     query, key, value = qkv()
-    path = saved(tmp_path, Architecture(1, 6, 2, 8, features=4), lambda layer: layer.gate_bias.fill_(float("-inf")))
+    path = saved(tmp_path, Architecture(1, 6, 2, 8, features=4, **POST_ROPE),
+                 lambda layer: layer.gate_bias.fill_(float("-inf")))
     options = dict(indexmem_weights=path, indexmem_features=4)
     gated = compressed_layer(query, key, value, options)
     plain = compressed_layer(query, key, value, options)
@@ -216,6 +222,62 @@ def test_the_fallback_memory_moves_decode_towards_full_attention():
     assert errors[0] < 0.7 * errors[1]
 
 
+def open_gate(layer):
+    layer.gate_weight.normal_(generator=torch.Generator().manual_seed(10))
+    layer.gate_bias.fill_(0.0)
+
+
+def memory_read_at(path, offset, pre_rope=True):
+    """The decode output of a layer (weights at ``path``) whose memory was written and read with
+    the prompt and the reading query rotated by a tiny Llama's RoPE at positions shifted by ``offset``."""
+    cfg = config(indexmem_weights=path, indexmem_features=4)
+    query, key, value = random_qkv(length=120, seed=7)
+    new_query = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(8))
+    cos, sin = tiny_model("llama").model.rotary_emb(key, torch.arange(121)[None] + offset)
+    prompt, step = (cos[:, :120], sin[:, :120]), (cos[:, 120:], sin[:, 120:])
+    rotated_query, rotated_key = apply_rotary_pos_emb(query, key, *prompt)
+    rotated_step = apply_rotary_pos_emb(new_query, new_query, *step)[0]
+    plan = plan_layer(cfg, valid_from_mask(None, 1, 120, key.device))
+    ctx = ScoringContext.of(rotated_query, rotated_key, value, plan, rotary=prompt if pre_rope else None)
+    columns = torch.arange(80, 120).expand(1, 2, -1)  # the newest 40 kept, 80 evicted into the memory
+    state = cfg.policy.summarise(ctx, columns, None)[0]
+    output, lse = torch.randn(1, 1, 4, 16, generator=torch.Generator().manual_seed(9)), torch.zeros(1, 4, 1)
+    return state.correct(rotated_step, output, lse, pre_rope_query=unrotate(rotated_step, *step) if pre_rope else None)
+
+
+def test_a_pre_rope_memory_and_its_gate_carry_no_position(tmp_path):
+    """NEWER_METHODS.md §3.1: written from the keys before RoPE and read (features and gate) with
+    the query before RoPE, the memory's correction is the same wherever the prompt sits; a
+    post-RoPE memory's is not."""
+    pre, post = (saved(tmp_path, Architecture(1, 4, 2, 16, features=4, memory_inputs=inputs), open_gate,
+                       name=f"{inputs}.pt") for inputs in ("pre_rope", "post_rope"))
+    near, far = (memory_read_at(pre, offset) for offset in (0, 300))
+    torch.testing.assert_close(near, far, rtol=1e-4, atol=1e-5)
+    post_near, post_far = (memory_read_at(post, offset, pre_rope=False) for offset in (0, 300))
+    assert not torch.allclose(post_near, post_far, atol=1e-3)
+    assert not torch.allclose(near, post_near, atol=1e-3)
+    with pytest.raises(ConfigError, match="--indexmem_weights: this memory reads pre-RoPE keys"):
+        memory_read_at(pre, 0, pre_rope=False)
+    query, key, value = random_qkv(length=120)
+    state = compressed_layer(query, key, value, dict(indexmem_weights=post, indexmem_features=4)).corrections[0]
+    state.layer = IndexMemLayer(Architecture(1, 4, 2, 16, features=4))  # a pre-RoPE memory's read
+    with pytest.raises(ConfigError, match="this memory reads pre-RoPE queries"):
+        state.correct(torch.randn(1, 4, 1, 16), torch.randn(1, 1, 4, 16), torch.zeros(1, 4, 1))
+
+
+def test_earlier_weights_files_hold_post_rope_memories(tmp_path):
+    path = saved(tmp_path, Architecture(**TINY, features=4))
+    payload = torch.load(path, weights_only=True)
+    payload["format"] = "restkv-indexmem-v1"
+    del payload["architecture"]["memory_inputs"]
+    torch.save(payload, path)
+    assert load_weights(path).arch.memory_inputs == "post_rope"
+    payload["format"], payload["architecture"]["memory_inputs"] = "restkv-indexmem-v2", "sideways"
+    torch.save(payload, path)
+    with pytest.raises(ConfigError, match="--indexmem_weights .*damaged IndexMem weights .*memory_inputs 'sideways'"):
+        load_weights(path)
+
+
 # ---------------------------------------------------------------- on a model
 def test_budget_at_or_above_the_prompt_reproduces_the_unpatched_model():
     model = tiny_model("llama", "eager")
@@ -230,7 +292,7 @@ def test_each_row_of_a_left_padded_batch_equals_its_single_row_run(tmp_path, bac
     model = tiny_model("llama", backend)
     options = dict(method="indexmem", max_capacity_prompts=24, window_size=8, indexmem_features=4)
     if weights:
-        arch = Architecture(**TINY, features=4)
+        arch = Architecture(**TINY, features=4, **POST_ROPE)
         options["indexmem_weights"] = saved(tmp_path, arch, lambda layer: layer.gate_bias.fill_(0.0))
     replace_for("llama")(**options)
     batched = assert_rows_match_single_row_runs(model, [90, 64, 41])
@@ -350,14 +412,18 @@ def test_the_fallback_says_so_once(monkeypatch):
     assert sum("training-free fallback" in str(w.message) for w in caught) == 1
 
 
+def training_args(*extra):
+    return build_parser().parse_args(["--window_size", "8", "--future", "16", "--read_distance", "48", "--blocks",
+                                      "2", "--steps_per_sequence", "4", "--indexmem_features", "4", "--kept_fraction",
+                                      "0.3", "--lr", "1e-2", *extra])
+
+
 def test_a_short_training_run_on_a_tiny_model(tmp_path):
     model = tiny_model("llama", "eager").requires_grad_(False)
-    args = build_parser().parse_args(["--window_size", "8", "--future", "16", "--blocks", "2",
-                                      "--steps_per_sequence", "4", "--indexmem_features", "4", "--kept_fraction",
-                                      "0.3", "--lr", "1e-2"])
     sequences = [random_prompt(1, 96, seed=seed) for seed in (5, 6)]
-    weights = train(model, sequences, args)
+    weights = train(model, sequences, training_args())
     assert weights.training["steps"] == 8 and weights.training["tokens"] == 192
+    assert weights.arch.memory_inputs == weights.training["memory_inputs"] == "pre_rope"
     first, last = weights.training["first_losses"], weights.training["last_losses"]
     assert all(math.isfinite(value) for value in (*first, *last))
     fresh = IndexMemLayer(weights.arch, 0)
@@ -365,16 +431,23 @@ def test_a_short_training_run_on_a_tiny_model(tmp_path):
     assert not torch.equal(weights.layers[0].gate_bias, fresh.gate_bias)
     path = tmp_path / "tiny.pt"
     weights.save(path)
-    replace_for("llama")(method="indexmem", max_capacity_prompts=24, window_size=8, indexmem_features=4,
-                         indexmem_weights=str(path))
+    assert load_weights(path).arch.memory_inputs == "pre_rope"
+    options = dict(method="indexmem", max_capacity_prompts=24, window_size=8, indexmem_features=4)
+    replace_for("llama")(**options, indexmem_weights=str(path))
+    out = greedy(model, random_prompt(1, 80))  # the pipeline hands the memory its keys and queries before RoPE
+    assert all(bool(torch.isfinite(step).all()) for step in out.logits)
+    assert output_cache(out).layers[0].corrections[0].layer.arch.memory_inputs == "pre_rope"
+    post = train(model, sequences, training_args("--memory_inputs", "post_rope"))
+    post.save(path)
+    replace_for("llama")(**options, indexmem_weights=str(path))
     out = greedy(model, random_prompt(1, 80))
     assert all(bool(torch.isfinite(step).all()) for step in out.logits)
     assert output_cache(out).layers[0].corrections[0].fusion == "residual"
 
 
 # ---------------------------------------------------------------- the training command
-TRAIN_TINY = ["--num_sequences", "1", "--seq_len", "96", "--window_size", "8", "--future", "16", "--blocks", "1",
-              "--steps_per_sequence", "1", "--indexmem_features", "4"]
+TRAIN_TINY = ["--num_sequences", "1", "--seq_len", "96", "--window_size", "8", "--future", "16", "--read_distance",
+              "32", "--blocks", "1", "--steps_per_sequence", "1", "--indexmem_features", "4"]
 
 
 def test_the_training_command_writes_weights_the_method_loads(tiny_model_dir, tmp_path):
@@ -408,3 +481,51 @@ def test_a_hub_id_that_cannot_be_reached_is_one_line_naming_the_embedded_models(
     message = stop.value.code
     assert message.startswith("error: --model_path org/no-such-model: cannot load it (") and "\n" not in message
     assert message.endswith("or an embedded model (smollm2-135m, gemma3-270m)")
+
+
+def test_training_captures_the_queries_and_keys_before_rope():
+    """The same projections with cos 1 and sin 0 (no rotation) are the pre-RoPE ones."""
+    model = tiny_model("llama", "eager")
+    ids = random_prompt(1, 20)
+    expected = {}
+
+    def unrotated(module, args, kwargs):
+        cos, _ = kwargs["position_embeddings"]
+        no_rotation = (torch.ones_like(cos), torch.zeros_like(cos))
+        expected[module.layer_idx] = project_qkv(module, kwargs["hidden_states"], no_rotation)
+
+    hooks = [block.self_attn.register_forward_pre_hook(unrotated, with_kwargs=True) for block in model.model.layers]
+    captured = capture_layers(model, ids)
+    for hook in hooks:
+        hook.remove()
+    for index, layer in enumerate(captured):
+        query, key, value = expected[index]
+        torch.testing.assert_close(layer.pre_rope_query, query, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.pre_rope_key, key, rtol=1e-5, atol=1e-5)
+        assert torch.equal(layer.value, value) and not torch.allclose(layer.key, key, atol=1e-3)
+        assert layer.memory_inputs("pre_rope")[1] is layer.pre_rope_key
+        assert layer.memory_inputs("post_rope")[1] is layer.key
+
+
+def test_the_memory_is_read_at_the_distances_decoding_reads_it():
+    """Reading queries spread over --read_distance tokens after the block (not only the next
+    --future), each reading the kept tokens and every token up to itself."""
+    args = training_args()
+    generator = torch.Generator().manual_seed(0)
+    draws = [read_distances(args, generator) for _ in range(20)]
+    assert all(len(set(d.tolist())) == 16 and int(d.min()) >= 0 and int(d.max()) < 48 for d in draws)
+    assert max(int(d.max()) for d in draws) >= 40 and any(int(d.max()) >= 16 for d in draws)
+    query, key, value = qkv(length=120)
+    columns = torch.tensor([[[0, 3, 10, 20, 39], [1, 2, 5, 30, 38]]])  # kept of [0, 40)
+    distances = torch.tensor([0, 7, 33])
+    main, lse, full = read_attention(query, key, value, columns, 40, distances, 0.3)
+    for row, distance in enumerate(distances.tolist()):
+        position = 40 + distance
+        for head in range(6):
+            kv = head // 3
+            seen = torch.cat([columns[0, kv], torch.arange(40, position + 1)])
+            logits = query[0, head, position] @ key[0, kv, seen].T * 0.3
+            torch.testing.assert_close(main[0, head, row], torch.softmax(logits, -1) @ value[0, kv, seen])
+            torch.testing.assert_close(lse[0, head, row], torch.logsumexp(logits, -1))
+            logits = query[0, head, position] @ key[0, kv, : position + 1].T * 0.3
+            torch.testing.assert_close(full[0, head, row], torch.softmax(logits, -1) @ value[0, kv, : position + 1])

@@ -13,13 +13,22 @@ from toy_benchmark import STORY, toy_samples
 
 
 def test_query_aware_prompt_is_the_chat_wrapped_text(tokenizer):
+    """The opening, the context and the question with the closing, tokenised apart (the
+    query-agnostic split's tokens, joined)."""
     sample = toy_samples(None, "logs", None)[0]
     encoded = encode_prompt(tokenizer, sample, max_tokens=4000)
     wrapped = tokenizer.apply_chat_template(
         [{"role": "user", "content": sample.context + sample.question}], add_generation_prompt=True, tokenize=False
     )
-    assert encoded.context_ids == tokenizer(wrapped, add_special_tokens=False).input_ids
+    assert tokenizer.decode(encoded.context_ids) == wrapped
+    agnostic = encode_prompt(tokenizer, sample, max_tokens=4000, split=True)
+    assert encoded.context_ids == agnostic.context_ids + agnostic.question_ids
     assert encoded.question_ids == [] and not encoded.truncated
+    start, stop = encoded.context_span
+    assert (start, stop) == agnostic.context_span
+    assert tokenizer.decode(encoded.context_ids[start:stop]) == sample.context
+    assert tokenizer.decode(encoded.context_ids[:start]) == wrapped[: wrapped.index(sample.context)]
+    assert tokenizer.decode(encoded.context_ids[stop:]).startswith(sample.question)
 
 
 def test_query_agnostic_prompt_splits_before_the_question(tokenizer):
@@ -37,7 +46,11 @@ def test_query_agnostic_prompt_splits_before_the_question(tokenizer):
 def test_raw_prompts_and_answer_prefix(tokenizer):
     sample = dataclasses.replace(toy_samples(None, "logs", None)[0], chat=False, answer_prefix=" The code is")
     text = sample.context + sample.question + sample.answer_prefix
-    assert encode_prompt(tokenizer, sample, 4000).context_ids == tokenizer(text).input_ids
+    raw = encode_prompt(tokenizer, sample, 4000)
+    assert raw.context_ids == tokenizer(sample.context).input_ids + tokenizer(
+        sample.question + sample.answer_prefix, add_special_tokens=False).input_ids
+    assert tokenizer.decode(raw.context_ids) == text
+    assert tokenizer.decode(raw.context_ids[slice(*raw.context_span)]) == sample.context
     chat = dataclasses.replace(sample, chat=True)
     assert tokenizer.decode(encode_prompt(tokenizer, chat, 4000).context_ids).endswith("assistant\n The code is")
     split = encode_prompt(tokenizer, chat, 4000, split=True)

@@ -34,20 +34,33 @@ def test_packing_round_trips_every_code_exactly(nbits):
         assert torch.equal(unpack(packed, nbits, count), codes)
 
 
+def dtype_spacing(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``[...]``: the gap from ``|x|`` to the next larger number of ``x``'s dtype."""
+    magnitude = x.abs()
+    return torch.nextafter(magnitude, torch.full_like(magnitude, math.inf)).float() - magnitude.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("per_channel", [True, False])
 @pytest.mark.parametrize("nbits", sorted(CODES_PER_BYTE))
-def test_round_trip_error_is_at_most_half_a_step(nbits, per_channel):
-    """Property over random tensors, shapes (partial groups included), groups and magnitudes."""
+def test_round_trip_error_is_at_most_half_a_step_in_every_dtype(nbits, per_channel, dtype):
+    """Property over random tensors, shapes (partial groups included), groups and magnitudes
+    (1e-6 to 10: float16's subnormal steps too): half a (stored) step, plus the rounding of the
+    result to the dtype; float32 arithmetic adds a few of its own units at the tensor's magnitude."""
     generator = torch.Generator().manual_seed(10 * nbits + per_channel)
     for trial in range(25):
         shape = random_shape(generator)
         group = int(torch.randint(1, 9, (1,), generator=generator))
-        x = torch.randn(shape, generator=generator) * float(torch.rand(1, generator=generator) * 10 + 1e-3)
+        magnitude = 10 ** float(torch.rand(1, generator=generator) * 7 - 6)
+        x = (torch.randn(shape, generator=generator) * magnitude).to(dtype)
         quantized = quantize(x, nbits, group, per_channel)
-        step = quantized.scale.repeat_interleave(group, dim=-2 if per_channel else -1)
+        step = quantized.scale.float().repeat_interleave(group, dim=-2 if per_channel else -1)
         step = step[..., : shape[-2], :] if per_channel else step[..., : shape[-1]]
-        error = (quantized.dequantize() - x).abs()
-        assert bool((error <= step / 2 + 1e-5 * x.abs().amax()).all()), (trial, shape, group)
+        restored = quantized.dequantize()
+        assert restored.dtype == quantized.scale.dtype == dtype
+        error = (restored.float() - x.float()).abs()
+        bound = step / 2 + dtype_spacing(restored) / 2 + 4 * torch.finfo(torch.float32).eps * x.float().abs().amax()
+        assert bool((error <= bound).all()), (trial, shape, group, float((error / step).max()))
 
 
 def test_unused_slots_do_not_widen_a_key_group():
@@ -77,6 +90,62 @@ def test_outliers_are_restored_exactly_and_left_out_of_the_range():
     assert KIVI(nbits=2, quant_group_size=4, quant_residual_length=8).quantize_keys(x).outlier_index is None
 
 
+def quantile_oracle(vector: torch.Tensor, fraction: float) -> torch.Tensor:
+    """KVQuant's rule for one vector: its elements at or beyond the two quantiles."""
+    upper, lower = torch.quantile(vector, 1 - fraction / 2), torch.quantile(vector, fraction / 2)
+    return (vector >= upper) | (vector <= lower)
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.2])
+def test_kvquant_outliers_are_per_vector_percentiles_by_default(fraction):
+    """Values per token (over its channels), keys per channel (over the held tokens): the
+    elements beyond their vector's quantiles, however small the vector's magnitude (the fixed
+    +-6 of the original release found almost no value outliers)."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 2, 24, 16, generator=generator) * 0.5
+    held = torch.rand(2, 2, 24, generator=generator) > 0.2
+    part = KVQuant(nbits=2, quant_group_size=4, quant_residual_length=8, quant_outlier_fraction=fraction,
+                   quant_exact_sinks=0)
+    for quantized, per_channel in ((part.quantize_keys(x, held), True), (part.quantize_values(x, held), False)):
+        expected = torch.zeros_like(x, dtype=torch.bool)
+        for b, h in ((b, h) for b in range(2) for h in range(2)):
+            rows = held[b, h].nonzero().squeeze(-1)
+            if per_channel:
+                for c in range(16):
+                    expected[b, h, rows, c] = quantile_oracle(x[b, h, rows, c], fraction)
+            else:
+                for t in rows.tolist():
+                    expected[b, h, t] = quantile_oracle(x[b, h, t], fraction)
+        stored = torch.zeros(x.numel(), dtype=torch.bool)
+        stored[quantized.outlier_index.long()] = True
+        assert torch.equal(stored.view_as(x), expected)
+        restored = quantized.dequantize()
+        assert torch.equal(restored[expected], x[expected])
+    fixed = KVQuant(nbits=2, quant_group_size=4, quant_residual_length=8, quant_outlier_threshold=6.0)
+    assert fixed.quantize_values(x, held).outlier_index.numel() == 0  # |x| < 6 everywhere
+
+
+def test_the_first_tokens_are_kept_whole_and_out_of_every_range():
+    """KVQuant's attention sinks: the slots of each row's first real tokens (left padding,
+    slots in any order, residual slots never) stay exact and widen no group."""
+    columns = torch.tensor([[[7, 2, 3, -1, 9, 4]], [[0, 5, 1, 6, -1, 2]]])  # [B=2, H=1, S=6]
+    padding = torch.tensor([2, 0])
+    part = KVQuant(nbits=2, quant_group_size=2, quant_residual_length=8, quant_exact_sinks=2)
+    sinks = part.exact_sink_slots(columns, padding)
+    assert sinks.tolist() == [[[False, True, True, False, False, False]], [[True, False, True, False, False, False]]]
+    assert KIVI(nbits=2, quant_group_size=2, quant_residual_length=8).exact_sink_slots(columns, padding) is None
+    assert KVQuant(quant_exact_sinks=0).exact_sink_slots(columns, padding) is None
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 1, 6, 4, generator=generator)
+    x[sinks] = 100.0  # sinks far outside the rest
+    held = columns >= 0
+    for quantize_part in (part.quantize_keys, part.quantize_values):
+        quantized = quantize_part(x, held, sinks)
+        assert torch.equal(quantized.dequantize()[sinks], x[sinks])
+        assert float(quantized.scale.amax()) < 10  # the sinks widen no range
+        assert float(quantized.zero.abs().amax()) < 10
+
+
 def test_batch_maps_keep_codes_and_outliers():
     generator = torch.Generator().manual_seed(4)
     x = torch.randn(3, 2, 12, 8, generator=generator) * 4
@@ -97,7 +166,13 @@ def test_config_names_the_flags():
         CompressionConfig(decode_budget=64, quant_method="kivi")
     with pytest.raises(ConfigError, match="--quant_outlier_threshold"):
         CompressionConfig(max_capacity_prompts=64, quant_method="kvquant", quant_outlier_threshold=0)
+    for fraction in (0, 1, 1.5):
+        with pytest.raises(ConfigError, match="--quant_outlier_fraction"):
+            CompressionConfig(max_capacity_prompts=64, quant_method="kvquant", quant_outlier_fraction=fraction)
+    with pytest.raises(ConfigError, match="--quant_exact_sinks"):
+        CompressionConfig(max_capacity_prompts=64, quant_method="kvquant", quant_exact_sinks=-1)
     config = CompressionConfig(max_capacity_prompts=64, quant_method="kvquant", nbits=4)
+    assert (config.quant_outlier_fraction, config.quant_outlier_threshold, config.quant_exact_sinks) == (0.01, None, 5)
     assert config.describe() == "--method snapkv --quant_method kvquant"
     assert (config.nbits, config.quant_group_size, config.quant_residual_length) == (4, 64, 128)
     assert CompressionConfig(max_capacity_prompts=64, quant_method="kivi").nbits == 8

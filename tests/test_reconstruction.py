@@ -1,21 +1,25 @@
 """Query-agnostic compression that keeps the answer: reconstruction observation, KVzip, one
 context for many questions (restkv.deferred, restkv.observation, restkv.policies.kvzip)."""
 
+import copy
 import math
 import re
 
 import pytest
 import torch
+from tokenizers.processors import TemplateProcessing
 
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.compress import compress_layer
 from restkv.storage import joined_view
 from restkv.context import ScoringContext, plan_layer
+from restkv.benchmarks.prompts import encode_prompt
 from restkv.reconstruction_prompt import set_reconstruction_prompt
 from restkv.generation import answer_many, generate_after_context, prefill
 from restkv.observation import ReconstructionObservation, ReconstructionStats
 from restkv.scoring import window_attention
 from tiny_models import assert_patch_reproduces_unpatched, random_prompt, random_qkv, replace_for, tiny_model
+from toy_benchmark import toy_samples
 
 pytestmark = pytest.mark.filterwarnings("ignore:restkv. --observation reconstruction without")
 
@@ -27,6 +31,58 @@ class FakeTokenizer:
 
     def __call__(self, text, add_special_tokens=False):
         return type("Encoded", (), {"input_ids": [3 + (ord(c) % 200) for c in text]})()
+
+
+#: a chat template with a BOS and a default system prompt, as Llama 3's and SmolLM2's have
+TINY_TEMPLATE = ("{{ bos_token }}{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a test."
+                 "<|im_end|>\n{% endif %}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+                 "{{ message['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% endif %}")
+OPENING = "<|endoftext|><|im_start|>system\nYou are a test.<|im_end|>\n<|im_start|>user\n"
+INSTRUCTION = "\n\nRepeat the previous context exactly."
+
+
+def with_template(tokenizer, template):
+    """A copy of SmolLM2's tokenizer with ``template``, whose BOS is ``<|endoftext|>`` and added
+    before every text it tokenises with special tokens."""
+    changed = copy.deepcopy(tokenizer)
+    changed.chat_template, changed.bos_token = template, "<|endoftext|>"
+    changed._tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A",
+                                                           special_tokens=[("<|endoftext|>", changed.bos_token_id)])
+    return changed
+
+
+def test_the_reconstruction_continues_the_user_turn_that_holds_the_context(tokenizer):
+    """KVzip's reference: the prefill (opening, then the context), then the instruction in the
+    same user turn, the template's closing and the context alone: no second system prompt, BOS or
+    opening. The prompt's builder says where the context lies (query-aware: before the question)."""
+    chat = with_template(tokenizer, TINY_TEMPLATE)
+    model = tiny_model("llama")
+    prefix = set_reconstruction_prompt(model, chat)
+    assert chat.decode(prefix) == INSTRUCTION + "<|im_end|>\n<|im_start|>assistant\n"
+    sample = toy_samples(None, "logs", None)[0]
+    for split in (True, False):
+        encoded = encode_prompt(chat, sample, max_tokens=4000, split=split)
+        start, stop = encoded.context_span
+        assert chat.decode(encoded.context_ids[:start]) == OPENING
+        assert chat.decode(encoded.context_ids[start:stop]) == sample.context
+        assert chat.decode(encoded.context_ids[stop:]) == ("" if split else sample.question + "<|im_end|>\n"
+                                                           "<|im_start|>assistant\n")
+        repeated = prefix.tolist() + encoded.context_ids[start:stop]
+        assert chat.decode(encoded.context_ids[:stop] + repeated) == (
+            OPENING + sample.context + INSTRUCTION + "<|im_end|>\n<|im_start|>assistant\n" + sample.context)
+
+
+def test_without_a_chat_template_the_reconstruction_uses_kvzips_plain_closing(tokenizer):
+    plain = with_template(tokenizer, None)
+    prefix = set_reconstruction_prompt(tiny_model("llama"), plain)
+    assert plain.decode(prefix) == INSTRUCTION + "\n\nAnswer: "
+    sample = toy_samples(None, "logs", None)[0]
+    for split in (True, False):
+        encoded = encode_prompt(plain, sample, max_tokens=4000, split=split)
+        assert encoded.context_span == (1, len(plain(sample.context).input_ids))  # after the tokenizer's BOS
+        assert encoded.context_ids[0] == plain.bos_token_id
+        assert plain.decode(encoded.context_ids[slice(*encoded.context_span)]) == sample.context
 
 
 def decoder_layer_calls(model):

@@ -45,6 +45,22 @@ def test_all_zero_key_channels_are_the_ones_pruned():
     assert 11 not in kept.key_channels[:, 1].flatten().tolist()
 
 
+def test_the_channel_energy_counts_the_recent_tokens_keys():
+    """ThinK's release scores a channel by the energy of every kept key, the recent (whole)
+    tokens' too: a channel that only the recent tokens use is kept."""
+    query, key, value = random_qkv(length=80)
+    key[..., 5] = 0.0
+    key[..., -8:, 5] = 40.0  # the recent tokens alone use channel 5
+    kept = compress_kv(query, key, value, dict(method="think", pruning_ratio=0.5, **BASE))
+    assert all(5 in channels for channels in kept.key_channels[0].tolist())
+    # The oracle: the group's mean query energy over the window times the kept keys' mean energy.
+    plain = compress_kv(query, key, value, dict(method="snapkv", max_capacity_prompts=24, window_size=8))
+    query_power = query[:, :, -8:].pow(2).mean(dim=2).view(1, 2, 2, 16).mean(dim=2)
+    importance = query_power * plain.keys.pow(2).mean(dim=2)
+    expected = importance.topk(8, dim=-1).indices.sort(dim=-1).values
+    assert torch.equal(kept.key_channels, expected)
+
+
 def test_dropped_channels_are_zero_outside_the_recent_tokens():
     query, key, value = random_qkv(length=80)
     kept = compress_kv(query, key, value, dict(method="think", pruning_ratio=0.5, **BASE))

@@ -8,10 +8,13 @@ as LongBench's pred.py does.
 
 **Chat and split.** ``chat`` wraps the prompt in the tokenizer's chat template (one user
 turn), when it has one; ``answer_prefix`` is appended after that wrapper (it starts the
-assistant's turn). Query-aware (default), the whole prompt is prefilled and compressed;
-``--query_agnostic`` tokenises ``context`` apart, to be compressed alone before the question.
-A multi-question sample's prompts (``encode_questions``) share one context: cut, if too long,
-to leave room for its longest question.
+assistant's turn). The pieces are tokenised apart, as KVzip's reference does: the template's
+opening (or the tokenizer's own leading special tokens), the context, then the question with
+the template's closing, so ``EncodedPrompt.context_span`` says exactly where the context lies.
+Query-aware (default), the whole prompt is prefilled and compressed; ``--query_agnostic``
+prefills the opening and the context, to be compressed alone before the question. A
+multi-question sample's prompts (``encode_questions``) share one context: cut, if too long, to
+leave room for its longest question.
 
 **Stopping.** Every EOS id of the model's generation config and tokenizer, plus the last token
 of each ``Sample.stop_tokens`` text.
@@ -25,18 +28,22 @@ from typing import Iterable
 from restkv.benchmarks.benchmark import Sample
 from restkv.benchmarks.errors import FlagError
 
-#: Placed between context and question inside the chat template, to find the split point.
+#: Placed before the context and between context and question inside the chat template, to find them.
 _SPLIT_MARK = "\ue000restkv-question\ue000"
 
 
 @dataclass(frozen=True)
 class EncodedPrompt:
     """Token ids of one prompt: ``context_ids`` are prefilled (and compressed) first, then
-    ``question_ids`` (empty in query-aware mode, where the whole prompt is ``context_ids``)."""
+    ``question_ids`` (empty in query-aware mode, where the whole prompt is ``context_ids``).
+    ``context_span``: ``(start, stop)``, the sample's context within ``context_ids``, after the
+    chat template's opening (system prompt, user header, BOS) and, query-aware, before the
+    question (what KVzip's reconstruction repeats and the template around it)."""
 
     context_ids: list[int]
     question_ids: list[int]
     truncated: bool
+    context_span: tuple[int, int]
 
     @property
     def num_tokens(self) -> int:
@@ -83,11 +90,10 @@ def encode_prompt(tokenizer, sample: Sample, max_tokens: int, split: bool = Fals
         context, question = text[: len(text) - len(sample.question)], sample.question
     else:
         context, question = head, tail
-    if not split:
-        use_chat = sample.chat and getattr(tokenizer, "chat_template", None)
-        wrapped = chat_wrap(tokenizer, text, use_chat)
-        return EncodedPrompt(_tokens(tokenizer, wrapped + sample.answer_prefix, not use_chat), [], truncated)
-    return _encode_split(tokenizer, sample.chat, context, question, sample.answer_prefix, truncated)
+    encoded = _encode_split(tokenizer, sample.chat, context, question, sample.answer_prefix, truncated)
+    if split:
+        return encoded
+    return EncodedPrompt(encoded.context_ids + encoded.question_ids, [], truncated, encoded.context_span)
 
 
 def encode_questions(tokenizer, sample: Sample, max_tokens: int) -> list[EncodedPrompt]:
@@ -108,13 +114,26 @@ def encode_questions(tokenizer, sample: Sample, max_tokens: int) -> list[Encoded
 
 def _encode_split(tokenizer, chat: bool, context: str, question: str, answer_prefix: str,
                   truncated: bool) -> EncodedPrompt:
-    """Context and question tokenised apart, the chat wrapper around both."""
+    """Opening, context and question (with the closing and ``answer_prefix``) tokenised apart,
+    the chat wrapper around them; the first two are the context ids."""
     if chat and getattr(tokenizer, "chat_template", None):
-        before, after = chat_wrap(tokenizer, context + _SPLIT_MARK + question).split(_SPLIT_MARK)
-        return EncodedPrompt(_tokens(tokenizer, before, False), _tokens(tokenizer, after + answer_prefix, False),
-                             truncated)
-    return EncodedPrompt(_tokens(tokenizer, context, True), _tokens(tokenizer, question + answer_prefix, False),
-                         truncated)
+        wrapped = chat_wrap(tokenizer, _SPLIT_MARK + context + _SPLIT_MARK + question)
+        opening, context, after = wrapped.split(_SPLIT_MARK)
+        opening_ids, context_ids = _tokens(tokenizer, opening, False), _tokens(tokenizer, context, False)
+    else:
+        after = question
+        context_ids = _tokens(tokenizer, context, False)
+        opening_ids = _leading_special_tokens(tokenizer, context, context_ids)
+    return EncodedPrompt(opening_ids + context_ids, _tokens(tokenizer, after + answer_prefix, False), truncated,
+                         (len(opening_ids), len(opening_ids) + len(context_ids)))
+
+
+def _leading_special_tokens(tokenizer, text: str, own_ids: list[int]) -> list[int]:
+    """The special tokens (BOS) the tokenizer puts before ``text``: its ids with special tokens
+    up to where its own ids ``own_ids`` begin (none if they do not appear unchanged)."""
+    ids = _tokens(tokenizer, text, True)
+    start = next((i for i in range(len(ids) - len(own_ids) + 1) if ids[i : i + len(own_ids)] == own_ids), 0)
+    return ids[:start]
 
 
 def _tokens(tokenizer, piece: str, special: bool) -> list[int]:

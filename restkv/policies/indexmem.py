@@ -8,11 +8,15 @@ memory's size in key+value slots of the cache (``cache_report``'s ``extra`` colu
 layer holds the bytes SnapKV holds at the same budget.
 
 With ``--indexmem_weights`` (trained by ``python -m restkv.train_indexmem``) the learned indexer
-scores and the learned memory reads with the file's fusion. Without it the training-free
-fallback runs (and says so once): the indexer is the window attention (SnapKV's score), and
-the memory holds random features of ``exp(scale <q, k>)`` read through the shared softmax
-(ALGORITHMS.md §5.3 (a)), which estimates the evicted tokens' exact contribution. Not the
-authors' successor IndexMem++ (a query-independent scorer with centroid slots).
+scores and the learned memory reads with the file's fusion; the memory and its gate read the
+keys and queries the file was trained on, before RoPE by default (the paper: the memory carries
+no position), so the compression call passes ``pre_rope_key`` to ``summarise`` and the decode
+read ``pre_rope_query`` to ``MemoryState.correct`` (``restkv.rope``). Without weights the
+training-free fallback runs (and says so once): the indexer is the window attention (SnapKV's
+score), and the memory holds random features of ``exp(scale <q, k>)`` of the post-RoPE keys
+and queries read through the shared softmax (ALGORITHMS.md §5.3 (a)), which estimates the
+evicted tokens' exact contribution (the attention logits are those of the rotated vectors).
+Not the authors' successor IndexMem++ (a query-independent scorer with centroid slots).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from restkv.context import ScoringContext
-from restkv.indexmem import FUSIONS, QUERY_REDUCTIONS, Architecture, IndexMemLayer, MemoryState, load_weights, slots_for
+from restkv.indexmem import (FUSIONS, QUERY_REDUCTIONS, Architecture, IndexMemLayer, MemoryState, load_weights,
+                             memory_input, slots_for)
 from restkv.options import ConfigError, option, register
 from restkv.policies.base import PooledScores
 from restkv.selection import Reservation
@@ -115,7 +120,8 @@ class IndexMem(PooledScores):
         num_heads, head_dim = ctx.query.shape[1], ctx.key.shape[-1]
         if self.indexmem_weights is None:
             _warn_fallback()
-            arch = Architecture(ctx.num_layers, num_heads, ctx.num_kv_heads, head_dim, self.indexmem_features)
+            arch = Architecture(ctx.num_layers, num_heads, ctx.num_kv_heads, head_dim, self.indexmem_features,
+                                memory_inputs="post_rope")
             layer = _fallback_layer(arch, ctx.layer_idx, ctx.plan.seed)
         else:
             self._check_weights_shape(ctx.num_layers, num_heads, ctx.num_kv_heads, head_dim)
@@ -151,6 +157,8 @@ class IndexMem(PooledScores):
         return Reservation(scores, reserved)
 
     def summarise(self, ctx: ScoringContext, columns: torch.Tensor, memo) -> list:
+        """The memory of the tokens ``columns`` evicts (a memory trained on pre-RoPE keys reads
+        ``ctx.pre_rope_key``)."""
         if self.memory_slots(ctx) == 0:
             return []
         length = ctx.key.shape[2]
@@ -159,8 +167,9 @@ class IndexMem(PooledScores):
         evicted = ctx.visible[:, None, :] & ~kept
         ages = torch.arange(length - 1, -1, -1, device=ctx.key.device)
         layer = self.layer_for(ctx)
+        keys = memory_input(layer.arch, ctx.key, ctx.pre_rope_key, "keys")
         with torch.no_grad():
-            state = layer.write(ctx.key, ctx.value, evicted, ages, ctx.scaling)
+            state = layer.write(keys, ctx.value, evicted, ages, ctx.scaling)
         return [MemoryState(state.log_mass, state.feature_values, layer, self.fusion, ctx.scaling, _slot_bytes(ctx))]
 
 

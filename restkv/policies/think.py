@@ -1,6 +1,9 @@
-"""ThinK (Xu et al., 2024, arXiv 2407.21018) as the original release runs it: SnapKV's
-selection, then key-channel pruning (``restkv.channel_pruning``, ``--pruning_ratio``,
-``--recent_size``). Any other scorer gets the same pruning with ``--think``.
+"""ThinK (Xu et al., 2024, arXiv 2407.21018): SnapKV's selection, then key-channel pruning
+(``restkv.channel_pruning``, ``--pruning_ratio``, ``--recent_size``), the pairing of the
+original release. The release picks channels per query head (keys repeated per head) and
+prunes layers that evict nothing too; here channels are picked per KV head and only evicting
+layers are pruned (``restkv.channel_pruning`` says why). Any other scorer gets the same
+pruning with ``--think``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,82 @@
+"""RoPE undone (restkv.rope): the exact inverse of each family's apply_rotary_pos_emb, from the
+forward's own cos/sin or from positions through the model's rotary embedding (Gemma 3: per
+layer type)."""
+
+import sys
+
+import pytest
+import torch
+
+from restkv.attention import project_qkv
+from restkv.generation import position_ids_from_mask
+from restkv.rope import rotary_inverse, unrotate
+from tiny_models import left_padded, tiny_model
+
+
+def family_rotation(model):
+    """The family's own apply_rotary_pos_emb."""
+    return sys.modules[type(model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
+
+
+def rotary(model, layer_idx, x, positions):
+    """cos, sin of ``layer_idx`` as the decoder computes them."""
+    layer_types = getattr(model.config, "layer_types", None)
+    if model.config.model_type == "gemma3_text":
+        return model.model.rotary_emb(x, positions, layer_types[layer_idx])
+    return model.model.rotary_emb(x, positions)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_unrotate_inverts_the_familys_rotation(family):
+    model = tiny_model(family)
+    generator = torch.Generator().manual_seed(0)
+    query, key = torch.randn(2, 4, 7, 16, generator=generator), torch.randn(2, 2, 7, 16, generator=generator)
+    positions = torch.tensor([[0, 0, 0, 1, 2, 3, 4], [90, 91, 92, 93, 94, 95, 96]])  # padding, a decode offset
+    for layer_idx in range(model.config.num_hidden_layers):
+        cos, sin = rotary(model, layer_idx, key, positions)
+        rotated_query, rotated_key = family_rotation(model)(query, key, cos, sin)
+        assert not torch.allclose(rotated_key, key, atol=1e-3)
+        torch.testing.assert_close(unrotate(rotated_key, cos, sin), key, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(unrotate(rotated_query, cos, sin), query, rtol=1e-5, atol=1e-5)
+        undo = rotary_inverse(model, layer_idx)
+        torch.testing.assert_close(undo(rotated_key, positions), key, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(undo(rotated_key.bfloat16(), positions).float(), key, rtol=2e-2, atol=2e-2)
+
+
+def test_gemma3_layers_are_undone_with_their_own_rope():
+    """Sliding and full-attention layers rotate with different bases: each needs its own."""
+    model = tiny_model("gemma3", rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                                 "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+    key = torch.randn(1, 2, 5, 16)
+    positions = torch.arange(40, 45)[None]
+    rotated = family_rotation(model)(key, key, *rotary(model, 1, key, positions))[1]  # a full-attention layer
+    torch.testing.assert_close(rotary_inverse(model, 1)(rotated, positions), key, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(rotary_inverse(model, 0)(rotated, positions), key, atol=1e-2)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_forwards_keys_are_undone_to_its_projections(family):
+    """In a real forward (left-padded batch): the post-RoPE query/key the attention sees, undone
+    with its position embeddings or its position ids, are the projections before RoPE (after
+    Gemma 3's q/k norms: the same projection with cos 1 and sin 0)."""
+    model = tiny_model(family)
+    input_ids, attention_mask = left_padded([12, 8])
+    positions = position_ids_from_mask(attention_mask)
+    seen = {}
+
+    def capture(module, args, kwargs):
+        hidden, (cos, sin) = kwargs["hidden_states"], kwargs["position_embeddings"]
+        query, key, _ = project_qkv(module, hidden, (torch.ones_like(cos), torch.zeros_like(sin)))  # no rotation
+        rotated_query, rotated_key, _ = project_qkv(module, hidden, (cos, sin))
+        seen[module.layer_idx] = (query, key, rotated_query, rotated_key, cos, sin)
+
+    hooks = [block.self_attn.register_forward_pre_hook(capture, with_kwargs=True) for block in model.model.layers]
+    with torch.no_grad():
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions)
+    for hook in hooks:
+        hook.remove()
+    for layer_idx, (query, key, rotated_query, rotated_key, cos, sin) in seen.items():
+        torch.testing.assert_close(unrotate(rotated_key, cos, sin), key, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(unrotate(rotated_query, cos, sin), query, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rotary_inverse(model, layer_idx)(rotated_key, positions), key, rtol=1e-5,
+                                   atol=1e-5)
