@@ -31,7 +31,8 @@ from restkv.config import CompressionConfig
 from restkv.context import ScoringContext, plan_layer, valid_from_mask
 from restkv.quantization import QuantizedTokens
 from restkv.selection import Reservation, gather_columns, rank_keys, select_columns
-from restkv.storage import DenseTokens, exact_tokens, joined_view
+from restkv.residual.readout import ResidualEntries
+from restkv.storage import DenseTokens, RaggedTokens, exact_tokens, joined_view
 
 
 @runtime_checkable
@@ -113,9 +114,9 @@ def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch
         keys, values = config.merger.merge(ctx, columns, keys, values)
     made = [segment for part, memo in memos for segment in part.summarise(ctx, columns, memo)]
     quantiser = _part(config, Quantiser)
-    return LayerState(store(config, ctx, keys, values, columns),
-                      [segment for segment in made if hasattr(segment, "join")],
-                      [segment for segment in made if hasattr(segment, "correct")],
+    kept, summaries = co_locate(store(config, ctx, keys, values, columns),
+                                [segment for segment in made if hasattr(segment, "join")])
+    return LayerState(kept, summaries, [segment for segment in made if hasattr(segment, "correct")],
                       None if quantiser is None else partial(QuantizedTokens, quantizer=quantiser),
                       0 if quantiser is None else quantiser.quant_residual_length)
 
@@ -155,6 +156,31 @@ def store(config: CompressionConfig, ctx: ScoringContext, keys: torch.Tensor, va
     if channels is not None:
         segment = PrunedKeyTokens(segment, channels, keys.shape[-1])
     return [segment, _recent_tokens(ctx, keys, values, columns, first_recent, recent)]
+
+
+def co_locate(kept: list, summaries: list) -> tuple[list, list]:
+    """One buffer for the exact tokens and the residual entries when every head holds as many of
+    both together (a uniform budget: exact tokens first, entries in the last slots, as the base
+    method's slots): a decode step then reads the exact tokens with one kernel call and the
+    entries from the same buffer, and nothing is padded. Otherwise unchanged."""
+    if len(kept) != 1 or not isinstance(kept[0], (DenseTokens, RaggedTokens)) or len(summaries) != 1 \
+            or not isinstance(summaries[0], ResidualEntries) or summaries[0].hosted:
+        return kept, summaries
+    entries = summaries[0]
+    keys, values, columns = kept[0].padded(appended=False)
+    held = (columns >= 0).sum(dim=-1) + entries.counts()
+    width, slots = int(held.max()), entries.keys.shape[2]
+    if not bool((held == width).all()) or width < slots:
+        return kept, summaries
+    grow = width - keys.shape[2]
+    keys, values = (torch.nn.functional.pad(t, (0, 0, 0, grow)) if grow >= 0 else t[:, :, :width] for t in (keys, values))
+    columns = torch.nn.functional.pad(columns, (0, grow), value=-1) if grow >= 0 else columns[:, :, :width]
+    last = slice(width - slots, width)
+    entry = torch.isfinite(entries.log_counts)[..., None]  # [B, H_kv, R, 1]
+    keys[:, :, last] = torch.where(entry, entries.keys.to(keys.dtype), keys[:, :, last])
+    values[:, :, last] = torch.where(entry, entries.values.to(values.dtype), values[:, :, last])
+    host = DenseTokens(keys, values, columns)
+    return [host], [entries.hosted_by(host, last)]
 
 
 def _recent_tokens(ctx: ScoringContext, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor,

@@ -142,15 +142,17 @@ def merge(parts: list[Partial], statistics: bool = True) -> Partial:
     also the merged peak and count (when every part has them)."""
     if len(parts) == 1:
         return parts[0]
-    if len(parts) == 2:
-        lse = torch.logaddexp(parts[0].lse, parts[1].lse)
+    if len(parts) == 2:  # the second part's share of the mass: sigmoid(lse_b - lse_a)
+        first, second = parts
+        share = torch.sigmoid(second.lse - first.lse).nan_to_num_(0.0)  # -inf - -inf: a row nobody sees
+        output = torch.lerp(first.output.float(), second.output.float(), share[..., None])
+        lse = torch.logaddexp(first.lse, second.lse)
     else:
         lse = torch.logsumexp(torch.stack([part.lse for part in parts]), dim=0)
-    output = None
-    for part in parts:
-        weight = torch.exp(part.lse - lse).nan_to_num_(0.0)[..., None]  # -inf - -inf: a row nobody sees
-        term = weight * part.output.float()
-        output = term if output is None else output + term
+        output = None
+        for part in parts:
+            term = torch.exp(part.lse - lse).nan_to_num_(0.0)[..., None] * part.output.float()
+            output = term if output is None else output + term
     if not statistics:
         return Partial(output, lse)
     peak = None
@@ -226,14 +228,14 @@ def _counts(probe: Probe, keys: torch.Tensor, visible: torch.Tensor | None) -> t
     return visible.sum(dim=-1).expand(keys.shape[0], keys.shape[1], rows)
 
 
-def softmax_partial(logits: torch.Tensor, values: torch.Tensor) -> Partial:
+def softmax_partial(logits: torch.Tensor, values: torch.Tensor, peak: bool = True) -> Partial:
     """The partial of float32 ``logits`` ``[..., R, S]`` (``-inf`` where masked) over ``values``
-    ``[..., S, d]``: output, log-sum-exp and peak (a row that sees nothing: zeros, ``-inf``)."""
-    peak = logits.amax(dim=-1)
-    weights = torch.exp(logits - peak.nan_to_num(neginf=0.0)[..., None])
-    total = weights.sum(dim=-1)
-    output = torch.matmul(weights, values.float()) / total.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
-    return Partial(output, peak + torch.log(total), peak)
+    ``[..., S, d]``: output, log-sum-exp and (``peak``) the largest logit; a row that sees
+    nothing gives zeros and ``-inf``."""
+    lse = torch.logsumexp(logits, dim=-1)
+    weights = torch.exp(logits - lse[..., None]).nan_to_num_(0.0)
+    output = torch.matmul(weights, values.float())
+    return Partial(output, lse, logits.amax(dim=-1) if peak else None)
 
 
 def scaled_logits(probe: Probe, keys: torch.Tensor) -> torch.Tensor:

@@ -120,14 +120,7 @@ class QuantizedTensor:
         buffer of that shape) when given."""
         stop = self.packed.shape[-2] if stop is None else stop
         codes = unpack(self.packed[..., start:stop, :], self.nbits, self.channels).to(torch.float32)
-        if self.per_channel:
-            groups = slice(start // self.group, -(-stop // self.group))
-            scale, zero = (_spread(t[..., groups, :], self.group, -2, stop - start) for t in (self.scale, self.zero))
-        else:
-            scale, zero = (_spread(t[..., start:stop, :], self.group, -1, self.channels)
-                           for t in (self.scale, self.zero))
-        block = torch.addcmul(zero.float(), codes, scale.float())
-        block = block.to(self.dtype) if out is None else out.copy_(block)
+        block = self._scaled(codes, start, stop, out)
         if self.outlier_index is not None and self.outlier_index.numel():
             rows = self.packed.shape[-2]
             token = (self.outlier_index // self.channels) % rows
@@ -137,6 +130,30 @@ class QuantizedTensor:
                 (token[inside].long() - start) * self.channels + index % self.channels
             block.view(-1)[local] = self.outlier_value[inside]
         return block
+
+    def _scaled(self, codes: torch.Tensor, start: int, stop: int, out: torch.Tensor | None) -> torch.Tensor:
+        """``zero + codes * scale`` of tokens ``start:stop`` (codes float32 ``[..., n, d]``), each group's
+        statistics broadcast over its members (a copy of them only for a partial group), in the
+        stored dtype; into ``out`` when given."""
+        count, group = stop - start, self.group
+        if self.per_channel:
+            groups = slice(start // group, -(-stop // group))
+            scale, zero = self.scale[..., groups, :], self.zero[..., groups, :]
+            if count % group:
+                scale, zero = (_spread(t, group, -2, count) for t in (scale, zero))
+            else:  # [..., n / g, g, d] codes against [..., n / g, 1, d] statistics
+                codes, scale, zero = codes.unflatten(-2, (-1, group)), scale[..., None, :], zero[..., None, :]
+        else:
+            scale, zero = self.scale[..., start:stop, :], self.zero[..., start:stop, :]
+            if self.channels % group:
+                scale, zero = (_spread(t, group, -1, self.channels) for t in (scale, zero))
+            else:  # [..., n, d / g, g] codes against [..., n, d / g, 1] statistics
+                codes, scale, zero = codes.unflatten(-1, (-1, group)), scale[..., None], zero[..., None]
+        shape = (*self.packed.shape[:-2], count, self.channels)
+        if out is not None and out.dtype == torch.float32 and scale.dtype == torch.float32:
+            return torch.addcmul(zero, codes, scale, out=out.view(codes.shape)).view(shape)
+        block = torch.addcmul(zero.float(), codes, scale.float()).reshape(shape)
+        return block.to(self.dtype) if out is None else out.copy_(block)
 
     def tensors(self) -> list[torch.Tensor]:
         """What the tensor holds (for the memory report)."""
@@ -237,6 +254,7 @@ class QuantizedTokens:
         self.keys = quantizer.quantize_keys(keys, held, exact)
         self.values = quantizer.quantize_values(values, held, exact)
         self.columns = columns.to(torch.int32)
+        self.holes = not bool(held.all())
 
     @property
     def kind(self) -> str:
@@ -248,6 +266,7 @@ class QuantizedTokens:
     def _of(cls, keys: QuantizedTensor, values: QuantizedTensor, columns: torch.Tensor, quantizer) -> "QuantizedTokens":
         segment = cls.__new__(cls)
         segment.keys, segment.values, segment.columns, segment.quantizer = keys, values, columns, quantizer
+        segment.holes = not bool((columns >= 0).all())
         return segment
 
     def blocks(self) -> list[tuple[int, int]]:
@@ -268,7 +287,9 @@ class QuantizedTokens:
                                self.columns.device)
             self.keys.dequantize(start, stop, out=keys)
             self.values.dequantize(start, stop, out=values)
-            parts.append(attend_block(probe, keys, values, probe.visibility(self.columns[..., start:stop])))
+            columns = self.columns[..., start:stop]
+            visible = probe.visibility(columns) if self.holes or probe.masks_by_position else None
+            parts.append(attend_block(probe, keys, values, visible))
         return merge(parts)
 
     def padded(self, appended: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

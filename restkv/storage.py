@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from restkv.partial import Partial, Probe, attend_block
+from restkv.partial import Partial, Probe, attend_block, softmax_partial
 
 #: the share of padded kept slots above which a layer is stored ragged
 RAGGED_WASTE = 0.02
@@ -256,9 +256,13 @@ class RaggedTokens(ExactTokens):
         self._shared = False
 
     def _index_sequences(self) -> None:
-        """Where each sequence starts (a list, for the per-head reads) and where its appended tokens start."""
+        """Where each sequence starts (a list, for the per-head reads), where its appended tokens
+        start, and which sequence owns each slot of the buffer."""
         self._start_list = self.starts.tolist()
         self._tail_starts = (self.starts + self.kept).long()
+        lengths = (self.kept + self.capacity).long()
+        self._owner = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+        self._own_slot_masks: dict[int, torch.Tensor] = {}
 
     def _slots(self, lengths: torch.Tensor) -> torch.Tensor:
         """Flat buffer index of the first ``lengths[i]`` slots of every sequence ``i``, in order."""
@@ -322,12 +326,15 @@ class RaggedTokens(ExactTokens):
         new = keys.shape[2]
         if self.appended + new > self.capacity:
             self._grow(max(self.appended + new, 2 * self.capacity, TAIL_CAPACITY))
-        slots = self._appended_slots(self.appended, new).flatten()
+        slots = self._tail_starts + self.appended if new == 1 else self._appended_slots(self.appended, new).flatten()
         self.keys.index_copy_(0, slots, keys.reshape(-1, keys.shape[-1]))
         self.values.index_copy_(0, slots, values.reshape(-1, values.shape[-1]))
-        written = self.columns.new_empty(self.kept.numel(), new)
-        self.holes = write_columns(written.view(*self.shape, new), first, new, columns) or self.holes
-        self.columns.index_copy_(0, slots, written.flatten())
+        if columns is None and new == 1:
+            self.columns.index_fill_(0, slots, first)
+        else:
+            written = self.columns.new_empty(self.kept.numel(), new)
+            self.holes = write_columns(written.view(*self.shape, new), first, new, columns) or self.holes
+            self.columns.index_copy_(0, slots, written.flatten())
         self.appended += new
 
     def _grow(self, capacity: int) -> None:
@@ -355,7 +362,11 @@ class RaggedTokens(ExactTokens):
 
     # ------------------------------------------------------------ reading
     def attend(self, probe: Probe) -> Partial:
-        """One kernel call per (row, KV head) sequence, read where it lies."""
+        """One kernel call per (row, KV head) sequence, read where it lies. When a summary reads the
+        peak logit too (ResKV's gate), one product of every query row with the whole buffer, each
+        row masked to its own sequence, gives output, log-sum-exp and peak at once."""
+        if probe.need_peak or probe.need_count:
+            return self._whole_buffer_partial(probe)
         batch, heads = self.shape
         stacked = probe.stacked
         parts = []
@@ -369,6 +380,30 @@ class RaggedTokens(ExactTokens):
             parts.append(attend_block(probe.with_queries(stacked[row : row + 1, head : head + 1]), keys, values,
                                       visible))
         return _stack_heads(parts, batch, heads)
+
+    def _whole_buffer_partial(self, probe: Probe) -> Partial:
+        """The partial of every query row over its own sequence, through one product with the buffer."""
+        rows = probe.stacked.shape[2]
+        visible = self._own_slots(rows) & (self.columns >= 0)[None, :]
+        if probe.masks_by_position:
+            visible = visible & probe.visibility(self.columns[None, None, :]).reshape(rows, -1).repeat(
+                self.kept.numel(), 1)
+        logits = torch.matmul(probe.stacked.reshape(-1, probe.stacked.shape[-1]), self.keys.transpose(0, 1)).float()
+        if probe.softcap is not None:
+            logits = torch.tanh(logits * (probe.scaling / probe.softcap)) * probe.softcap
+        else:
+            logits = logits * probe.scaling
+        partial = softmax_partial(logits.masked_fill_(~visible, float("-inf")), self.values)
+        count = visible.sum(dim=-1).view(*self.shape, rows) if probe.need_count else None
+        return Partial(partial.output.view(*self.shape, rows, -1), partial.lse.view(*self.shape, rows),
+                       partial.peak.view(*self.shape, rows), count)
+
+    def _own_slots(self, rows: int) -> torch.Tensor:
+        """``[B * H_kv * rows, N]`` bool: the buffer slots of each query row's own sequence."""
+        if rows not in self._own_slot_masks:
+            owner = torch.arange(self.kept.numel(), device=self.columns.device).repeat_interleave(rows)
+            self._own_slot_masks[rows] = self._owner[None, :] == owner[:, None]
+        return self._own_slot_masks[rows]
 
     # ------------------------------------------------------------ bookkeeping
     def nbytes(self) -> int:

@@ -72,13 +72,13 @@ class ResidualReadout:
         entry = torch.isfinite(bias) if visible is None else torch.isfinite(bias) & visible
         biased = torch.where(entry, logits + bias, float("-inf"))  # whatever an unused slot holds
         if self.separate_softmax:
-            side = softmax_partial(biased, values)
+            side = softmax_partial(biased, values, peak=False)
             members = torch.where(torch.isfinite(biased), log_counts.exp(), 0.0).sum(dim=-1).expand_as(exact.lse)
             omega = torch.exp(self.log_gate(exact)) * members / (members + exact.count)
             return mix_separately(current, side, omega)
         if self.gate:
             biased = biased + self.log_gate(exact)[..., None]
-        return merge([current, softmax_partial(biased, values)], statistics=False)
+        return merge([current, softmax_partial(biased, values, peak=False)], statistics=False)
 
 
 class ResidualEntries:
@@ -95,10 +95,32 @@ class ResidualEntries:
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, log_counts: torch.Tensor,
                  readout: ResidualReadout, oldest: torch.Tensor | None = None) -> None:
-        self.keys, self.values, self.log_counts = keys, values, log_counts
+        self._keys, self._values, self.log_counts = keys, values, log_counts
         self.readout = readout
         self.oldest = None if oldest is None else oldest.to(torch.int32)
+        #: the exact segment whose buffer holds the entries in its slots ``host_slots`` (its bytes count
+        #: them; ``restkv.compress.co_locate``), or None: the entries hold their own tensors
+        self.host, self.host_slots = None, None
         self._bias = readout.bias(log_counts)[:, :, None, :]  # what every read adds to the entries' logits
+
+    @property
+    def hosted(self) -> bool:
+        return self.host is not None
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._keys if self.host is None else self.host.keys[:, :, self.host_slots]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._values if self.host is None else self.host.values[:, :, self.host_slots]
+
+    def hosted_by(self, host, slots: slice) -> "ResidualEntries":
+        """The same entries read from slots ``slots`` of ``host``'s buffer (a ``DenseTokens`` that
+        holds them after its exact tokens: ``restkv.compress.co_locate``)."""
+        entries = ResidualEntries(None, None, self.log_counts, self.readout, self.oldest)
+        entries.host, entries.host_slots = host, slots
+        return entries
 
     @property
     def needs_peak(self) -> bool:
@@ -153,7 +175,9 @@ class ResidualEntries:
         return SegmentReport(self.kind, None, float(self.counts().float().mean()), self.nbytes())
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.keys, self.values, self.log_counts, self._bias, self.oldest) if t is not None]
+        own = (self.log_counts, self._bias, self.oldest) if self.hosted else \
+            (self.keys, self.values, self.log_counts, self._bias, self.oldest)
+        return [t for t in own if t is not None]
 
     def nbytes(self) -> int:
         return tensor_bytes(self.tensors())
