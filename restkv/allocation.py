@@ -38,12 +38,6 @@ def layer_shape(ctx: ScoringContext) -> LayerShape:
     return LayerShape(ctx.layer_idx, ctx.num_layers, ctx.query.shape[1], ctx.num_kv_heads)
 
 
-def allocation_of(config) -> str:
-    """The allocation a config runs: the method's own, else ``--allocation``, else
-    ``--use_pyramid``'s pyramid, else uniform."""
-    return config.run.allocation
-
-
 class LayerShape(NamedTuple):
     """Where a layer sits and how many heads it has (what allocations read besides the scores)."""
 
@@ -85,6 +79,8 @@ class Allocation(Options):
     #: spreads a row's budget unequally over the KV heads of a layer (AdaKV, HeadKV): heads
     #: compressed apart (``restkv.recompress``) then share one row budget
     head_adaptive: ClassVar[bool] = False
+    #: a boolean option of the allocation that also selects it (the release's ``--use_pyramid``)
+    selected_by: ClassVar[str | None] = None
 
     def allocate(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
         """``[B, H_kv]`` tokens kept per row and KV head, protected tokens included."""
@@ -135,6 +131,7 @@ class Pyramid(Allocation):
     """PyramidKV's layer schedule (``pyramid_schedule``)."""
 
     name = "pyramid"
+    selected_by = "use_pyramid"
 
     pyramid_beta: int = option(20, "PyramidKV: the last layer keeps about budget / beta candidate tokens",
                                minimum=1)

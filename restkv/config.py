@@ -46,7 +46,7 @@ from typing import Any, Mapping
 
 from restkv.observation import OBSERVATIONS, RECONSTRUCTION_REDUCTIONS
 from restkv.options import (
-    ConfigError, Options, OptionSpec, lookup, option, option_specs, registered, registry_version,
+    KIND_FLAGS, ConfigError, Options, OptionSpec, lookup, option, option_specs, registered, registry_version,
 )
 
 __all__ = ["CompressionConfig", "ConfigError", "ModelShape", "RunOptions", "config_from_spec", "method_spec_options",
@@ -124,7 +124,6 @@ _SWITCHED_RUN_OPTIONS = {
               lambda run, policy_cls: (run.observation or policy_cls.default_observation) == "reconstruction")
        for name in ("reconstruction_chunk", "reconstruction_reduce")},
 }
-_KIND_FLAGS = {"method": "method", "allocation": "allocation", "merge": "merge", "quantization": "quant_method"}
 
 
 @dataclass(frozen=True)
@@ -176,7 +175,10 @@ class CompressionConfig:
         if switched_off:
             run = RunOptions(**{name: explicit[name] for name in _RUN_NAMES
                                 if name in explicit and name not in switched_off})
-        allocation = _resolve_allocation(policy_cls, run, explicit)
+        # The policy is built first (its options checked): a method may choose its allocation by one of them.
+        policy = policy_cls(**{name: value for name, value in explicit.items()
+                               if name in option_specs(policy_cls) and value is not None})
+        allocation = _resolve_allocation(policy, run, explicit)
         allocation_cls = lookup("allocation", allocation)
         merge_cls = None if run.merge == "none" else lookup("merge", run.merge)
         quant_cls = None if run.quant_method == "none" else lookup("quantization", run.quant_method, "quant_method")
@@ -222,7 +224,7 @@ class CompressionConfig:
                 "does not score with queries"
             )
         set_(self, "run", dataclasses.replace(run, allocation=allocation, observation=observation))
-        set_(self, "policy", policy_cls(**given[policy_cls]))
+        set_(self, "policy", policy)
         set_(self, "allocator", allocation_cls(**given[allocation_cls]))
         set_(self, "merger", merge_cls(**given[merge_cls]) if merge_cls else None)
         set_(self, "quantizer", quant_cls(**given[quant_cls]) if quant_cls else None)
@@ -303,7 +305,7 @@ class CompressionConfig:
             chosen = self._explicit.get("observation") == "reconstruction"
             flags.append("--observation reconstruction" + ("" if chosen else f" (--method {run.method}'s own)"))
         if self.allocator.model_wide:
-            own = type(self.policy).own_allocation(self._explicit) is not None
+            own = self.policy.own_allocation() is not None
             flags.append(f"--method {run.method}'s model-wide {run.allocation} allocation" if own
                          else f"--allocation {run.allocation}")
         return flags
@@ -466,20 +468,26 @@ def _checked_unused(options: dict[str, Any]) -> dict[str, Any]:
     return checked
 
 
-def _resolve_allocation(policy_cls: type, run: RunOptions, explicit: Mapping[str, Any]) -> str:
-    """The method's own allocation, else ``--allocation``, else ``--use_pyramid``'s pyramid, else uniform."""
-    own, given = policy_cls.own_allocation(explicit), run.allocation
+def _resolve_allocation(policy, run: RunOptions, explicit: Mapping[str, Any]) -> str:
+    """The method's own allocation, else ``--allocation``, else the one a switch of an allocation
+    selects (``--use_pyramid``: the release's pyramid), else uniform."""
+    own, given = policy.own_allocation(), run.allocation
     if own is not None and given not in (None, own):
-        if policy_cls.base_method is None:
+        if policy.base_method is None:
             raise ConfigError(f"--method {run.method} spreads its budget with its own {own} allocation; "
                               f"--allocation {given} does not apply to it")
         raise ConfigError(
-            f"--method {run.method} is --method {policy_cls.base_method} with {own} allocation; for another "
-            f"allocation use --method {policy_cls.base_method} --allocation {given}"
+            f"--method {run.method} is --method {policy.base_method} with {own} allocation; for another "
+            f"allocation use --method {policy.base_method} --allocation {given}"
         )
-    resolved = own or given or ("pyramid" if explicit.get("use_pyramid") else "uniform")
-    if explicit.get("use_pyramid") and resolved != "pyramid":
-        raise ConfigError(f"--use_pyramid selects the pyramid allocation; it cannot be combined with {resolved}")
+    # the allocation that declares the switch (not its subclasses)
+    selecting = [cls for cls in registered("allocation")
+                 if vars(cls).get("selected_by") and explicit.get(cls.selected_by)]
+    resolved = own or given or (selecting[0].name if selecting else "uniform")
+    for cls in selecting:
+        if resolved != cls.name:
+            raise ConfigError(f"--{cls.selected_by} selects the {cls.name} allocation; it cannot be combined with "
+                              f"{resolved}")
     return resolved
 
 
@@ -501,7 +509,7 @@ def _owner_flags(name: str) -> list[str]:
     if name in _SWITCHED_RUN_OPTIONS:
         return [_SWITCHED_RUN_OPTIONS[name][0]]
     owners = []
-    for kind, flag in _KIND_FLAGS.items():
+    for kind, flag in KIND_FLAGS.items():
         owners += [f"--{flag} {cls.name}" for cls in registered(kind) if name in option_specs(cls)]
     owners += [f"--{cls.name}" for cls in registered("switch") if name in option_specs(cls)]
     return owners

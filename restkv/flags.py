@@ -13,7 +13,7 @@ import argparse
 from typing import Any
 
 from restkv.config import CompressionConfig, RunOptions, flat_option_specs
-from restkv.options import registered
+from restkv.options import activation_flag
 from restkv.policies import available_methods, get_policy
 
 
@@ -38,22 +38,13 @@ def _argument(name: str, declarations: list) -> tuple[dict[str, Any], str]:
         help_text += f"; one of {', '.join(available_methods())}"
     defaults = {repr(s.default) for _, s in declarations}
     if owner is not RunOptions and len(declarations) == 1 and getattr(owner, "name", None):
-        help_text += f" [{_activation(owner)}]"
+        help_text += f" [{activation_flag(owner)}]"
     if len(defaults) == 1 and spec.default is not None:
         help_text += f" (default: {spec.default})"
     elif len(defaults) > 1:
         per_part = ", ".join(f"{getattr(cls, 'name', cls.__name__)}: {s.default}" for cls, s in declarations)
         help_text += f" (default per part: {per_part})"
     return keywords, help_text
-
-
-def _activation(cls: type) -> str:
-    """The flag that makes a part active (``--method restkv``, ``--residual``)."""
-    for kind, flag in (("method", "method"), ("allocation", "allocation"), ("merge", "merge"),
-                       ("quantization", "quant_method")):
-        if cls in registered(kind):
-            return f"--{flag} {cls.name}"
-    return f"--{cls.name}"
 
 
 def add_compression_flags(parser: argparse.ArgumentParser) -> None:

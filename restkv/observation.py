@@ -22,7 +22,7 @@ attended positions (ReST-KV's adaptive pooling), and a sample of the queries the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -30,17 +30,24 @@ import torch
 from restkv.scoring import window_attention
 from restkv.temporal import aggregate_queries
 
-if TYPE_CHECKING:
-    from restkv.context import ScoringContext
-
 OBSERVATIONS = ("window", "reconstruction")
 RECONSTRUCTION_REDUCTIONS = ("max", "mean")
+
+
+class ObservedLayer(Protocol):
+    """What a window observation reads of its layer (``restkv.context.ScoringContext`` has it)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    plan: Any  # restkv.context.LayerPlan: valid, window_size, sliding_window
+    scaling: float
+    softcap: float | None
 
 
 class WindowObservation:
     """The last ``window_size`` prompt queries of a layer (see the module docstring)."""
 
-    def __init__(self, ctx: "ScoringContext") -> None:
+    def __init__(self, ctx: ObservedLayer) -> None:
         self.ctx = ctx
         self._attention: dict[int, torch.Tensor] = {}
 

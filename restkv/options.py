@@ -25,6 +25,16 @@ from typing import Any, Callable
 #: kinds of registered parts; a ``switch`` is turned on by a boolean flag named after it (``--residual``);
 #: a ``quantization`` is chosen by ``--quant_method``
 KINDS = ("method", "allocation", "merge", "switch", "quantization")
+#: the flag that chooses a part of each kind by name (a switch is its own flag, ``--<name>``)
+KIND_FLAGS = {"method": "method", "allocation": "allocation", "merge": "merge", "quantization": "quant_method"}
+
+
+def activation_flag(cls: type) -> str:
+    """The flag that makes a registered part active (``--method restkv``, ``--residual``)."""
+    for kind, flag in KIND_FLAGS.items():
+        if cls in registered(kind):
+            return f"--{flag} {cls.name}"
+    return f"--{cls.name}"
 
 
 class ConfigError(ValueError):
@@ -52,6 +62,12 @@ def option(
     if isinstance(default, (list, dict, set)):
         raise TypeError("option defaults must be immutable (use a tuple)")
     return field(default=default, metadata=metadata)
+
+
+def redeclared(owner: type, name: str, default: Any) -> Any:
+    """Option ``name`` of ``owner`` (a base part) with another default, for a part whose paper sets
+    one: the flag stays declared once, its help, type, choices and range the owner's."""
+    return field(default=default, metadata=owner.__dataclass_fields__[name].metadata)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 
 from golden import GOLDEN_DIR, kept_sets, load_case, reference_kept_sets
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.allocation import adakv_caps, allocation_of, headkv_table, pyramid_schedule
+from restkv.allocation import adakv_caps, headkv_table, pyramid_schedule
 from restkv.cache import cache_report
 from restkv.head_scores import load_head_scores, save_head_scores
 from tiny_models import (
@@ -328,11 +328,11 @@ def test_allocation_flags_are_validated_with_their_names():
 
 def test_methods_keep_their_original_allocation():
     base = dict(max_capacity_prompts=64)
-    assert allocation_of(CompressionConfig(method="pyramidkv", **base)) == "pyramid"
-    assert allocation_of(CompressionConfig(method="adakv", **base)) == "adakv"
-    assert allocation_of(CompressionConfig(method="snapkv", **base)) == "uniform"
-    assert allocation_of(CompressionConfig(method="snapkv", use_pyramid=True, **base)) == "pyramid"
-    assert allocation_of(CompressionConfig(method="h2o", allocation="adakv", **base)) == "adakv"
+    assert CompressionConfig(method="pyramidkv", **base).run.allocation == "pyramid"
+    assert CompressionConfig(method="adakv", **base).run.allocation == "adakv"
+    assert CompressionConfig(method="snapkv", **base).run.allocation == "uniform"
+    assert CompressionConfig(method="snapkv", use_pyramid=True, **base).run.allocation == "pyramid"
+    assert CompressionConfig(method="h2o", allocation="adakv", **base).run.allocation == "adakv"
 
 
 #: scorers whose heads keep their allocated counts in tokens (MomentKV's statistics and IndexMem's

@@ -48,7 +48,7 @@ def variant_parts(config: CompressionConfig) -> list[str]:
     ``chunk512``, ``decode1024``)."""
     policy_cls, run = type(config.policy), config.run
     parts = []
-    if run.allocation not in ("uniform", policy_cls.own_allocation(config.to_dict())):
+    if run.allocation not in ("uniform", config.policy.own_allocation()):
         parts.append(run.allocation)
     if config.merger is not None:
         parts.append(run.merge)

@@ -67,11 +67,10 @@ class Policy(Options):
     #: tokens than the budget (IndexMem: ``reserve``, read through ``summarise``'s output correction)
     summarises_evicted: ClassVar[bool] = False
 
-    @classmethod
-    def own_allocation(cls, options) -> str | None:
-        """The allocation the method is defined with, given its flat ``options`` (``allocation``
-        unless a method's own flag chooses, like ``--kvzip_layerwise``); None lets ``--allocation`` choose."""
-        return cls.allocation
+    def own_allocation(self) -> str | None:
+        """The allocation the method is defined with (``allocation``, unless one of its options
+        chooses, like ``--kvzip_layerwise``); None lets ``--allocation`` choose."""
+        return self.allocation
 
     @property
     def shares_scores_across_heads(self) -> bool:
@@ -141,10 +140,18 @@ class GroupedScores(Policy):
         return ctx.reduce_groups(scores, self.gqa_score_agg)
 
 
-class KeepsSinks:
-    """For a policy with an ``n_sink`` option whose first ``n_sink`` tokens are always kept: the
-    sinks must leave room in the budget (else they fill it, and a model-wide ranking gives their
-    ties to the first layers, leaving later ones empty)."""
+@dataclass(frozen=True)
+class SinkOptions(Options):
+    """The attention sinks a policy keeps whatever their score (``--n_sink``, declared once here)."""
+
+    n_sink: int = option(4, "the first tokens, always kept (attention sinks)", minimum=0)
+
+
+@dataclass(frozen=True)
+class KeepsSinks(SinkOptions):
+    """For a policy whose first ``n_sink`` tokens are always kept: the sinks must leave room in the
+    budget (else they fill it, and a model-wide ranking gives their ties to the first layers,
+    leaving later ones empty)."""
 
     def check_sinks(self, config: "CompressionConfig") -> None:
         budget = config.run.max_capacity_prompts

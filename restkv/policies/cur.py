@@ -27,7 +27,7 @@ import torch
 
 from restkv.context import ScoringContext
 from restkv.options import option, register
-from restkv.policies.base import Policy
+from restkv.policies.base import Policy, SinkOptions
 from restkv.policies.random_control import layer_generator
 from restkv.policies.row_local import score_rows
 
@@ -36,11 +36,10 @@ LEVERAGES = ("kv_product", "kv_avg", "key", "value")
 
 @register("method")
 @dataclass(frozen=True)
-class CUR(Policy):
+class CUR(SinkOptions, Policy):
     name = "cur"
     observes_queries = False
 
-    n_sink: int = option(4, "CUR: the first tokens, scored 1 (attention sinks)", minimum=0)
     cur_leverage: str = option("kv_product", "CUR: how the key and value leverages combine", LEVERAGES)
     cur_local_window: int = option(
         16, "CUR: tokens per window within which the squared norms are normalised (0: the whole row)", minimum=0

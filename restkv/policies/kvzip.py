@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from restkv.context import ScoringContext
-from restkv.options import option, register
-from restkv.policies.base import GQA_AGGREGATIONS, GroupedScores, KeepsSinks
+from restkv.options import option, redeclared, register
+from restkv.policies.base import GroupedScores, KeepsSinks
 
 #: the score of a sink token: above any attention weight, so sinks always rank first
 SINK_SCORE = 2.0
@@ -47,17 +47,14 @@ class KVzip(KeepsSinks, GroupedScores):
     allocation = "model_ranked"
     default_observation = "reconstruction"
 
-    gqa_score_agg: str = option("max", "how a query group's scores are reduced to one per KV head",
-                                GQA_AGGREGATIONS)
-    n_sink: int = option(4, "KVzip: the first tokens, always kept (attention sinks)", minimum=0)
+    gqa_score_agg: str = redeclared(GroupedScores, "gqa_score_agg", "max")
     kvzip_layerwise: bool = option(
         False, "KVzip: rank the KV heads of each layer apart (every layer keeps the same total) instead of one "
         "ranking across all layers"
     )
 
-    @classmethod
-    def own_allocation(cls, options) -> str:
-        return "layer_ranked" if options.get("kvzip_layerwise") else "model_ranked"
+    def own_allocation(self) -> str:
+        return "layer_ranked" if self.kvzip_layerwise else "model_ranked"
 
     def protected_count(self, window_size: int, budget: int) -> int:
         return 0

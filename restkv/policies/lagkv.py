@@ -32,7 +32,7 @@ import torch
 
 from restkv.context import ScoringContext
 from restkv.options import option, register
-from restkv.policies.base import Policy
+from restkv.policies.base import Policy, SinkOptions
 from restkv.policies.row_local import score_rows
 
 #: score of a sink: above every other score, so the sinks always stay
@@ -43,11 +43,10 @@ UNSCORED = 2.0
 
 @register("method")
 @dataclass(frozen=True)
-class LagKV(Policy):
+class LagKV(SinkOptions, Policy):
     name = "lagkv"
     observes_queries = False
 
-    n_sink: int = option(4, "LagKV: the first tokens, always kept (attention sinks)", minimum=0)
     lag_size: int = option(128, "LagKV: tokens per partition; each partition is scored against the next one",
                            minimum=2)
     lagkv_cross_scoring: bool = option(

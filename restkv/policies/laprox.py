@@ -50,9 +50,9 @@ from dataclasses import dataclass
 import torch
 
 from restkv.context import ScoringContext
-from restkv.options import ConfigError, option, register
-from restkv.policies.base import POOLING_HELP, POOLINGS, PooledScores
-from restkv.policies.restkv import _column_chunks, _group_grams, _head_grams, _output_weight
+from restkv.options import ConfigError, option, redeclared, register
+from restkv.output_space import column_chunks, group_grams, head_grams, output_weight
+from restkv.policies.base import PooledScores
 
 LAPROX_NORMS = ("layer_sum", "none", "output_energy")
 LAPROX_ALLOCATIONS = {"global": "laprox", "layer": "layer_ranked", "uniform": "uniform"}
@@ -64,8 +64,7 @@ class LaProx(PooledScores):
     name = "laprox"
     allocation = "laprox"
 
-    pooling: str = option("avgpool", POOLING_HELP, POOLINGS)
-    kernel_size: int = option(7, "odd kernel of the spatial smoothing (LaProx: 7, its App. A)", minimum=1)
+    kernel_size: int = redeclared(PooledScores, "kernel_size", 7)  # LaProx's App. A
     laprox_cross_heads: bool = option(
         False, "LaProx: score the squared group term with cross-head Gram blocks (ALGORITHMS.md 5.1) instead of the "
         "per-head column norm x projected-value norm, group-reduced"
@@ -79,12 +78,8 @@ class LaProx(PooledScores):
         "the budget per head (uniform)", tuple(LAPROX_ALLOCATIONS),
     )
 
-    @classmethod
-    def own_allocation(cls, options) -> str:
-        choice = options.get("laprox_alloc") or "global"
-        if choice not in LAPROX_ALLOCATIONS:
-            raise ConfigError(f"--laprox_alloc must be one of {', '.join(LAPROX_ALLOCATIONS)}; got {choice!r}")
-        return LAPROX_ALLOCATIONS[choice]
+    def own_allocation(self) -> str:
+        return LAPROX_ALLOCATIONS[self.laprox_alloc]
 
     def check(self, config) -> None:
         super().check(config)
@@ -117,12 +112,12 @@ class LaProx(PooledScores):
     @staticmethod
     def _projected_value_norms(ctx: ScoringContext) -> torch.Tensor:
         """``[B, H, N]`` ``||W_o^h v_{k(h), j}||`` for every query head."""
-        grams = _head_grams(ctx)  # [H_kv, G, d, d]
+        grams = head_grams(ctx)  # [H_kv, G, d, d]
         values = ctx.value.float()
         batch, num_kv_heads, length, dim = values.shape
         groups = grams.shape[1]
         norms = values.new_empty(batch, num_kv_heads, groups, length)
-        for columns in _column_chunks(length, groups * dim, values.device):
+        for columns in column_chunks(length, groups * dim, values.device):
             chunk = values[:, :, None, columns]  # [B, H_kv, 1, n, d]
             norms[..., columns] = ((chunk @ grams[None]) * chunk).sum(dim=-1)
         return norms.clamp(min=0).sqrt().flatten(1, 2)
@@ -133,10 +128,10 @@ class LaProx(PooledScores):
         values = ctx.value.float()
         batch, num_kv_heads, length, dim = values.shape
         groups = weights.shape[1] // num_kv_heads
-        grams = _group_grams(ctx).view(num_kv_heads, groups, dim, groups, dim)
+        grams = group_grams(ctx).view(num_kv_heads, groups, dim, groups, dim)
         columns_of = weights.view(batch, num_kv_heads, groups, weights.shape[2], length)
         energy = values.new_empty(batch, num_kv_heads, length)
-        for columns in _column_chunks(length, groups * groups * dim, values.device):
+        for columns in column_chunks(length, groups * groups * dim, values.device):
             chunk = values[:, :, columns]  # [B, H_kv, n, d]
             projected = torch.einsum("bknd,kgdhe,bkne->bkghn", chunk, grams, chunk)
             overlaps = torch.einsum("bkgwn,bkhwn->bkghn", columns_of[..., columns], columns_of[..., columns])
@@ -150,5 +145,5 @@ def _window_output_energy(ctx: ScoringContext, weights: torch.Tensor) -> torch.T
     groups = num_heads // ctx.num_kv_heads
     grouped = weights.view(batch, ctx.num_kv_heads, groups * window, length)
     heads = (grouped @ ctx.value.float()).view(batch, num_heads, window, -1)  # [B, H, w, d]
-    output = torch.einsum("bhwd,chd->bwc", heads, _output_weight(ctx))
+    output = torch.einsum("bhwd,chd->bwc", heads, output_weight(ctx))
     return output.square().sum(dim=(1, 2))

@@ -36,9 +36,8 @@ class PyramidKV(SnapKV):
         "may keep only its window; a rounded budget when its bounds fail)"
     )
 
-    @classmethod
-    def own_allocation(cls, options) -> str:
-        return "pyramid_kvpress" if options.get("pyramid_kvpress_schedule") else cls.allocation
+    def own_allocation(self) -> str:
+        return "pyramid_kvpress" if self.pyramid_kvpress_schedule else self.allocation
 
 
 @register("allocation")

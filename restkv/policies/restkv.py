@@ -38,18 +38,14 @@ from dataclasses import dataclass
 import torch
 
 from restkv.context import ScoringContext
-from restkv.options import ConfigError, option, register
-from restkv.policies.base import POOLING_HELP, POOLINGS, PooledScores
+from restkv.options import ConfigError, option, redeclared, register
+from restkv.output_space import column_chunks, group_grams, head_grams
+from restkv.policies.base import PooledScores
 from restkv.policies.random_control import random_scores
 from restkv.temporal import TEMPORAL_MODES, aggregate_queries
 
 #: attention weights are clamped to 1 - ODDS_EPSILON before the odds ratio (no inf / NaN)
 ODDS_EPSILON = 1e-6
-#: float32 elements of one chunk of the output-space norms' ``[..., columns, d]`` temporaries. On
-#: the CPU a chunk that stays in cache (4 MiB) runs about three times faster than one pass over
-#: every column; on an accelerator larger chunks mean fewer kernels (8192 columns of Llama-3-8B).
-CPU_CHUNK_ELEMENTS = 2**20
-ACCELERATOR_CHUNK_ELEMENTS = 2**25
 #: smallest output norm divided by under --use_norm
 MIN_OUTPUT_NORM = 1e-12
 
@@ -65,7 +61,7 @@ INDICATORS = ("reconstruction", "attn", "attn_v", "random")
 class RestKV(PooledScores):
     name = "restkv"
 
-    pooling: str = option("adaptive", POOLING_HELP, POOLINGS)
+    pooling: str = redeclared(PooledScores, "pooling", "adaptive")
     use_wo: bool = option(
         True, "ReST-KV: measure the output change through the layer's W_o (--no-use_wo: in value space, without --tau)"
     )
@@ -153,10 +149,10 @@ class RestKV(PooledScores):
 def reconstruction_after(ctx: ScoringContext, options: RestKV) -> torch.Tensor:
     """``[B, H, N]``: ``r(ā_j) * ‖W_o^h (ō - v_j)‖^tau`` per query head (``--metric_mode after``)."""
     mean_attention, mean_output = _aggregated_attention_and_output(ctx, options)
-    gram = _head_grams(ctx) if options.use_wo else None
+    gram = head_grams(ctx) if options.use_wo else None
     gaps = torch.empty_like(_grouped(mean_attention, ctx))
     values = ctx.value.float()
-    for columns in _column_chunks(values.shape[2], mean_output.numel(), values.device):
+    for columns in column_chunks(values.shape[2], mean_output.numel(), values.device):
         differences = mean_output[:, :, :, None, :] - values[:, :, None, columns, :]
         gaps[..., columns] = _projected_norms(differences, gram)
     if options.use_wo:
@@ -174,9 +170,9 @@ def group_change_norms(ctx: ScoringContext, options: RestKV) -> torch.Tensor:
     odds = _grouped(_odds(mean_attention), ctx)
     values = ctx.value.float()
     batch, num_kv_heads, length, _ = values.shape
-    gram = _group_grams(ctx) if options.use_wo else None
+    gram = group_grams(ctx) if options.use_wo else None
     norms = torch.empty(batch, num_kv_heads, length, dtype=torch.float32, device=values.device)
-    for columns in _column_chunks(length, mean_output.numel(), values.device):
+    for columns in column_chunks(length, mean_output.numel(), values.device):
         changes = odds[..., columns, None] * (values[:, :, None, columns, :] - mean_output[:, :, :, None, :])
         if gram is None:  # value space: every W_o^h is the identity
             norms[..., columns] = changes.sum(dim=2).norm(dim=-1)
@@ -199,7 +195,7 @@ def reconstruction_before(ctx: ScoringContext, options: RestKV) -> torch.Tensor:
     num_kv_heads, head_dim = ctx.num_kv_heads, ctx.value.shape[-1]
     groups = num_heads // num_kv_heads
     values = ctx.value.float()
-    gram = _head_grams(ctx) if options.use_wo else None
+    gram = head_grams(ctx) if options.use_wo else None
 
     outputs = torch.matmul(weights.reshape(batch, num_kv_heads, groups * window, length), values)
     outputs = outputs.view(batch, num_kv_heads, groups, window, head_dim)
@@ -209,7 +205,7 @@ def reconstruction_before(ctx: ScoringContext, options: RestKV) -> torch.Tensor:
         projected_outputs.reshape(batch, num_kv_heads, groups * window, head_dim), values.transpose(-1, -2)
     ).view(batch, num_kv_heads, groups, window, length)
     value_sq = torch.empty(batch, num_kv_heads, groups, length, dtype=torch.float32, device=values.device)
-    for columns in _column_chunks(length, value_sq[..., 0].numel() * head_dim, values.device):
+    for columns in column_chunks(length, value_sq[..., 0].numel() * head_dim, values.device):
         value_sq[..., columns] = _projected_squared_norms(values[:, :, None, columns, :], gram)
     squared = output_sq[..., None] - 2 * cross + value_sq[:, :, :, None, :]
 
@@ -262,37 +258,6 @@ def _projected_squared_norms(vectors: torch.Tensor, gram: torch.Tensor | None) -
     return ((vectors @ gram) * vectors).sum(dim=-1).clamp(min=0)
 
 
-def _head_grams(ctx: ScoringContext) -> torch.Tensor:
-    """``[H_kv, G, d, d]``: ``Γ_h = W_o^hᵀ W_o^h`` of each query head, grouped by KV head."""
-    weight = _output_weight(ctx)
-    per_head = torch.einsum("chd,che->hde", weight, weight)
-    return per_head.view(ctx.num_kv_heads, -1, *per_head.shape[1:])
-
-
-def _group_grams(ctx: ScoringContext) -> torch.Tensor:
-    """``[H_kv, G*d, G*d]``: the Gram matrix of each query group's columns of ``W_o``."""
-    weight = _output_weight(ctx)
-    grouped = weight.reshape(weight.shape[0], ctx.num_kv_heads, -1)
-    return torch.einsum("ckx,cky->kxy", grouped, grouped)
-
-
-def _output_weight(ctx: ScoringContext) -> torch.Tensor:
-    """``o_proj.weight`` as ``[D, H, d]`` float32, checked against the query heads."""
-    weight = ctx.o_proj_weight
-    num_heads, head_dim = ctx.query.shape[1], ctx.query.shape[-1]
-    if weight is None:
-        raise ValueError(
-            "ReST-KV with --use_wo needs the layer's output projection: pass o_proj_weight ([hidden, heads * "
-            "head_dim]) to compress_kv, or use --no-use_wo"
-        )
-    if weight.dim() != 2 or weight.shape[1] != num_heads * head_dim:
-        raise ValueError(
-            f"o_proj_weight must have shape [hidden, heads * head_dim] = [D, {num_heads * head_dim}]; "
-            f"got {list(weight.shape)}"
-        )
-    return weight.float().view(weight.shape[0], num_heads, head_dim)
-
-
 def _grouped(per_query_head: torch.Tensor, ctx: ScoringContext) -> torch.Tensor:
     """``[B, H, ...]`` -> ``[B, H_kv, G, ...]`` (query head ``h`` reads KV head ``h // G``)."""
     batch, num_heads = per_query_head.shape[:2]
@@ -302,11 +267,3 @@ def _grouped(per_query_head: torch.Tensor, ctx: ScoringContext) -> torch.Tensor:
 def _per_query_head(grouped: torch.Tensor) -> torch.Tensor:
     """``[B, H_kv, G, ...]`` -> ``[B, H, ...]``."""
     return grouped.flatten(1, 2)
-
-
-def _column_chunks(length: int, per_column: int, device: torch.device) -> list[slice]:
-    """Key columns in chunks whose temporaries (``per_column`` elements each column) stay within
-    the device's chunk size."""
-    budget = CPU_CHUNK_ELEMENTS if device.type == "cpu" else ACCELERATOR_CHUNK_ELEMENTS
-    step = max(1, budget // per_column)
-    return [slice(start, min(start + step, length)) for start in range(0, length, step)]

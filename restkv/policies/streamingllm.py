@@ -27,7 +27,6 @@ class StreamingLLM(KeepsSinks, Policy):
     ranks_by_position = True
     observes_queries = False
 
-    n_sink: int = option(4, "StreamingLLM attention sinks: the first tokens, always kept", minimum=0)
 
     def protected_count(self, window_size: int, budget: int) -> int:
         return max(budget - self.n_sink, 0)

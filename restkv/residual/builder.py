@@ -16,13 +16,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from restkv.residual.clustering import Entries, entries_of, lloyd_kmeans
+from restkv.residual.clustering import Entries, RankedRow, ResidualOptions, entries_of, lloyd_kmeans
 from restkv.residual.validation import choose_ratios, validation_losses
 from restkv.selection import rank_keys
 
 if TYPE_CHECKING:
     from restkv.context import ScoringContext
-    from restkv.residual.options import ResidualCache
 
 
 def ratio_sizes(ratio: float, budgets: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
@@ -48,7 +47,7 @@ class ResidualPlan(NamedTuple):
     first_columns: torch.Tensor
 
 
-def build_residual(options: "ResidualCache", ctx: "ScoringContext", scores: torch.Tensor,
+def build_residual(options: "ResidualOptions", ctx: "ScoringContext", scores: torch.Tensor,
                    keep: torch.Tensor) -> ResidualPlan:
     """Choose the residual size of every row and KV head and build its entries.
 
@@ -77,19 +76,8 @@ def build_residual(options: "ResidualCache", ctx: "ScoringContext", scores: torc
     return plan
 
 
-class RankedRow(NamedTuple):
-    """One row's visible tokens (a suffix of the padded row) in the order the selection ranks
-    them: protected first, then by score, ties to the lower position."""
-
-    keys: torch.Tensor  # [H_kv, n, d] float32, ranked
-    values: torch.Tensor  # [H_kv, n, d] float32, ranked
-    order: torch.Tensor  # [H_kv, n] position of each ranked token in the visible suffix
-    budgets: torch.Tensor  # [H_kv] b
-    room: torch.Tensor  # [H_kv] slots that may become residual (b - protected; 0 if nothing is evicted)
-
-
 def _row_entries(
-    options: "ResidualCache", ctx: "ScoringContext", row: int, scores: torch.Tensor, budgets: torch.Tensor
+    options: "ResidualOptions", ctx: "ScoringContext", row: int, scores: torch.Tensor, budgets: torch.Tensor
 ) -> tuple[torch.Tensor, Entries]:
     """``([H_kv] residual sizes, right-aligned Entries)`` of one row."""
     data = _rank_row(ctx, row, scores, budgets)
@@ -136,7 +124,7 @@ def _rank_row(ctx: "ScoringContext", row: int, scores: torch.Tensor, budgets: to
     )
 
 
-def _cluster(data: RankedRow, sizes: torch.Tensor, options: "ResidualCache") -> Entries:
+def _cluster(data: RankedRow, sizes: torch.Tensor, options: "ResidualOptions") -> Entries:
     """k-means of each head's evicted tokens (ranks ``>= b - r``) into ``sizes`` clusters, seeded
     with the best-ranked evicted tokens (ranks ``b - r .. b - 1``). Works on the ranked suffix
     that holds every head's evicted tokens. Cluster ``j`` is in slot ``j``."""

@@ -5,13 +5,29 @@ Everything is float32 and batched over KV heads: each head clusters its own evic
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 #: tokens per block when assigning points to centres (bounds the distance matrix)
 ASSIGN_BLOCK = 8192
+
+
+#: the ``--residual`` part's options (``restkv.residual.options.ResidualCache``), as the builder and
+#: the validation proxy read them
+ResidualOptions = Any
+
+
+class RankedRow(NamedTuple):
+    """One row's visible tokens (a suffix of the padded row) in the order the selection ranks
+    them: protected first, then by score, ties to the lower position."""
+
+    keys: torch.Tensor  # [H_kv, n, d] float32, ranked
+    values: torch.Tensor  # [H_kv, n, d] float32, ranked
+    order: torch.Tensor  # [H_kv, n] position of each ranked token in the visible suffix
+    budgets: torch.Tensor  # [H_kv] b
+    room: torch.Tensor  # [H_kv] slots that may become residual (b - protected; 0 if nothing is evicted)
 
 
 class Clusters(NamedTuple):

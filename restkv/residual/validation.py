@@ -13,13 +13,11 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from restkv.partial import Partial, softmax_partial
-from restkv.residual.clustering import Entries
+from restkv.residual.clustering import Entries, RankedRow, ResidualOptions
 from restkv.residual.readout import capped
 
 if TYPE_CHECKING:
     from restkv.context import ScoringContext
-    from restkv.residual.builder import RankedRow
-    from restkv.residual.options import ResidualCache
 
 #: most keys in one segment of the observation queries' attention (bounds their logits)
 KEY_BLOCK = 8192
@@ -135,7 +133,7 @@ def full_attention_output(
 
 
 def validation_losses(
-    options: "ResidualCache", ctx: "ScoringContext", row: int, data: "RankedRow", sizes_of: list[torch.Tensor],
+    options: "ResidualOptions", ctx: "ScoringContext", row: int, data: RankedRow, sizes_of: list[torch.Tensor],
     built: list[Entries | None],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fit and validation losses ``[H_kv, C]`` of every candidate ratio (``sizes_of[c]`` residual
