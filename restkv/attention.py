@@ -101,7 +101,8 @@ def restkv_attention_forward(
     pending = pending_of(cache)
     weights = None
     if isinstance(layer, CompressedLayer) and layer.tokens_seen > 0:
-        output = layer.attend(query, key, value, attention_mask, params.scaling, params.softcap, position_embeddings)
+        output = layer.attend(query, key, value, attention_mask, params.scaling, params.softcap, position_embeddings,
+                              prompt=getattr(cache, "_restkv_in_chunks", False))
         if config.rescores:
             _compress_again(self, config, cache, layer, query, params)
     elif pending is not None and pending.observing:  # a reconstruction chunk (restkv.deferred)
@@ -124,7 +125,7 @@ def restkv_attention_forward(
                                     rotary=position_embeddings)
             cache.layers[self.layer_idx] = compressed = CompressedLayer.from_state(
                 compress_layer(config, ctx), query.shape[2], params.sliding_window, config, plan.padding)
-            if config.run.decode_budget is not None:
+            if config.rescores:
                 compressed.remember_queries(query, config.run.window_size)
     else:
         if isinstance(layer, CompressedLayer):  # a reset compressed layer serving a prompt it need not compress
@@ -170,8 +171,9 @@ def _prefill_chunk(decoder, args, kwargs) -> int | None:
 
 def _chunked_prefill(original: Callable, decoder, chunk: int, kwargs: dict):
     """Run the prompt through ``original`` in chunks of ``chunk`` tokens on one cache; each layer
-    compresses again after every chunk (``_compress_again``). Returns the last chunk's output
-    (its hidden states are those of the prompt's last ``chunk`` tokens at most)."""
+    compresses again after every chunk (``_compress_again``). Returns the last chunk's output with
+    the hidden states of every chunk joined, so ``model(ids)`` gives logits for the whole prompt
+    as it does unpatched (``generate`` keeps only the last position's)."""
     from transformers import DynamicCache
 
     kwargs = dict(kwargs)
@@ -180,22 +182,43 @@ def _chunked_prefill(original: Callable, decoder, chunk: int, kwargs: dict):
     mask, positions = kwargs.pop("attention_mask", None), kwargs.pop("position_ids", None)
     cache = kwargs.pop(CACHE_ARGUMENT, None) or kwargs.pop("past_key_values", None)
     cache = cache if cache is not None else DynamicCache(config=decoder.config)
-    if mask is not None and mask.dim() == 2 and bool((mask[:, :chunk].sum(dim=-1) == 0).any()):
-        raise ValueError(f"--prefill_chunk_size {chunk}: a row's padding fills the whole first chunk; use a larger "
-                         "chunk or batch prompts of similar lengths")
-    output = None
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"--prefill_chunk_size {chunk}: output_attentions is not available under chunked prefill "
+                         "(each chunk attends to a different cache); run the prompt in one piece to read them")
+    outputs, cache._restkv_in_chunks = [], True
     try:
-        for start in range(0, tokens.shape[1], chunk):
-            stop = min(start + chunk, tokens.shape[1])
+        for start, stop in chunk_bounds(tokens.shape[1], chunk):
             cache._restkv_chunking = start > 0
             piece = {name: tokens[:, start:stop], **with_cache(cache)}
             if mask is not None:
                 piece["attention_mask"] = mask[:, :stop]
             if positions is not None:
                 piece["position_ids"] = positions[:, start:stop]
-            output = original(decoder, **kwargs, **piece)
+            outputs.append(original(decoder, **kwargs, **piece))
     finally:
-        cache._restkv_chunking = False
+        cache._restkv_chunking = cache._restkv_in_chunks = False
+    if module_config(decoder.layers[0].self_attn).run.decode_budget is None:
+        for layer in cache.layers:  # the window that scored the chunks: only a decode budget reads it again
+            if isinstance(layer, CompressedLayer):
+                layer.recent_queries = None
+    return _joined_chunks(outputs)
+
+
+def chunk_bounds(length: int, chunk: int) -> list[tuple[int, int]]:
+    """The ``(start, stop)`` columns of a prompt's chunks, counted back from its end: the first
+    chunk takes the remainder. A left-padded row's chunks then end where the same row's alone do
+    (rows are right-aligned), so a batch compresses each row as it would alone."""
+    first = length - (length - 1) // chunk * chunk
+    return [(0, first)] + [(stop - chunk, stop) for stop in range(first + chunk, length + 1, chunk)]
+
+
+def _joined_chunks(outputs: list):
+    """The last chunk's model output with ``last_hidden_state`` (and ``hidden_states``, when
+    asked for) joined over the chunks along the sequence."""
+    output = outputs[-1]
+    output.last_hidden_state = torch.cat([piece.last_hidden_state for piece in outputs], dim=1)
+    if getattr(output, "hidden_states", None) is not None:
+        output.hidden_states = tuple(torch.cat(layer, dim=1) for layer in zip(*(piece.hidden_states for piece in outputs)))
     return output
 
 
@@ -212,12 +235,11 @@ def _compress_again(module, config, cache, layer: CompressedLayer, query, params
     """After a prefill chunk, or every ``--decode_interval`` generated tokens: evict again
     (``restkv.recompress``) with the newest queries."""
     window = config.run.window_size
-    if config.run.decode_budget is not None:
-        layer.remember_queries(query, window)
+    layer.remember_queries(query, window)  # the newest window's queries, across chunk boundaries
     if getattr(cache, "_restkv_chunking", False):
         seen = [layer.tokens_seen - int(padding) for padding in layer.prompt_padding.tolist()]
-        budgets = [_budget_above_protected(config, count) for count in seen]
-        queries = query[:, :, -window:]
+        budgets = [_chunk_budget(config, count) for count in seen]
+        queries = layer.recent_queries
     elif config.run.decode_budget is not None and _due(layer, config.run.decode_budget, config.run.decode_interval):
         budgets = [config.run.decode_budget] * query.shape[0]
         queries = layer.recent_queries
@@ -239,11 +261,11 @@ def _due(layer: CompressedLayer, budget: int, interval: int) -> bool:
     return layer.tail_length >= interval or held > budget + interval
 
 
-def _budget_above_protected(config, seen: int) -> int:
-    """The budget of ``seen`` tokens, or all of them while that budget does not exceed the
-    protected window (early chunks of a ratio budget)."""
+def _chunk_budget(config, seen: int) -> int:
+    """The budget of a row that has seen ``seen`` tokens at a chunk's end, or all of them while
+    the method cannot compress to that budget (early chunks of a ratio budget)."""
     budget = config.budget_for(seen)
-    return seen if budget <= config.policy.protected_count(config.run.window_size, budget) else budget
+    return budget if config.policy.compressible_to(config.run.window_size, budget) else seen
 
 
 # ---------------------------------------------------------------- prefill
@@ -256,8 +278,14 @@ def _plan_to_compress(module, config, cache, layer, query, attention_mask, param
         return None
     if not module.is_causal:
         raise ValueError("restkv compresses causal attention only; this model uses bidirectional attention")
-    valid = key_validity(attention_mask, query.shape[0], query.shape[2], query.device)
-    plan = plan_layer(config, valid, module.layer_idx, module.config.num_hidden_layers, params.sliding_window)
+    # A chunked prompt's first chunk may be all padding for a shorter row (its chunks end where the row's own do).
+    in_chunks = getattr(cache, "_restkv_in_chunks", False)
+    valid = key_validity(attention_mask, query.shape[0], query.shape[2], query.device, in_chunks)
+    budgets = None
+    if in_chunks:  # a sliding-window layer keeps its window whole (the config checked the prompt's budget reaches it)
+        seen = valid.sum(dim=-1).tolist()
+        budgets = seen if params.sliding_window is not None else [_chunk_budget(config, int(count)) for count in seen]
+    plan = plan_layer(config, valid, module.layer_idx, module.config.num_hidden_layers, params.sliding_window, budgets)
     # A layer compressed again later (chunked prefill, decode budget) is held compressed from the start.
     owned = config.rescores and params.sliding_window is None and config.policy.compresses_layer(module.layer_idx)
     if not plan.compress and not owned:
@@ -299,7 +327,7 @@ def _cache_layer(cache: Cache | None, layer_idx: int):
     return cache.layers[layer_idx]
 
 
-def key_validity(attention_mask, batch: int, length: int, device) -> torch.Tensor:
+def key_validity(attention_mask, batch: int, length: int, device, empty_rows: bool = False) -> torch.Tensor:
     """``[B, N]`` real-token mask of a prefill from whatever mask the attention received.
 
     4-D masks (eager: additive float, sdpa: bool) mark key ``j`` real iff query ``j`` may see
@@ -314,8 +342,8 @@ def key_validity(attention_mask, batch: int, length: int, device) -> torch.Tenso
             f"{type(attention_mask).__name__} mask (flex_attention?)"
         )
     if attention_mask.dim() == 2:
-        return valid_from_mask(attention_mask[:, -length:], batch, length, device)
+        return valid_from_mask(attention_mask[:, -length:], batch, length, device, empty_rows)
     diagonal = attention_mask[:, 0, -length:, -length:].diagonal(dim1=-2, dim2=-1)
     if diagonal.dtype != torch.bool:
         diagonal = diagonal > torch.finfo(diagonal.dtype).min / 2
-    return valid_from_mask(diagonal, batch, length, device)
+    return valid_from_mask(diagonal, batch, length, device, empty_rows)

@@ -109,14 +109,18 @@ class CompressedLayer(CacheLayerMixin):
 
     # ----------------------------------------------------------- reading
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-               scaling: float, softcap: float | None = None, rotary=None) -> torch.Tensor:
+               scaling: float, softcap: float | None = None, rotary=None, prompt: bool = False) -> torch.Tensor:
         """Append the new tokens ``key``/``value`` ``[B, H_kv, q, d]`` and attend ``query``
-        ``[B, H, q, d]`` over every segment in one softmax. Used for decode steps and for a
-        question chunk fed after a context-only compression; ``attention_mask`` is the mask the
-        model built for this step, ``rotary`` its ``(cos, sin)`` (what a correction that reads
-        queries before RoPE undoes). Returns ``[B, q, H, d]``."""
+        ``[B, H, q, d]`` over every segment in one softmax. Used for decode steps, for a prompt's
+        later chunks (``prompt``: their padding is the rows' left padding) and for a question chunk
+        fed after a context-only compression; ``attention_mask`` is the mask the model built for
+        this step, ``rotary`` its ``(cos, sin)`` (what a correction that reads queries before RoPE
+        undoes). Returns ``[B, q, H, d]``."""
         first = self.tokens_seen
-        self.append(key, value, new_token_columns(attention_mask, query.shape[0], first, query.shape[2], query.device))
+        columns = new_token_columns(attention_mask, query.shape[0], first, query.shape[2], query.device)
+        if prompt and columns is not None:
+            self.prompt_padding = self.prompt_padding + (columns < 0).sum(dim=-1).to(self.prompt_padding)
+        self.append(key, value, columns)
         output = self.read(Probe(query, key.shape[1], first, scaling, softcap, self.sliding_window), rotary)
         self._settle()
         return output

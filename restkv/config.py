@@ -271,31 +271,11 @@ class CompressionConfig:
                 f"--decode_budget {run.decode_budget} must exceed --window_size {run.window_size} (the newest "
                 "tokens are always kept)"
             )
-        if run.prefill_chunk_size is not None and run.compression_ratio is not None:
-            self._check_first_chunk(run.prefill_chunk_size)
         if self.rescores and self.compresses_after_prefill:
             flags = "--prefill_chunk_size" if run.prefill_chunk_size is not None else "--decode_budget"
             causes = self.deferring_flags()
             raise ConfigError(f"{flags} compresses as tokens come; {' and '.join(causes)} "
                               f"need{'s' if len(causes) == 1 else ''} the whole prompt first")
-
-    def _check_first_chunk(self, chunk: int) -> None:
-        """Under a ratio a prompt longer than the chunk compresses its first chunk alone, at the
-        chunk's own budget, so that budget must be one the method can compress to."""
-
-        def refusal(length: int) -> ConfigError | None:
-            budget = self.budget_for(length)
-            try:
-                self.policy.check_row(self, length, budget, self.policy.protected_count(self.run.window_size, budget))
-            except ConfigError as error:
-                return error
-            return None
-
-        error = refusal(chunk)
-        if error is not None:
-            working = next(length for length in itertools.count(chunk + 1) if refusal(length) is None)
-            raise ConfigError(f"--prefill_chunk_size {chunk}: {error}; or use chunks of at least {working} tokens "
-                              "(the first chunk is compressed alone)")
 
     def deferring_flags(self) -> list[str]:
         """The settings that make layers wait for the whole prefill (``compresses_after_prefill``),
@@ -327,7 +307,7 @@ class CompressionConfig:
     def _check_sliding_layers(self, window: int, layers: list[int]) -> None:
         """Chunked prefill and decode budgets compress full-attention layers again; a sliding-window
         layer that its prefill compressed cannot be, so its prefill must keep all it sees (at most
-        ``window - 1`` tokens): the budget of the first forward (the first chunk) must reach that."""
+        ``window - 1`` tokens): the budget of every prompt long enough to be chunked must reach that."""
         run, held = self.run, window - 1
         if not self.rescores or (run.max_capacity_prompts is None and run.prefill_chunk_size is None):
             return  # a ratio on unchunked prompts: only each prompt's length tells (checked at its prefill)
@@ -341,7 +321,7 @@ class CompressionConfig:
             if self.budget_for(chunk) >= limit:
                 return
             working = next(c for c in itertools.count(chunk + 1) if self.budget_for(c) >= min(c, held))
-            keeping = f"--compression_ratio {run.compression_ratio} on the first chunk of {chunk} tokens"
+            keeping = f"--compression_ratio {run.compression_ratio} on a prompt of {chunk} tokens (one chunk)"
             fix = f"use chunks of at least {working} tokens or --max_capacity_prompts {held}"
         flags = self.rescoring_flags()
         raise ConfigError(

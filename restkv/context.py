@@ -104,8 +104,10 @@ def plan_layer(config: Any, valid: torch.Tensor, layer_idx: int = 0, num_layers:
                      layer_idx, num_layers, window, config.run.seed, sliding_window)
 
 
-def valid_from_mask(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
-    """``[B, N]`` bool real-token mask from an optional 2-D 0/1 mask; checks left padding."""
+def valid_from_mask(attention_mask: torch.Tensor | None, batch: int, length: int, device,
+                    empty_rows: bool = False) -> torch.Tensor:
+    """``[B, N]`` bool real-token mask from an optional 2-D 0/1 mask; checks left padding (and
+    that every row holds a real token, unless ``empty_rows``)."""
     if attention_mask is None:
         return torch.ones(batch, length, dtype=torch.bool, device=device)
     if attention_mask.shape != (batch, length):
@@ -117,7 +119,7 @@ def valid_from_mask(attention_mask: torch.Tensor | None, batch: int, length: int
             "restkv expects left padding (tokenizer.padding_side = 'left'); the attention mask has padding "
             "after a real token"
         )
-    if not bool(valid.any(dim=-1).all()):
+    if not empty_rows and not bool(valid.any(dim=-1).all()):
         raise ValueError("a row of the batch is all padding; every row needs at least one real token")
     return valid
 

@@ -256,19 +256,101 @@ def test_a_decode_budget_alone_compresses_only_during_generation():
     assert int(output_cache(out).layers[0].kept_counts.max()) + output_cache(out).layers[0].tail_length <= 30 + 4
 
 
-def test_a_ratio_that_leaves_the_first_chunk_no_more_than_the_window_asks_for_a_larger_chunk():
-    """At --compression_ratio 0.9 a 64-token first chunk keeps 6 tokens, fewer than the window: the
-    config refuses it before any model runs (it once failed at the first chunk, telling the user to
-    lower the ratio or the window), and says which chunk works."""
-    with pytest.raises(ConfigError) as error:
-        CompressionConfig(method="snapkv", compression_ratio=0.9, prefill_chunk_size=64, window_size=8)
-    assert str(error.value) == (
-        "--prefill_chunk_size 64: a row of 64 tokens keeps 6 tokens (--compression_ratio 0.9), which does not exceed "
-        "the 8 protected tokens (--window_size 8); lower the ratio or the window; or use chunks of at least 90 tokens "
-        "(the first chunk is compressed alone)")
-    config = CompressionConfig(method="snapkv", compression_ratio=0.9, prefill_chunk_size=90, window_size=8)
-    assert config.budget_for(90) == 9 > 8
+def test_a_ratio_whose_early_chunks_cannot_be_compressed_keeps_them_whole_until_the_budget_exceeds_the_window():
+    """At --compression_ratio 0.9 a row of 64 tokens keeps 6, fewer than the 8-token window: a chunk
+    boundary whose budget the method cannot compress to keeps every token seen (it was once refused
+    outright, telling the user to lower the ratio or the window), and the whole prompt ends at its
+    own budget."""
+    config = CompressionConfig(method="snapkv", compression_ratio=0.9, prefill_chunk_size=64, window_size=8)
     model = tiny_model("llama")
+    held = []
+
+    def record(module, args, kwargs, output):
+        layer = kwargs["cache"].layers[module.layer_idx]
+        held.append((layer.tokens_seen, int(layer.held_counts.max())))
+
+    handle = model.model.layers[1].self_attn.register_forward_hook(record, with_kwargs=True)
     with restkv.compression(model, config):
         cache = prefill(model, random_prompt(1, 200))
+    handle.remove()
+    assert held[1:] == [(72, 72), (136, 13), (200, 20)]  # chunks end at 8, 72, 136, 200 (counted from the end)
     assert [layer.kept_counts.tolist() for layer in cache.layers] == [[[20, 20]]] * 3
+
+
+@pytest.mark.parametrize("length", [100, 68, 66])
+def test_a_last_chunk_shorter_than_the_window_scores_with_the_newest_window_across_chunks(length):
+    """Issue 19 bug 1: the last chunk (4 or 2 tokens here) holds fewer queries than the window; the
+    newest --window_size queries seen, across the chunk boundary, score the layer."""
+    model = tiny_model("llama")
+    prompt = random_prompt(1, length)
+    replace_for("llama")(method="snapkv", max_capacity_prompts=20, window_size=8, prefill_chunk_size=32)
+    cache = prefill(model, prompt)
+    for layer in cache.layers:
+        assert layer.tokens_seen == length and layer.recent_queries is None  # freed: no decode budget reads it
+        kept = layer.kept_columns[0]
+        assert all(set(range(length - 8, length)) <= set(head.tolist()) for head in kept)  # the window stays
+        assert layer.kept_counts.tolist() == [[20, 20]]
+
+
+@pytest.mark.parametrize("method, options", [("snapkv", {}), ("adakv", {}), ("snapkv", {"residual": True}),
+                                             ("snapkv", {"compression_ratio": 0.5, "max_capacity_prompts": None})])
+@pytest.mark.parametrize("lengths", [[200, 150], [200, 60]])
+def test_rows_of_a_left_padded_batch_are_chunked_as_they_would_be_alone(method, options, lengths):
+    """Issue 20: chunks are counted back from the prompt's end, so a left-padded row's chunks end
+    where its own would alone (row 1 once differed by 0.60 in logits); a row whose padding fills
+    the first chunks (200 and 60 tokens, chunk 64) sees only padding there."""
+    settings = {"method": method, "max_capacity_prompts": 40, "window_size": 8, "prefill_chunk_size": 64, **options}
+    replace_for("llama")(**{name: value for name, value in settings.items() if value is not None})
+    assert_rows_match_single_row_runs(tiny_model("llama"), lengths, new_tokens=4)
+
+
+def test_model_called_on_a_chunked_prompt_returns_every_positions_logits():
+    """Issue 20: ``model(ids)`` under --prefill_chunk_size once returned the last chunk's 8 logits
+    of 200; it returns all 200 (equal to the unpatched model's while nothing is evicted), and
+    ``labels`` give a loss."""
+    model = tiny_model("llama")
+    prompt = random_prompt(1, 200)
+    with torch.no_grad():
+        reference = model(prompt).logits
+        replace_for("llama")(method="snapkv", max_capacity_prompts=256, window_size=8, prefill_chunk_size=64)
+        whole = model(prompt)
+        torch.testing.assert_close(whole.logits, reference, rtol=1e-5, atol=1e-5)
+        replace_for("llama")(method="snapkv", max_capacity_prompts=40, window_size=8, prefill_chunk_size=64)
+        evicted = model(prompt, labels=prompt)
+    assert evicted.logits.shape == reference.shape and torch.isfinite(evicted.loss)
+    torch.testing.assert_close(evicted.logits[:, :72], reference[:, :72], rtol=1e-5, atol=1e-5)  # before any eviction
+
+
+def test_output_attentions_under_chunked_prefill_is_refused_in_one_line():
+    model = tiny_model("llama")
+    replace_for("llama")(method="snapkv", max_capacity_prompts=40, window_size=8, prefill_chunk_size=64)
+    with pytest.raises(ValueError, match="output_attentions is not available under chunked prefill"):
+        model(random_prompt(1, 200), output_attentions=True)
+
+
+def test_residual_entries_are_charged_once_when_a_layer_is_compressed_again():
+    """Issue 20: recompression once charged the layer's entries twice (exact tokens per head went
+    28 -> 20 -> 17 and the layer held 29 of its budget of 40; chunked prefill ended at 48 + 12 where
+    one pass keeps 52 + 12). Exact tokens plus entry slots stay the budget."""
+    model = tiny_model("llama")
+    replace_for("llama")(method="snapkv", residual=True, max_capacity_prompts=40, window_size=4, decode_budget=40,
+                         decode_interval=4)
+    held = []
+
+    def record(module, args, kwargs, output):
+        layer = kwargs["cache"].layers[module.layer_idx]
+        if layer.tail_length == 0:  # just compressed
+            held.append((layer.kept_counts + layer.summary_slots).tolist())
+
+    handle = model.model.layers[1].self_attn.register_forward_hook(record, with_kwargs=True)
+    greedy(model, random_prompt(1, 100), new_tokens=14)
+    handle.remove()
+    assert len(held) == 4 and all(counts == [[40, 40]] for counts in held)
+    prompt = random_prompt(1, 200)
+    kept = {}
+    for chunk in (None, 64):
+        replace_for("llama")(method="snapkv", residual=True, max_capacity_prompts=64, window_size=4,
+                             prefill_chunk_size=chunk)
+        layer = prefill(model, prompt).layers[1]
+        kept[chunk] = (layer.kept_counts.tolist(), layer.summary_slots.tolist())
+    assert kept[64] == kept[None] == ([[52, 52]], [[12, 12]])

@@ -5,6 +5,7 @@ import torch
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention
 
+from restkv.cache import CompressedLayer
 from restkv.compat import UnsupportedTransformersVersion, check_transformers_version, output_cache
 from restkv.config import CompressionConfig, ConfigError
 from restkv.monkeypatch import compression, config_of, configure, family_of, replace_for_model, replace_llama, unpatch
@@ -196,7 +197,7 @@ def test_indexmem_weights_for_another_model_shape_are_refused_when_configured(tm
      r"and a compressed sliding-window layer is not compressed again: raise --max_capacity_prompts to 31"),
     (dict(max_capacity_prompts=16, decode_budget=24, decode_interval=2), r"--decode_budget 24 compresses"),
     (dict(compression_ratio=0.5, prefill_chunk_size=48),
-     r"--compression_ratio 0.5 on the first chunk of 48 tokens keeps fewer than their 31 .*: use chunks of at least "
+     r"--compression_ratio 0.5 on a prompt of 48 tokens \(one chunk\) keeps fewer than their 31 .*: use chunks of at least "
      r"62 tokens or --max_capacity_prompts 31"),
 ])
 def test_recompression_on_sliding_window_layers_is_refused_when_configured(options, message):
@@ -207,6 +208,17 @@ def test_recompression_on_sliding_window_layers_is_refused_when_configured(optio
     with pytest.raises(ConfigError, match=message):
         compression(model, method="snapkv", window_size=4, **options).__enter__()
     hook.remove()
+
+
+def test_a_ratio_budget_under_chunks_keeps_the_sliding_windows_whole_from_a_short_first_chunk():
+    """Chunks end at 22, 86 and 150: the 22-token first chunk's ratio budget (11) is below the
+    sliding window, which must stay whole (a compressed sliding layer cannot be compressed again)."""
+    model = tiny_model("gemma3", sliding_window=32)
+    with compression(model, method="snapkv", window_size=4, compression_ratio=0.5, prefill_chunk_size=64):
+        out = model.generate(random_prompt(1, 150), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    layers = output_cache(out).layers
+    assert [isinstance(layer, CompressedLayer) for layer in layers] == [False, True, False]
+    assert layers[1].kept_counts.tolist() == [[75, 75]]
 
 
 def test_recompression_with_a_budget_that_keeps_the_sliding_windows_whole_runs():

@@ -94,6 +94,10 @@ class Policy(Options):
                 f"(the budget includes the window) for --method {self.name}"
             )
 
+    def compressible_to(self, window_size: int, budget: int) -> bool:
+        """Whether a row can be compressed to ``budget`` tokens: more than it always keeps."""
+        return self.protected_count(window_size, budget) < budget
+
     def check_row(self, config: "CompressionConfig", length: int, budget: int, protected: int) -> None:
         """A row that is compressed must keep more than its protected tokens."""
         if protected >= budget:
@@ -159,8 +163,11 @@ class KeepsSinks(SinkOptions):
             raise ConfigError(f"--n_sink {self.n_sink} must be smaller than --max_capacity_prompts {budget} (the "
                               "first --n_sink tokens are always kept)")
 
+    def compressible_to(self, window_size: int, budget: int) -> bool:
+        return self.n_sink < budget
+
     def check_row(self, config: "CompressionConfig", length: int, budget: int, protected: int) -> None:
-        if self.n_sink >= budget:
+        if not self.compressible_to(config.run.window_size, budget):
             raise ConfigError(
                 f"a row of {length} tokens keeps {budget} tokens (--compression_ratio "
                 f"{config.run.compression_ratio}), which does not exceed --n_sink {self.n_sink} (the first --n_sink "
