@@ -24,7 +24,7 @@ Memory: the peak is the uncompressed prefill's cache, plus during reconstruction
 repeated text's K/V (up to the context length again) and one layer's attention of
 ``RECONSTRUCTION_QUERY_BLOCK`` queries over context + repetition (float32).
 Cost: one extra forward over the context per chunk (``ceil(L / reconstruction_chunk)``).
-Reconstruction runs one row at a time (batch 1, no padding).
+Reconstruction runs one row at a time (batch 1; a left-padded row repeats its real tokens).
 """
 
 from __future__ import annotations
@@ -106,6 +106,7 @@ def observe_chunk(pending_layer: PendingLayer, query: torch.Tensor, key: torch.T
     chunk = query.shape[2]
     total = key.shape[2]
     valid = torch.ones(1, total, dtype=torch.bool, device=key.device)
+    valid[:, :length] = pending_layer.plan.valid  # a left-padded context's padding is never seen
     for start in range(0, chunk, RECONSTRUCTION_QUERY_BLOCK):
         stop = min(start + RECONSTRUCTION_QUERY_BLOCK, chunk)
         end = total - chunk + stop  # keys the block's newest query sees
@@ -132,9 +133,12 @@ def _reconstruct(model_forward: Callable, model, cache, pending: PendingPrefill)
     context = pending.context_ids
     if context is None or context.shape[0] != 1:
         raise ValueError("--observation reconstruction compresses one prompt at a time (batch size 1, input_ids)")
-    config = next(layer.config for layer in pending.layers.values() if layer.reconstructed)
+    config, valid = next((layer.config, layer.plan.valid) for layer in pending.layers.values() if layer.reconstructed)
     prefix = reconstruction_prefix(model).to(context.device)
-    repeat = torch.cat([prefix[None], context], dim=-1)
+    # A left-padded row repeats its real tokens only, at the positions that follow them, and
+    # no reconstruction query sees its padding.
+    padding = int((~valid[0]).sum())
+    repeat = torch.cat([prefix[None], context[:, padding:]], dim=-1)
     chunk = config.run.reconstruction_chunk
     first = prefix.shape[0] + min(chunk, context.shape[1])  # the instruction joins the first chunk
     bounds = [0, first] + list(range(first + chunk, repeat.shape[1], chunk)) + [repeat.shape[1]]
@@ -148,14 +152,15 @@ def _reconstruct(model_forward: Callable, model, cache, pending: PendingPrefill)
             sample_at = torch.linspace(0, repeat.shape[1] - 1, steps=min(samples, repeat.shape[1])).round().long()
             layer.stats = ReconstructionStats(repeat.shape[1], top, sample_at.unique())
     saved = [copy.copy(layer) for layer in cache.layers]
-    length = context.shape[1]
+    real = context.shape[1] - padding
+    seen_mask = torch.cat([valid.long(), torch.ones_like(repeat)], dim=-1)
     pending.observing = True
     try:
         with torch.no_grad():
             for start, stop in zip(bounds[:-1], bounds[1:]):
-                positions = torch.arange(length + start, length + stop, device=context.device)[None]
+                positions = torch.arange(real + start, real + stop, device=context.device)[None]
                 model_forward(model, input_ids=repeat[:, start:stop], position_ids=positions, use_cache=True,
-                              **with_cache(cache))
+                              attention_mask=seen_mask[:, : context.shape[1] + stop], **with_cache(cache))
     finally:
         pending.observing = False
         cache.layers[:] = saved

@@ -10,6 +10,7 @@ import torch
 from tokenizers.processors import TemplateProcessing
 
 from restkv import CompressionConfig, ConfigError, compress_kv
+from restkv.cache import kept_positions
 from restkv.compress import compress_layer
 from restkv.storage import joined_view
 from restkv.context import ScoringContext, plan_layer
@@ -255,3 +256,17 @@ def test_compress_kv_with_a_model_wide_allocation_ranks_the_heads_of_its_one_lay
     out = compress_kv(query, key, value, dict(method="kvzip", max_capacity_prompts=20, observation="window",
                                               window_size=8))
     assert int((out.indices >= 0).sum()) == 2 * 20
+
+
+@pytest.mark.parametrize("options", [dict(method="snapkv", observation="reconstruction"), dict(method="kvzip")],
+                         ids=["reconstruction", "kvzip"])
+def test_a_left_padded_row_keeps_what_it_keeps_unpadded(options):
+    """Issue 20: the repetition once included the padding, at positions after it, and its queries
+    saw the padding keys, so a padded row kept other positions than the row alone."""
+    model = tiny_model("llama")
+    context = random_prompt(1, 70, seed=1)
+    padded = torch.cat([torch.zeros(1, 10, dtype=torch.long), context], dim=-1)
+    mask = (torch.arange(80) >= 10).long()[None]
+    replace_for("llama")(max_capacity_prompts=20, window_size=4, reconstruction_chunk=32, **options)
+    alone, with_padding = kept_positions(prefill(model, context)), kept_positions(prefill(model, padded, mask))
+    assert [layer.exact for layer in with_padding] == [layer.exact for layer in alone]
