@@ -139,3 +139,22 @@ def test_bad_questions_are_refused_before_the_context_is_prefilled(call, message
     with pytest.raises(ValueError, match=message):
         call(model, random_prompt(1, 40), random_prompt(1, 5, seed=2))
     assert not prefill_calls
+
+
+@pytest.mark.parametrize("options", [
+    dict(method="snapkv", quant_method="kivi", nbits=4, quant_group_size=16, quant_residual_length=16),
+    dict(method="think", recent_size=8, quant_method="kivi", nbits=4, quant_group_size=4, quant_residual_length=4),
+    dict(method="snapkv", quant_method="kivi", nbits=2, quant_group_size=4, quant_residual_length=4),
+    dict(method="snapkv", residual=True, quant_method="kivi", nbits=4, quant_group_size=8, quant_residual_length=8),
+], ids=["kivi16", "think+kivi4", "kivi2-group4", "residual+kivi8"])
+def test_answer_many_restores_quantised_layers_that_sealed_blocks_during_an_answer(options):
+    """Issue 20: a question plus its answer (9 + 12 tokens) seals quantised blocks; the snapshots
+    once shared the list of blocks, so the next question failed (TypeError, size mismatches).
+    Each answer equals the question answered alone."""
+    model = tiny_model("llama")
+    context, questions = random_prompt(1, 120), [random_prompt(1, 9, seed=seed) for seed in (3, 4, 5)]
+    replace_for("llama")(max_capacity_prompts=40, window_size=4, **options)
+    settings = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    together = answer_many(model, context, questions, **settings)
+    for answer, question in zip(together, questions):
+        assert torch.equal(answer, generate_after_context(model, context, question, **settings))
