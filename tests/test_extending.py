@@ -128,3 +128,99 @@ def test_a_new_allocation_file_composes_with_every_scorer(front_loaded):
     assert kept == [32, 32, 16, 16]  # 16 candidates +- 8, plus the window of 8
     with pytest.raises(ConfigError, match=r"--front_share must lie in \[0, 1\]"):
         CompressionConfig(method="h2o", allocation=front_loaded, max_capacity_prompts=24, front_share=2.0)
+
+
+SEGMENT_FILE = '''
+"""Mean summary: the evicted tokens of each head kept as one entry, their mean key and value."""
+
+from dataclasses import dataclass
+
+import torch
+
+from restkv.options import Options, register
+from restkv.partial import Partial, merge, scaled_logits
+from restkv.selection import Reservation
+from restkv.storage import SegmentReport, tensor_bytes
+
+
+@register("switch")
+@dataclass(frozen=True)
+class MeanSummary(Options):
+    name = "mean_summary"
+    switch_help = "keep the evicted tokens of each head as one entry (their mean key and value)"
+
+    def reserve(self, ctx, scores, keep, previous=()):
+        evicts = keep < ctx.visible.sum(dim=-1)[:, None]
+        return Reservation(scores, torch.where(evicts, keep - 1, keep))  # the entry takes one slot
+
+    def summarise(self, ctx, columns, memo):
+        kept = torch.zeros(*ctx.key.shape[:3], dtype=torch.bool).scatter_(2, columns.clamp(min=0), columns >= 0)
+        evicted = (ctx.visible[:, None, :] & ~kept).float()[..., None]
+        count = evicted.sum(dim=2)  # [B, H_kv, 1]
+        mean = lambda x: (x * evicted).sum(dim=2) / count.clamp(min=1)
+        return [MeanEntry(mean(ctx.key), mean(ctx.value), count[..., 0].log())]
+
+
+class MeanEntry:
+    kind = "mean entry"
+    needs_peak = needs_count = False
+
+    def __init__(self, key, value, log_count):
+        self.key, self.value, self.log_count = key, value, log_count  # [B, H_kv, d], [B, H_kv]
+
+    def join(self, current, exact, probe):
+        lse = scaled_logits(probe, self.key[:, :, None])[..., 0] + self.log_count[..., None]
+        return merge([current, Partial(self.value[:, :, None].expand(*lse.shape, -1), lse)], statistics=False)
+
+    def counts(self):
+        return torch.isfinite(self.log_count).long()
+
+    budget_slots = counts
+
+    def report(self):
+        return SegmentReport(self.kind, None, float(self.counts().float().mean()), tensor_bytes(self.tensors()))
+
+    def tensors(self):
+        return [self.key, self.value, self.log_count]
+
+    def as_slots(self):
+        return self.key[:, :, None], self.value[:, :, None], self.log_count[..., None], None, None
+
+    def fork(self):
+        return self
+
+    def map_batch(self, fn):
+        return MeanEntry(fn(self.key), fn(self.value), fn(self.log_count))
+'''
+
+
+@pytest.fixture
+def mean_summary(tmp_path):
+    load_module(tmp_path, "mean_summary", SEGMENT_FILE)
+    yield "mean_summary"
+    unregister("switch", "mean_summary")
+    sys.modules.pop("mean_summary")
+
+
+def test_a_new_segment_file_is_a_switch_whose_segment_decode_reads(mean_summary):
+    """The part reserves one slot for its entry, builds it from what the layer evicts, and the
+    layer reads it in the same softmax as the exact tokens."""
+    from restkv.partial import Probe
+
+    model = tiny_model("llama")
+    replace_llama(method="snapkv", max_capacity_prompts=16, window_size=4, mean_summary=True)
+    generated = model.generate(random_prompt(1, 50), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    layer = output_cache(generated).layers[0]
+    entry = layer.summaries[0]
+    assert type(entry).__name__ == "MeanEntry" and layer.kept_counts.tolist() == [[15, 15]]
+    assert entry.log_count.exp().round().tolist() == [[50 - 15] * 2]
+    assert [report.kind for report in layer.reports()] == ["exact dense", "mean entry"]
+    query = torch.randn(1, 4, 1, 16)
+    ours = layer.read(Probe(query, 2, layer.tokens_seen, 0.25))
+    keys, values, _ = layer.kept_tokens(appended=True)
+    every_key = torch.cat([keys, entry.key[:, :, None]], dim=2).repeat_interleave(2, dim=1)
+    every_value = torch.cat([values, entry.value[:, :, None]], dim=2).repeat_interleave(2, dim=1)
+    logits = query @ every_key.transpose(-1, -2) * 0.25
+    logits[..., -1] += entry.log_count.repeat_interleave(2, dim=1)[..., None]
+    expected = torch.softmax(logits, dim=-1) @ every_value
+    torch.testing.assert_close(ours, expected.transpose(1, 2), rtol=1e-5, atol=1e-6)
