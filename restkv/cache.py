@@ -151,17 +151,18 @@ class CompressedLayer(CacheLayerMixin):
 
     def _settle(self) -> None:
         """After a step: a sliding-window layer forgets appended tokens no future query can see; a
-        layer that seals its appended tokens (a quantiser) stores every full block of them."""
+        layer that seals (a quantiser) keeps its newest ``seal_every`` tokens exact (KIVI's
+        residual window): once its tail holds twice that many, the oldest ``seal_every`` become
+        one stored block."""
         tail = self.tail
         if self.sliding_window is not None:
             if tail.appended > self.sliding_window - 1:
                 tail.drop_appended(oldest=tail.appended - (self.sliding_window - 1))
             return
-        while self.seal is not None and tail.appended >= self.seal_every:
-            keys, values, columns = (t[:, :, : self.seal_every].clone() for t in tail.appended_tokens())
+        while self.seal is not None and tail.used >= 2 * self.seal_every:
+            keys, values, columns = (t[:, :, : self.seal_every].clone() for t in tail.padded())
             self.kept.insert(len(self.kept) - 1, self.seal(keys, values, columns))
-            tail.drop_appended(oldest=self.seal_every)
-            self.sealed += self.seal_every
+            self.sealed += tail.drop_oldest(self.seal_every)
 
     def remember_queries(self, query: torch.Tensor, count: int) -> None:
         """Keep the newest ``count`` queries ``[B, H, q, d]`` (what a later compression scores with)."""

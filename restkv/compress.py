@@ -12,7 +12,7 @@ what they do, never by their name:
   (summaries that join the softmax, output corrections applied after it) from the kept columns;
 * a part with ``choose_channels`` (``KeyPruner``: ThinK's ``--think``) stores the kept keys with
   fewer channels; one with ``quantize_keys`` (``--quant_method``) stores them as codes; both keep
-  their ``exact_recent_tokens`` newest prompt tokens whole, in the segment that takes appended tokens.
+  each head's ``exact_recent_tokens`` newest kept tokens whole, in the segment that takes appended tokens.
 
 ``compress_kv`` is the notebook entry point: it builds the layer's plan itself and returns the
 layer's state as padded tensors with row-local positions, exactly what the model keeps.
@@ -75,10 +75,10 @@ class LayerState:
     kept: list
     summaries: list = field(default_factory=list)
     corrections: list = field(default_factory=list)
-    #: turns a block of appended tokens ``(keys, values, columns)`` into a stored segment (a
-    #: quantiser's codes), or None: appended tokens stay exact
+    #: turns a block of the tail's oldest tokens ``(keys, values, columns)`` into a stored
+    #: segment (a quantiser's codes), or None: the tail stays exact
     seal: Callable | None = field(default=None, repr=False)
-    #: appended tokens ``seal`` takes at once (once that many have accumulated)
+    #: the tokens ``seal`` takes at once, and the exact window the tail keeps beside them
     seal_every: int = 0
 
 
@@ -133,17 +133,21 @@ def _part(config: CompressionConfig, protocol: type):
 def store(config: CompressionConfig, ctx: ScoringContext, keys: torch.Tensor, values: torch.Tensor,
           columns: torch.Tensor) -> list:
     """The exact-token segments of the kept ``keys``/``values`` ``[B, H_kv, K, d]`` at ``columns``
-    (indices of ``ctx``'s keys): one exact segment, or with a key pruner or a quantiser the older
-    tokens stored their way and the newest ``exact_recent_tokens`` whole in the segment that
-    takes appended tokens. The segments hold the keys' padded-batch columns (``ctx.positions_of``)."""
+    (indices of ``ctx``'s keys, each head's in position order, unused slots last): one exact
+    segment, or with a key pruner or a quantiser each head's older tokens stored their way and its
+    newest ``exact_recent_tokens`` whole in the segment that takes appended tokens. The segments
+    hold the keys' padded-batch columns (``ctx.positions_of``)."""
     pruner, quantiser = _part(config, KeyPruner), _part(config, Quantiser)
     recent = max((part.exact_recent_tokens(config) for part in (pruner, quantiser) if part is not None), default=0)
-    first_recent = ctx.key.shape[2] - recent
     channels = None if pruner is None else pruner.choose_channels(ctx, keys, columns)
     if channels is None and quantiser is None:  # every token whole and exact
         return [exact_tokens(keys, values, ctx.positions_of(columns))]
-    older = (columns >= 0) & (columns < first_recent)
-    width = int(older.sum(dim=-1).max()) if older.numel() else 0
+    held = (columns >= 0).sum(dim=-1, keepdim=True)
+    first_recent = (held - recent).clamp(min=0)  # [B, H_kv, 1]: each head's first recent slot
+    older = torch.arange(columns.shape[-1], device=columns.device) < first_recent
+    width = int(first_recent.max()) if first_recent.numel() else 0
+    if width == 0:  # every kept token is recent: all whole and exact
+        return [_recent_tokens(ctx, keys, values, columns, first_recent, held, recent)]
     older_columns = torch.where(older, ctx.positions_of(columns), -1)[..., :width]
     older_keys = keys[:, :, :width].masked_fill(~older[..., :width, None], 0)
     older_values = values[:, :, :width].masked_fill(~older[..., :width, None], 0)
@@ -155,7 +159,7 @@ def store(config: CompressionConfig, ctx: ScoringContext, keys: torch.Tensor, va
         segment = exact_tokens(older_keys, older_values, older_columns, capacity=0)
     if channels is not None:
         segment = PrunedKeyTokens(segment, channels, keys.shape[-1])
-    return [segment, _recent_tokens(ctx, keys, values, columns, first_recent, recent)]
+    return [segment, _recent_tokens(ctx, keys, values, columns, first_recent, held, recent)]
 
 
 def co_locate(kept: list, summaries: list) -> tuple[list, list]:
@@ -184,18 +188,15 @@ def co_locate(kept: list, summaries: list) -> tuple[list, list]:
 
 
 def _recent_tokens(ctx: ScoringContext, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor,
-                   first_recent: int, recent: int) -> DenseTokens:
-    """The segment that holds the ``recent`` newest prompt tokens whole (every head keeps every real
-    one: they are protected) and takes the tokens appended later."""
-    batch, heads = columns.shape[:2]
-    slot = torch.where(columns >= first_recent, columns - first_recent, recent).long()  # others: a spare slot
-    recent_keys = keys.new_zeros(batch, heads, recent + 1, keys.shape[-1]).scatter_(
-        2, slot[..., None].expand(-1, -1, -1, keys.shape[-1]), keys)[:, :, :recent]
-    recent_values = values.new_zeros(batch, heads, recent + 1, values.shape[-1]).scatter_(
-        2, slot[..., None].expand(-1, -1, -1, values.shape[-1]), values)[:, :, :recent]
-    recent_columns = torch.full((batch, heads, recent + 1), -1, dtype=torch.int32, device=columns.device).scatter_(
-        2, slot, ctx.positions_of(columns))[:, :, :recent]
-    return DenseTokens(recent_keys, recent_values, recent_columns)
+                   first_recent: torch.Tensor, held: torch.Tensor, recent: int) -> DenseTokens:
+    """The segment that holds each head's ``recent`` newest kept tokens whole (slots
+    ``first_recent .. held``; a head that keeps fewer leaves holes) and takes the tokens appended later."""
+    slots = first_recent + torch.arange(recent, device=columns.device)  # [B, H_kv, recent]
+    real = slots < held
+    slots = slots.clamp(max=max(columns.shape[-1] - 1, 0))
+    take = lambda x: x.gather(2, slots[..., None].expand(-1, -1, -1, x.shape[-1])).masked_fill(~real[..., None], 0)
+    recent_columns = torch.where(real, ctx.positions_of(columns).gather(2, slots), -1)
+    return DenseTokens(take(keys), take(values), recent_columns)
 
 
 # ---------------------------------------------------------------- the notebook entry point

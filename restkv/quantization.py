@@ -39,9 +39,12 @@ reaches the group's maximum: a scale rounded down cost up to one whole step in b
 the stored scale.
 
 Where it is used: ``QuantizedTokens`` is the segment of a compressed layer (``restkv.cache``)
-that holds kept tokens this way, quantised once after eviction; tokens appended during
-decoding stay exact until ``--quant_residual_length`` of them have accumulated, then that block
-becomes a ``QuantizedTokens`` segment of its own. A read dequantises ``READ_BLOCK`` slots at
+that holds kept tokens this way, quantised once after eviction, except each head's newest
+``--quant_residual_length`` (R) kept tokens, which stay exact as KIVI's residual does. While
+decoding the layer keeps at least its newest R tokens exact: once 2R are, the oldest R become
+a ``QuantizedTokens`` segment of their own. KIVI keeps exactly R values and the last L mod R
+keys exact (values are quantised one token at a time); here keys and values share the window,
+so between R and 2R - 1 of each are exact, counted in ``cache_report``. A read dequantises ``READ_BLOCK`` slots at
 a time into a workspace every layer shares (``restkv.partial.workspace``), so no
 full-precision copy of a quantised layer persists between steps.
 """
@@ -357,8 +360,9 @@ class KIVI(Options):
         "token; at most the head dimension for values)", minimum=1,
     )
     quant_residual_length: int = option(
-        128, "--quant_method: tokens appended after compression stay exact until this many have accumulated, "
-        "then they are quantised as one block (a multiple of --quant_group_size)", minimum=1,
+        128, "--quant_method: KIVI's residual R: each head's newest R kept tokens stay exact, and while decoding "
+        "the newest R at least (once 2R are exact the oldest R are quantised as one block; a multiple of "
+        "--quant_group_size)", minimum=1,
     )
 
     #: the first prompt tokens kept exactly (KVQuant's attention sinks; none for KIVI)
@@ -382,8 +386,9 @@ class KIVI(Options):
                               "--decode_budget evict again from exact entries (not supported together)")
 
     def exact_recent_tokens(self, config) -> int:
-        """The newest prompt tokens that stay exact beside the codes (none: every kept token is quantised)."""
-        return 0
+        """Each head's newest kept tokens that stay exact beside the codes: KIVI's residual
+        (``--quant_residual_length``; KIVI keeps that many values, and the last L mod R keys)."""
+        return self.quant_residual_length
 
     def outliers(self, x: torch.Tensor, member: torch.Tensor, per_channel: bool) -> torch.Tensor | None:
         """bool ``[..., S, d]``: the ``member`` elements kept exactly in the side store (None: no side store)."""

@@ -203,6 +203,20 @@ class DenseTokens(ExactTokens):
         self.columns[:, :, self.kept_width + keep : self.used] = -1
         self.appended = keep
 
+    def drop_oldest(self, count: int) -> int:
+        """Forget the ``count`` oldest slots, kept ones first (a quantiser sealing the oldest block of
+        its exact window); the rest move up. Returns how many of them were appended tokens."""
+        self._own()
+        keep = self.used - count
+        for tensor in (self.keys, self.values, self.columns):
+            tensor[:, :, :keep] = tensor[:, :, count : self.used].clone()
+        self.columns[:, :, keep : self.used] = -1
+        from_kept = min(count, self.kept_width)
+        self.kept_width -= from_kept
+        self.appended -= count - from_kept
+        self.holes = bool((self.columns[:, :, :keep] < 0).any())
+        return count - from_kept
+
     # ------------------------------------------------------------ reading
     def attend(self, probe: Probe) -> Partial:
         """One kernel call over the used slots (a mask only for holes, several queries or a window)."""

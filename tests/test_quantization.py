@@ -198,14 +198,15 @@ def test_snapkv_4_bit_bytes_follow_the_formula(dtype):
                          quant_group_size=group, quant_residual_length=8)
     cache = greedy(model, random_prompt(1, length), new_tokens=new_tokens).past_key_values
     heads, dim, element = model.config.num_key_value_heads, model.config.head_dim, torch.finfo(dtype).bits // 8
-    expected = expected_layer_bytes(1, heads, budget, dim, element, 4, group, new_tokens - 1)
+    coded, exact = budget - 8, 8 + new_tokens - 1  # KIVI's residual: each head's newest 8 kept tokens stay exact
+    expected = expected_layer_bytes(1, heads, coded, dim, element, 4, group, exact)
     assert all(layer.nbytes() == expected for layer in cache.layers)
     assert cache_nbytes(cache) == model.config.num_hidden_layers * expected
-    # The kept entries: B x (4 / 16 or 4 / 32) of their full-precision bytes, plus scales and columns.
-    full = 2 * heads * budget * dim * element
-    overhead = expected - heads * (new_tokens - 1) * (2 * dim * element + 4) - full * 4 / (8 * element)
-    assert overhead == heads * (2 * budget // group * dim + 2 * budget * math.ceil(dim / group)) * element \
-        + heads * budget * 4
+    # The coded entries: B x (4 / 16 or 4 / 32) of their full-precision bytes, plus scales and columns.
+    full = 2 * heads * coded * dim * element
+    overhead = expected - heads * exact * (2 * dim * element + 4) - full * 4 / (8 * element)
+    assert overhead == heads * (2 * coded // group * dim + 2 * coded * math.ceil(dim / group)) * element \
+        + heads * coded * 4
     assert all(isinstance(layer.kept[0], QuantizedTokens) for layer in cache.layers)
 
 
@@ -215,12 +216,14 @@ def test_decode_tokens_are_quantised_in_blocks_of_the_residual_length():
                          quant_group_size=4, quant_residual_length=8)
     cache = greedy(model, random_prompt(1, 60), new_tokens=20).past_key_values
     layer = cache.layers[0]
-    # 19 appended tokens: two sealed blocks of 8, then 3 exact ones
-    assert layer.tail_length == 19 and layer.tail.appended == 3
+    # KIVI's residual of 8: the prompt's newest 8 kept tokens stay exact beside 24 coded ones; the
+    # window keeps at least 8 exact, so each time 16 are, the oldest 8 are sealed: the 8 recent
+    # prompt tokens, then the first 8 of the 19 appended, leaving 11 exact
+    assert layer.tail_length == 19 and layer.tail.appended == 11 and layer.tail.kept_width == 0
     assert [type(segment) for segment in layer.kept] == [QuantizedTokens] * 3 + [type(layer.tail)]
     heads, dim = model.config.num_key_value_heads, model.config.head_dim
     block = expected_layer_bytes(1, heads, 8, dim, 4, 4, 4, 0)
-    assert layer.nbytes() == expected_layer_bytes(1, heads, 32, dim, 4, 4, 4, 3) + 2 * block
+    assert layer.nbytes() == expected_layer_bytes(1, heads, 24, dim, 4, 4, 4, 11) + 2 * block
     report = cache_report(cache)
     assert report[0].nbytes == layer.nbytes() and report[0].storage == "kivi 4-bit"
     assert "kivi 4-bit" in format_report(report)
@@ -309,12 +312,12 @@ def test_compress_kv_returns_what_the_quantised_cache_holds():
                                                     quant_residual_length=8))
     assert torch.equal(exact.indices, quantized.indices)
     assert not torch.equal(exact.keys, quantized.keys)
-    codes = quantized.state.kept[0]
-    assert isinstance(codes, QuantizedTokens) and codes.keys.nbits == 2
-    held = (quantized.indices >= 0)[..., None]
-    torch.testing.assert_close(quantized.keys, codes.keys.dequantize().masked_fill(~held, 0))
-    step = codes.keys.scale.repeat_interleave(8, dim=-2)[:, :, : exact.keys.shape[2]]
-    assert bool(((quantized.keys - exact.keys).abs() <= step / 2 + 1e-6).all())
+    codes, recent = quantized.state.kept  # the 16 older tokens coded, the newest 8 exact (KIVI's residual)
+    assert isinstance(codes, QuantizedTokens) and codes.keys.nbits == 2 and codes.columns.shape[-1] == 16
+    torch.testing.assert_close(quantized.keys[:, :, :16], codes.keys.dequantize())
+    assert torch.equal(quantized.keys[:, :, 16:], exact.keys[:, :, 16:])
+    step = codes.keys.scale.repeat_interleave(8, dim=-2)
+    assert bool(((quantized.keys[:, :, :16] - exact.keys[:, :, :16]).abs() <= step / 2 + 1e-6).all())
 
 
 def test_layers_compressed_after_the_whole_prefill_are_stored_quantised_and_pruned():
@@ -333,3 +336,40 @@ def test_layers_compressed_after_the_whole_prefill_are_stored_quantised_and_prun
     replace_for("llama")(**base, think=True, recent_size=0, pruning_ratio=0.5)
     pruned = greedy(model, ids, new_tokens=3).past_key_values
     assert all(layer.storage == "keys 8/16 channels" for layer in pruned.layers)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "adakv"])
+def test_kivi_keeps_each_heads_newest_residual_tokens_exact(method):
+    """Issue 19 item 5: KIVI keeps its residual R in full precision; every kept token was once
+    quantised, the observation window included. Each head's newest R kept tokens (heads differ
+    under AdaKV) are the exact keys and values; the older ones are coded."""
+    query, key, value = random_qkv(length=80)
+    options = dict(method=method, max_capacity_prompts=24, window_size=4)
+    exact = compress_kv(query, key, value, options)
+    quantized = compress_kv(query, key, value, dict(options, quant_method="kivi", nbits=2, quant_group_size=4,
+                                                    quant_residual_length=8))
+    assert torch.equal(exact.indices, quantized.indices)
+    held = (exact.indices >= 0).sum(dim=-1)
+    for head in range(key.shape[1]):
+        newest = slice(int(held[0, head]) - 8, int(held[0, head]))
+        assert torch.equal(quantized.keys[0, head, newest], exact.keys[0, head, newest])
+        assert torch.equal(quantized.values[0, head, newest], exact.values[0, head, newest])
+        assert not torch.equal(quantized.keys[0, head, : newest.start], exact.keys[0, head, : newest.start])
+
+
+def test_kivi_decoding_keeps_at_least_its_residual_exact():
+    """While decoding the newest R = 4 tokens stay exact at every step (between R and 2R - 1 of
+    them: blocks of R are sealed), and the layer reads them as the model wrote them."""
+    model = tiny_model("llama", "eager")
+    replace_for("llama")(method="snapkv", max_capacity_prompts=24, window_size=4, quant_method="kivi", nbits=2,
+                         quant_group_size=4, quant_residual_length=4)
+    exact_window = []
+
+    def record(module, args, kwargs, output):
+        layer = kwargs["cache"].layers[module.layer_idx]
+        exact_window.append(int(layer.tail.held_counts().min()))
+
+    handle = model.model.layers[1].self_attn.register_forward_hook(record, with_kwargs=True)
+    greedy(model, random_prompt(1, 60), new_tokens=15)
+    handle.remove()
+    assert exact_window == [4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6]

@@ -130,7 +130,8 @@ def test_composes_with_quantisation_and_the_residual_cache():
     batched = assert_rows_match_single_row_runs(model, [70, 52], new_tokens=12)
     layer = batched.past_key_values.layers[0]
     assert layer.storage == "kivi 8-bit, keys 10/16 channels" and bool(layer.summary_counts.any())
-    assert layer.sealed  # appended tokens sealed into quantised blocks
+    # the exact window (KIVI's residual of 8) sealed its oldest 8, the prompt's recent tokens, into a block
+    assert len(layer.kept) == 3 and type(layer.kept[1]).__name__ == "QuantizedTokens" and layer.tail.appended == 11
 
 
 def test_config_names_the_flags():
