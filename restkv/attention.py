@@ -37,6 +37,7 @@ from restkv.compat import CACHE_ARGUMENT, output_cache, with_cache
 from restkv.compress import compress_layer
 from restkv.config import CompressionConfig
 from restkv.context import LayerPlan, ScoringContext, plan_layer, valid_from_mask
+from restkv.context_span import context_span
 from restkv.deferred import PendingLayer, defer_layer, finish_prefill, observe_chunk, pending_of, trailing_queries
 from restkv.recompress import recompress
 
@@ -278,14 +279,17 @@ def _plan_to_compress(module, config, cache, layer, query, attention_mask, param
         return None
     if not module.is_causal:
         raise ValueError("restkv compresses causal attention only; this model uses bidirectional attention")
+    if params.sliding_window is not None and config.run.observation == "reconstruction":
+        return None  # as KVzip's reference: only global layers are scored and pruned; a sliding layer keeps its window
     # A chunked prompt's first chunk may be all padding for a shorter row (its chunks end where the row's own do).
     in_chunks = getattr(cache, "_restkv_in_chunks", False)
     valid = key_validity(attention_mask, query.shape[0], query.shape[2], query.device, in_chunks)
-    budgets = None
+    budgets, span = None, context_span(cache) if config.run.observation == "reconstruction" else None
     if in_chunks:  # a sliding-window layer keeps its window whole (the config checked the prompt's budget reaches it)
         seen = valid.sum(dim=-1).tolist()
         budgets = seen if params.sliding_window is not None else [_chunk_budget(config, int(count)) for count in seen]
-    plan = plan_layer(config, valid, module.layer_idx, module.config.num_hidden_layers, params.sliding_window, budgets)
+    plan = plan_layer(config, valid, module.layer_idx, module.config.num_hidden_layers, params.sliding_window, budgets,
+                      span)
     # A layer compressed again later (chunked prefill, decode budget) is held compressed from the start.
     owned = config.rescores and params.sliding_window is None and config.policy.compresses_layer(module.layer_idx)
     if not plan.compress and not owned:

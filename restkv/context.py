@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from restkv.observation import WindowObservation
+from restkv.options import ConfigError
 from restkv.rope import unrotate
 from restkv.scoring import pool_scores, reduce_groups
 
@@ -70,13 +71,15 @@ class LayerPlan:
 
 
 def plan_layer(config: Any, valid: torch.Tensor, layer_idx: int = 0, num_layers: int = 1,
-               sliding_window: int | None = None, budgets: list[int] | None = None) -> LayerPlan:
+               sliding_window: int | None = None, budgets: list[int] | None = None,
+               context_span: tuple[int, int] | None = None) -> LayerPlan:
     """The prefill plan of layer ``layer_idx`` for a left-padded prompt with real tokens ``valid``.
 
     ``config`` is a ``restkv.config.CompressionConfig``; ``budgets`` overrides its budget of
-    each row (a layer compressed again keeps the budget of all the tokens it has seen). Raises
-    ``ConfigError`` when a row that must be compressed cannot keep more than its protected
-    tokens (a ratio budget on a short row).
+    each row (a layer compressed again keeps the budget of all the tokens it has seen);
+    ``context_span``: the row-local ``(start, stop)`` of the context, every token outside it
+    protected too (``restkv.context_span``). Raises ``ConfigError`` when a row that must be
+    compressed cannot keep more than its protected tokens (a ratio budget on a short row).
     """
     if not 0 <= layer_idx < num_layers:
         raise ValueError(f"layer_idx {layer_idx} must lie in 0..{num_layers - 1} (num_layers {num_layers})")
@@ -100,8 +103,23 @@ def plan_layer(config: Any, valid: torch.Tensor, layer_idx: int = 0, num_layers:
                 policy.check_row(config, count, budget, protected)
     start = torch.tensor([length - c for c in protected_counts], device=valid.device)
     protected = (torch.arange(length, device=valid.device)[None, :] >= start[:, None]) & visible
+    if context_span is not None:
+        protected = protected | _around(valid, visible, context_span)
+        if compress:
+            for count, budget, around in zip(counts, budgets, protected.sum(dim=-1).tolist()):
+                if count > budget and around >= budget:
+                    raise ConfigError(
+                        f"the {around} protected tokens (the template around context_span {tuple(context_span)} "
+                        f"and the window) fill the budget of {budget}: raise the budget")
     return LayerPlan(valid, visible, torch.tensor(budgets, device=valid.device), protected, compress,
                      layer_idx, num_layers, window, config.run.seed, sliding_window)
+
+
+def _around(valid: torch.Tensor, visible: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+    """``[B, N]`` bool: the visible tokens outside each row's context ``span`` (row-local)."""
+    length = valid.shape[-1]
+    local = torch.arange(length, device=valid.device)[None, :] - (length - valid.sum(dim=-1))[:, None]
+    return visible & ((local < span[0]) | (local >= span[1]))
 
 
 def valid_from_mask(attention_mask: torch.Tensor | None, batch: int, length: int, device,

@@ -39,6 +39,7 @@ from restkv.cache import CompressedLayer
 from restkv.compat import with_cache
 from restkv.compress import compress_layer
 from restkv.context import LayerPlan, ScoringContext
+from restkv.context_span import context_span
 from restkv.observation import ReconstructionObservation, ReconstructionStats
 from restkv.reconstruction_prompt import reconstruction_prefix
 from restkv.scoring import window_attention
@@ -63,9 +64,10 @@ class PendingLayer:
 
     @property
     def reconstructed(self) -> bool:
-        """Whether this layer is scored by the reconstruction queries (sliding-window layers keep
-        their window observation: a query after the context no longer sees its older tokens)."""
-        return self.config.run.observation == "reconstruction" and self.plan.sliding_window is None
+        """Whether this layer is scored by the reconstruction queries (every pending layer under
+        ``--observation reconstruction``: sliding-window layers are not compressed then, as in
+        KVzip's reference, a query after the context no longer seeing their older tokens)."""
+        return self.config.run.observation == "reconstruction"
 
 
 @dataclass
@@ -138,7 +140,8 @@ def _reconstruct(model_forward: Callable, model, cache, pending: PendingPrefill)
     # A left-padded row repeats its real tokens only, at the positions that follow them, and
     # no reconstruction query sees its padding.
     padding = int((~valid[0]).sum())
-    repeat = torch.cat([prefix[None], context[:, padding:]], dim=-1)
+    start, stop = context_span(cache) or (0, context.shape[1] - padding)  # the context alone, not its template
+    repeat = torch.cat([prefix[None], context[:, padding + start : padding + stop]], dim=-1)
     chunk = config.run.reconstruction_chunk
     first = prefix.shape[0] + min(chunk, context.shape[1])  # the instruction joins the first chunk
     bounds = [0, first] + list(range(first + chunk, repeat.shape[1], chunk)) + [repeat.shape[1]]

@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from restkv.compat import with_cache
+from restkv.context_span import set_context_span
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -43,17 +44,21 @@ def _check_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, par
 
 
 @torch.no_grad()
-def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DynamicCache:
-    """Run a (left-padded) prompt through the model once; returns its (compressed) cache."""
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+            context_span: tuple[int, int] | None = None) -> DynamicCache:
+    """Run a (left-padded) prompt through the model once; returns its (compressed) cache.
+    ``context_span``: where the context lies in each row (``restkv.context_span``)."""
     _check_ids(input_ids, attention_mask, "the prompt")
-    return _prefill(model, input_ids, attention_mask)[0]
+    return _prefill(model, input_ids, attention_mask, context_span)[0]
 
 
-def _prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[DynamicCache, torch.Tensor]:
+def _prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+             context_span: tuple[int, int] | None = None) -> tuple[DynamicCache, torch.Tensor]:
     """``prefill`` of checked ids, also returning the logits of the last position ``[B, 1, vocab]``."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     cache = DynamicCache(config=model.config)
+    set_context_span(cache, context_span)
     logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -73,18 +78,20 @@ def generate_after_context(
     context_mask: torch.Tensor | None = None,
     question_mask: torch.Tensor | None = None,
     return_cache: bool = False,
+    context_span: tuple[int, int] | None = None,
     **generate_kwargs,
 ) -> torch.Tensor | tuple[torch.Tensor, DynamicCache]:
     """Query-agnostic generation: compress ``context_ids`` alone, then answer ``question_ids``.
 
     Both parts may be left-padded (rows of different lengths); the returned ids are the
     generated tokens only, ``[B, new]``. ``return_cache=True`` also returns the cache, so a
-    caller can check what it holds (``restkv.cache.cache_report``).
+    caller can check what it holds (``restkv.cache.cache_report``). ``context_span``: where the
+    context lies in ``context_ids`` (``restkv.context_span``).
     """
     _check_ids(context_ids, context_mask, "the context")
     _check_ids(question_ids, question_mask, "the question", rows=context_ids.shape[0])
     context_mask = torch.ones_like(context_ids) if context_mask is None else context_mask
-    cache = _prefill(model, context_ids, context_mask)[0]
+    cache = _prefill(model, context_ids, context_mask, context_span)[0]
     new_tokens = _answer(model, cache, context_ids, context_mask, question_ids, question_mask, generate_kwargs)
     return (new_tokens, cache) if return_cache else new_tokens
 
@@ -96,6 +103,7 @@ def answer_many(
     questions: list[torch.Tensor],
     context_mask: torch.Tensor | None = None,
     question_masks: list[torch.Tensor | None] | None = None,
+    context_span: tuple[int, int] | None = None,
     **generate_kwargs,
 ) -> list[torch.Tensor]:
     """One compressed context, many questions: the context is prefilled and compressed once, and
@@ -113,7 +121,7 @@ def answer_many(
     for index, (question, mask) in enumerate(zip(questions, masks)):
         _check_ids(question, mask, f"question {index}", rows=context_ids.shape[0])
     context_mask = torch.ones_like(context_ids) if context_mask is None else context_mask
-    cache = _prefill(model, context_ids, context_mask)[0]
+    cache = _prefill(model, context_ids, context_mask, context_span)[0]
     compressed = [copy.copy(layer) for layer in cache.layers]
     answers = []
     for question, mask in zip(questions, masks):
@@ -134,7 +142,7 @@ def _answer(model, cache, context_ids, context_mask, question_ids, question_mask
 
 @torch.no_grad()
 def answer_nll(model, prompt_ids: torch.Tensor, answer_ids: torch.Tensor,
-               question_ids: torch.Tensor | None = None) -> torch.Tensor:
+               question_ids: torch.Tensor | None = None, context_span: tuple[int, int] | None = None) -> torch.Tensor:
     """Teacher-forced negative log-likelihood of ``answer_ids`` under the compressed cache.
 
     A continuous quality measure for comparing methods where exact-match scores are too coarse
@@ -148,7 +156,7 @@ def answer_nll(model, prompt_ids: torch.Tensor, answer_ids: torch.Tensor,
         raise ValueError("answer_nll scores one row at a time")
     if answer_ids.shape[-1] == 0:
         raise ValueError("answer_nll needs at least one answer token")
-    cache, first = _prefill(model, prompt_ids, None)
+    cache, first = _prefill(model, prompt_ids, None, context_span)
     question = question_ids if question_ids is not None else prompt_ids[:, :0]
     rest = torch.cat([question, answer_ids[:, :-1]], dim=-1)
     logits = first

@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None, model=None, tokenizer=None) -> list[dict
                 gold = tokenizer(" " + " ".join(sample.fields["outputs"]), add_special_tokens=False).input_ids
                 prompt = torch.tensor([encoded.context_ids])
                 question = torch.tensor([encoded.question_ids]) if encoded.question_ids else None
-                nll = answer_nll(model, prompt, torch.tensor([gold]), question_ids=question)
+                nll = answer_nll(model, prompt, torch.tensor([gold]), question_ids=question,
+                                 context_span=encoded.context_span)
                 done[key] = dict(method=spec, budget=budget, setting=setting, task=task, id=sample.id,
                                  nll=float(nll.mean()), answer_tokens=len(gold))
                 handle.write(json.dumps(done[key]) + "\n")

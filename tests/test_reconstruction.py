@@ -10,7 +10,7 @@ import torch
 from tokenizers.processors import TemplateProcessing
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.cache import kept_positions
+from restkv.cache import CompressedLayer, kept_positions
 from restkv.compress import compress_layer
 from restkv.storage import joined_view
 from restkv.context import ScoringContext, plan_layer
@@ -270,3 +270,53 @@ def test_a_left_padded_row_keeps_what_it_keeps_unpadded(options):
     replace_for("llama")(max_capacity_prompts=20, window_size=4, reconstruction_chunk=32, **options)
     alone, with_padding = kept_positions(prefill(model, context)), kept_positions(prefill(model, padded, mask))
     assert [layer.exact for layer in with_padding] == [layer.exact for layer in alone]
+
+
+@pytest.mark.parametrize("options", [dict(method="kvzip"), dict(method="snapkv", observation="reconstruction")],
+                         ids=["kvzip", "reconstruction"])
+def test_reconstruction_scores_and_prunes_only_the_global_layers_of_a_sliding_window_model(options):
+    """Issue 19 bug 2: sliding layers were scored by their window, global ones by reconstruction,
+    and both entered one model-wide ranking (the global layer kept 7-8 tokens per head, the
+    sliding ones 31-34). As KVzip's reference does, sliding layers keep their window as the
+    model does and the global layers alone share the budget."""
+    model = tiny_model("gemma3", sliding_window=32)
+    replace_for("gemma3")(max_capacity_prompts=12, window_size=4, reconstruction_chunk=32, **options)
+    cache = prefill(model, random_prompt(1, 70))
+    assert [isinstance(layer, CompressedLayer) for layer in cache.layers] == [False, True, False]
+    assert [layer.keys.shape[2] for layer in (cache.layers[0], cache.layers[2])] == [31, 31]
+    assert int(cache.layers[1].kept_counts.sum()) == 2 * 12
+
+
+def test_a_context_span_keeps_the_template_around_it_and_only_the_context_is_repeated():
+    """Issue 19 items 6 and 8: KVzip's reference keeps the system prompt and template opening
+    whatever their score (1265 of 1800 template (layer, head) pairs were evicted on SmolLM2) and
+    repeats the context alone; a query-aware prompt's question after the context is kept too."""
+    model = tiny_model("llama")
+    prompt = random_prompt(1, 90)
+    repeated = []
+
+    def count_repeated(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.shape[1] < 90:  # a reconstruction chunk, after the 90-token prefill
+            repeated.append(hidden.shape[1])
+
+    hook = model.model.layers[0].register_forward_pre_hook(count_repeated, with_kwargs=True)
+    replace_for("llama")(method="kvzip", max_capacity_prompts=30, reconstruction_chunk=32)
+    cache = prefill(model, prompt, context_span=(10, 80))
+    hook.remove()
+    assert sum(repeated) == 70  # the span alone (no instruction set: the prefix is empty)
+    for layer in kept_positions(cache):
+        for head in layer.exact[0]:
+            assert set(range(10)) | set(range(80, 90)) <= set(head)
+    with pytest.raises(ConfigError, match=r"the 40 protected tokens \(the template around context_span \(20, 70\)"):
+        prefill(model, prompt, context_span=(20, 70))
+    with pytest.raises(ValueError, match=r"context_span \(5, 5\) must be \(start, stop\)"):
+        prefill(model, prompt, context_span=(5, 5))
+
+
+def test_a_context_span_changes_nothing_under_window_observation():
+    model = tiny_model("llama")
+    prompt = random_prompt(1, 90)
+    replace_for("llama")(method="snapkv", max_capacity_prompts=30, window_size=4)
+    plain, spanned = kept_positions(prefill(model, prompt)), kept_positions(prefill(model, prompt, context_span=(10, 80)))
+    assert [layer.exact for layer in plain] == [layer.exact for layer in spanned]

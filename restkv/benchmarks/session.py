@@ -56,6 +56,7 @@ from restkv.benchmarks.results import results_dir
 from restkv.benchmarks.run_folder import DatasetInput, RunFolder, run_settings
 from restkv.compat import CACHE_ARGUMENT, with_cache
 from restkv.config import CompressionConfig, ConfigError
+from restkv.context_span import set_context_span
 from restkv.reconstruction_prompt import set_reconstruction_prompt
 
 # --------------------------------------------------------------------------- generation
@@ -96,10 +97,11 @@ def generate(model, tokenizer, encoded: EncodedPrompt, max_new_tokens: int,
     if encoded.question_ids:
         question = torch.tensor([encoded.question_ids], device=model.device)
         new_ids, cache = generate_after_context(
-            model, context, question, generation_config=settings, return_cache=True
+            model, context, question, generation_config=settings, return_cache=True, context_span=encoded.context_span
         )
     else:
         cache = DynamicCache(config=model.config)
+        set_context_span(cache, encoded.context_span)
         output = model.generate(
             input_ids=context, attention_mask=torch.ones_like(context), generation_config=settings, **with_cache(cache)
         )
@@ -121,7 +123,7 @@ def generate_many(model, tokenizer, prompts: Sequence[EncodedPrompt], max_new_to
     ends = _AnswerEnds()
     hook = model.register_forward_pre_hook(ends.see_cache, with_kwargs=True)
     try:
-        new_ids = answer_many(model, context, questions, streamer=ends,
+        new_ids = answer_many(model, context, questions, streamer=ends, context_span=prompts[0].context_span,
                               generation_config=_greedy(tokenizer, max_new_tokens, stop_ids, min_new_tokens))
     finally:
         hook.remove()

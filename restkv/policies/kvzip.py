@@ -24,6 +24,10 @@ Where this differs from the paper and from kvpress' ``KVzipPress``:
   the paper's own code stores a head-variable cache too;
 * the paper's score also covers the system prompt and template tokens; here they are part
   of the context like any other token.
+
+On a model with sliding-window layers (Gemma 2/3, sliding Mistral) only the global layers are
+scored and pruned, as the reference does: a sliding layer keeps its window, as the model does,
+and the global layers alone share the model-wide budget.
 """
 
 from __future__ import annotations

@@ -1,0 +1,32 @@
+"""Where the context lies in a prompt, for reconstruction (KVzip).
+
+KVzip's reference keeps the chat template's opening (system prompt, user header) whatever its
+score and repeats only the context when it reconstructs it; in a query-aware prompt the
+question and the template's closing after the context are what the answer reads first, so
+they are kept too. A caller that knows where the context lies says so on the cache the prompt
+is prefilled into (``set_context_span``; the generation helpers take ``context_span=``, the
+runners pass what the prompt's builder knows, ``EncodedPrompt.context_span``). Under
+``--observation reconstruction`` every token outside the span is then protected (kept
+whatever its score, within the budget) and the repetition is the span alone; without a span
+the whole prompt is the context.
+"""
+
+from __future__ import annotations
+
+SPAN_ATTRIBUTE = "_restkv_context_span"
+
+
+def set_context_span(cache, span: tuple[int, int] | None) -> None:
+    """Say that the prompt ``cache`` will be prefilled with holds its context at row-local
+    positions ``start:stop`` (every row alike: reconstruction compresses one row at a time)."""
+    if span is None:
+        return
+    start, stop = (int(bound) for bound in span)
+    if not 0 <= start < stop:
+        raise ValueError(f"context_span {tuple(span)} must be (start, stop) with 0 <= start < stop")
+    setattr(cache, SPAN_ATTRIBUTE, (start, stop))
+
+
+def context_span(cache) -> tuple[int, int] | None:
+    """The span ``set_context_span`` gave ``cache``, or None."""
+    return getattr(cache, SPAN_ATTRIBUTE, None)
