@@ -34,7 +34,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from restkv.cache import CompressedLayer, native_layer
 from restkv.compat import CACHE_ARGUMENT, output_cache, with_cache
-from restkv.compress import compress_layer
+from restkv.compress import compress_layer, prunes_keys
 from restkv.config import CompressionConfig
 from restkv.context import LayerPlan, ScoringContext, plan_layer, valid_from_mask
 from restkv.context_span import context_span
@@ -290,8 +290,10 @@ def _plan_to_compress(module, config, cache, layer, query, attention_mask, param
         budgets = seen if params.sliding_window is not None else [_chunk_budget(config, int(count)) for count in seen]
     plan = plan_layer(config, valid, module.layer_idx, module.config.num_hidden_layers, params.sliding_window, budgets,
                       span)
-    # A layer compressed again later (chunked prefill, decode budget) is held compressed from the start.
-    owned = config.rescores and params.sliding_window is None and config.policy.compresses_layer(module.layer_idx)
+    # A layer compressed again later (chunked prefill, decode budget) is held compressed from the start; ThinK
+    # prunes the key channels of a layer that evicts nothing too, as its release does.
+    owned = config.policy.compresses_layer(module.layer_idx) and (
+        (config.rescores and params.sliding_window is None) or prunes_keys(config))
     if not plan.compress and not owned:
         return None
     if not isinstance(layer, COMPRESSIBLE_LAYERS) or getattr(cache, "offloading", False):

@@ -12,8 +12,8 @@ and picks each query head's channels from that head's queries alone, storing one
 per query head; here one channel set per KV head is stored once (the group's energies
 averaged; on SmolLM2 at budget 128 and ratio 0.4, 21% of the pruned channels differ). That variant needs key
 storage per query head (or a ragged union of channels per KV head with per-query-head query
-masks at decode), which the cache does not have. The release also prunes layers whose prompt
-fits the budget; here only layers that evict are compressed, so those keep the native cache.
+masks at decode), which the cache does not have. As in the release, a layer whose prompt fits
+the budget evicts nothing but is still pruned.
 
 Storage: a ``PrunedKeyTokens`` segment of the compressed layer holds the pruned keys with only
 the kept channels (``[B, H_kv, S, d - pruned]``) and their indices per head; a read selects the

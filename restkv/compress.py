@@ -96,8 +96,8 @@ def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch
         counts = plan.visible_counts[:, None].expand(-1, ctx.num_kv_heads)
         columns = select_columns(rank_keys(torch.zeros(ctx.key.shape[:3], device=ctx.key.device), plan.visible,
                                            plan.protected), counts)
-        return LayerState([exact_tokens(gather_columns(ctx.key, columns), gather_columns(ctx.value, columns),
-                                        columns)])
+        return LayerState(store(config, ctx, gather_columns(ctx.key, columns), gather_columns(ctx.value, columns),
+                                columns), **_sealing(config))
     policy = config.policy
     if scores is None:
         scores = policy.score(ctx)
@@ -113,12 +113,24 @@ def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch
     if config.merger is not None:
         keys, values = config.merger.merge(ctx, columns, keys, values)
     made = [segment for part, memo in memos for segment in part.summarise(ctx, columns, memo)]
-    quantiser = _part(config, Quantiser)
     kept, summaries = co_locate(store(config, ctx, keys, values, columns),
                                 [segment for segment in made if hasattr(segment, "join")])
     return LayerState(kept, summaries, [segment for segment in made if hasattr(segment, "correct")],
-                      None if quantiser is None else partial(QuantizedTokens, quantizer=quantiser),
-                      0 if quantiser is None else quantiser.quant_residual_length)
+                      **_sealing(config))
+
+
+def _sealing(config: CompressionConfig) -> dict:
+    """``LayerState``'s ``seal`` and ``seal_every``: a quantiser's blocks, or none."""
+    quantiser = _part(config, Quantiser)
+    if quantiser is None:
+        return {}
+    return dict(seal=partial(QuantizedTokens, quantizer=quantiser), seal_every=quantiser.quant_residual_length)
+
+
+def prunes_keys(config: CompressionConfig) -> bool:
+    """Whether a part of ``config`` stores keys with fewer channels (ThinK): every layer it
+    compresses is then stored by it, also one whose prompt fits the budget."""
+    return _part(config, KeyPruner) is not None
 
 
 def summarisers(config: CompressionConfig) -> list[Summariser]:

@@ -149,3 +149,16 @@ def test_config_names_the_flags():
     assert (config.pruning_ratio, config.recent_size, config.think) == (0.4, 32, True)
     assert config.describe() == "--method think"
     assert CompressionConfig(method="h2o", think=True, max_capacity_prompts=64).describe() == "--method h2o --think"
+
+
+def test_a_layer_whose_prompt_fits_the_budget_is_pruned_too():
+    """Issue 19 item 9: ThinK's release prunes key channels whether or not the layer evicts; a
+    40-token prompt under a budget of 64 keeps every token, its older keys with half the channels."""
+    model = tiny_model("llama")
+    replace_for("llama")(method="snapkv", think=True, pruning_ratio=0.5, recent_size=4, max_capacity_prompts=64,
+                         window_size=4)
+    cache = prefill(model, random_prompt(1, 40))
+    for layer in cache.layers:
+        assert isinstance(layer, CompressedLayer) and layer.kept_counts.tolist() == [[40, 40]]
+        assert isinstance(layer.kept[0], PrunedKeyTokens) and layer.storage == "keys 8/16 channels"
+        assert layer.tail.kept_counts().tolist() == [[4, 4]]  # the recent tokens whole
