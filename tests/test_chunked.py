@@ -20,7 +20,7 @@ from tiny_models import (
 )
 
 CHUNKABLE = ["snapkv", "restkv", "h2o", "tova", "l2norm", "streamingllm", "adakv", "pyramidkv", "random", "keydiff", "lagkv",
-             "cur", "finch"]
+             "cur", "finch", "momentkv"]
 
 
 def config_is_uniform(method):
@@ -55,12 +55,14 @@ def test_no_layer_ever_holds_more_than_budget_plus_chunk(method):
 
     def record(module, args, kwargs, output):
         layer = kwargs["cache"].layers[module.layer_idx]
-        held.append(int((layer.kept_columns >= 0).sum()) + 2 * layer.tail_length)  # both KV heads
+        # both KV heads, summary slots (MomentKV's entry and covariance) included
+        held.append(int((layer.kept_columns >= 0).sum() + layer.summary_slots.sum()) + 2 * layer.tail_length)
 
     handle = model.model.layers[1].self_attn.register_forward_hook(record, with_kwargs=True)
     cache = prefill(model, random_prompt(1, 100))
     handle.remove()
-    final = int((cache.layers[1].kept_columns >= 0).sum())  # the layer's budget over its KV heads
+    last = cache.layers[1]
+    final = int((last.kept_columns >= 0).sum() + last.summary_slots.sum())  # the layer's budget over its KV heads
     assert len(held) == 7 and max(held) <= final + 2 * 16  # 100 tokens in chunks of 16
     assert all(layer.tokens_seen == 100 for layer in cache.layers)
     if config_is_uniform(method):

@@ -165,8 +165,8 @@ def test_moment_informed_eviction_multiplies_the_scores_by_the_residual_against_
     ctx = ScoringContext.of(query, key, value, plan_layer(config, torch.ones(1, 40, dtype=torch.bool)))
     base = config.policy.score(ctx)
     moments = config.switch("moments")
-    rescored, keep, summarised = moments.reserve(ctx, base, torch.full((1, 2), 20))
-    assert keep.tolist() == [[20 - SLOTS] * 2] and bool(summarised.all())
+    rescored, keep, (summarised, previous) = moments.reserve(ctx, base, torch.full((1, 2), 20))
+    assert keep.tolist() == [[20 - SLOTS] * 2] and bool(summarised.all()) and previous is None
     tentative = config.replace(moments_no_mi=True, max_capacity_prompts=20)
     evicted = evicted_mask(compress_layer(tentative, ctx), 40)
     for head in range(2):
@@ -287,7 +287,7 @@ def test_runs_repeat_bit_for_bit_and_moments_apply_to_other_scorers():
         (dict(method="cam", moments=True), "merges them"),
         (dict(method="snapkv", moments=True, merge="pivot"), "--merge pivot"),
         (dict(method="streamingllm", moments=True), "--moments_no_mi"),
-        (dict(method="momentkv", decode_budget=64), "--decode_budget"),
+        (dict(method="momentkv", decode_budget=64, allocation="adakv"), "--decode_budget 64 .*--allocation adakv"),
         (dict(method="momentkv", moments=False), "--no-moments"),
         (dict(method="momentkv", moments_subspace="pca"), "--moments_subspace"),
     ],
@@ -295,3 +295,36 @@ def test_runs_repeat_bit_for_bit_and_moments_apply_to_other_scorers():
 def test_bad_settings_name_the_flag(options, fragment):
     with pytest.raises(ConfigError, match=fragment):
         CompressionConfig(max_capacity_prompts=40, window_size=8, **options)
+
+
+@pytest.mark.parametrize("covariance", [False, True])
+def test_chunked_prefill_merges_the_statistics_of_every_evicted_token(covariance):
+    """Issue 18: moments compose with chunked prefill and decode budgets. Layer 0's keys and values
+    do not depend on what earlier layers kept, so its entry after chunks of 32 (and 12 decode steps
+    under a budget) must hold the count, means and cross-covariance of every token it evicted."""
+    model = tiny_model("llama")
+    prompt = random_prompt(1, 150)
+    with torch.no_grad():
+        full = model(prompt, use_cache=True).past_key_values.layers[0]
+    replace_for("llama")(method="momentkv", max_capacity_prompts=40, window_size=4, prefill_chunk_size=32,
+                         moments_covariance=covariance)
+    layer = prefill(model, prompt).layers[0]
+    entry = layer.summaries[0]
+    kept = layer.kept_tokens()[2][0]  # [H_kv, K] positions
+    for head in range(kept.shape[0]):
+        evicted = torch.ones(150, dtype=torch.bool)
+        evicted[kept[head][kept[head] >= 0].long()] = False
+        keys, values = full.keys[0, head, evicted].float(), full.values[0, head, evicted].float()
+        assert round(float(entry.log_count[0, head].exp())) == int(evicted.sum()) == 150 - int((kept[head] >= 0).sum())
+        torch.testing.assert_close(entry.key_mean[0, head].float(), keys.mean(dim=0), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(entry.value_mean[0, head].float(), values.mean(dim=0), rtol=1e-4, atol=1e-5)
+        if covariance:
+            expected = (values - values.mean(0)).T @ (keys - keys.mean(0)) / keys.shape[0]
+            torch.testing.assert_close(entry.covariance[0, head].float(), expected, rtol=1e-4, atol=1e-5)
+    assert int((layer.kept_counts + layer.summary_slots).max()) <= 40
+    replace_for("llama")(method="momentkv", max_capacity_prompts=40, window_size=4, decode_budget=40,
+                         decode_interval=4)
+    out = greedy(model, prompt, new_tokens=12)
+    decoded = output_cache(out).layers[0]
+    assert decoded.tokens_seen == 161 and int((decoded.held_counts + decoded.summary_slots).max()) <= 40 + 4
+    assert round(float(decoded.summaries[0].log_count.exp().max())) > 150 - 40  # later evictions merged in

@@ -98,9 +98,10 @@ class Moments(Options):
         if policy.ranks_by_position and not self.moments_no_mi:
             raise ConfigError(f"--method {policy.name} keeps tokens by position; moment-informed eviction rescales "
                               "scores, so use it with --moments_no_mi")
-        if config.rescores:
-            raise ConfigError("--moments builds its statistics once at prefill; --prefill_chunk_size and "
-                              "--decode_budget would need them merged online (not supported)")
+        if config.rescores and config.allocator.head_adaptive:
+            raise ConfigError(f"--moments with {' and '.join(config.rescoring_flags())} merges each head's statistics "
+                              f"as tokens come; --allocation {config.run.allocation} gives heads their own budgets "
+                              "(not supported together: use a uniform or layer-wise allocation)")
 
     def slots(self, head_dim: int) -> int:
         """Token slots the statistics of one KV head cost: the entry, and ``C`` in ``2 d``-number slots."""
@@ -109,13 +110,18 @@ class Moments(Options):
     def reserve(self, ctx: ScoringContext, scores: torch.Tensor, keep: torch.Tensor, previous=()) -> Reservation:
         """The statistics take their slots (``keep`` less their cost on the heads that keep them:
         those that evict and whose budget holds the statistics besides the protected tokens; the
-        others evict as the base method does), and moment-informed eviction rescores."""
+        others evict as the base method does), and moment-informed eviction rescores. A head that
+        already holds an entry (``previous``: a layer compressed again, whose budget its slots
+        already lowered) keeps it, and what it evicts now is merged in (``summarise``)."""
+        old = next((segment for segment in previous if isinstance(segment, MomentEntry)), None)
+        held = torch.zeros_like(keep, dtype=torch.bool) if old is None else old.counts().to(keep.device) > 0
         cost = 0 if self.moments_free_stats else self.slots(ctx.key.shape[-1])
         protected = ctx.protected.sum(dim=-1)[:, None]
-        evicts = (keep < ctx.visible.sum(dim=-1)[:, None]) & (keep - cost >= protected)
-        keep = torch.where(evicts, keep - cost, keep)
+        evicts = (keep < ctx.visible.sum(dim=-1)[:, None]) & (held | (keep - cost >= protected))
+        keep = torch.where(evicts & ~held, keep - cost, keep)
+        memo = (evicts | held, old)
         if self.moments_no_mi or not bool(evicts.any()):
-            return Reservation(scores, keep, evicts)
+            return Reservation(scores, keep, memo)
         tentative = _evicted(ctx, select_columns(rank_keys(scores, ctx.visible, ctx.protected, ctx.layer_idx), keep))
         vectors = (ctx.key if self.moments_vector == "key" else ctx.value).float()
         residual = _residual_norms(vectors, tentative, self.moments_subspace, self.moments_rank)
@@ -123,15 +129,22 @@ class Moments(Options):
         finite = candidates & torch.isfinite(scores)
         floor = scores.float().masked_fill(~finite, float("inf")).amin(dim=-1, keepdim=True).clamp(max=0)
         rescored = torch.where(candidates, (scores.float() - floor) * residual, scores.float())
-        return Reservation(rescored, keep, evicts)
+        return Reservation(rescored, keep, memo)
 
-    def summarise(self, ctx: ScoringContext, columns: torch.Tensor, summarised: torch.Tensor) -> list:
+    def summarise(self, ctx: ScoringContext, columns: torch.Tensor, memo) -> list:
         """The evicted set's ``MomentEntry`` on the heads that keep statistics (none if none of them
-        evicted anything)."""
-        evicted = _evicted(ctx, columns) & summarised[..., None]
+        evicted anything), merged with the entry they held before (``merged_with``)."""
+        summarised, old = memo
+        fresh = self._entry(ctx, _evicted(ctx, columns) & summarised[..., None])
+        if old is None or fresh is None:
+            return [entry for entry in (fresh, old) if entry is not None]
+        return [fresh.merged_with(old)]
+
+    def _entry(self, ctx: ScoringContext, evicted: torch.Tensor) -> "MomentEntry | None":
+        """The ``MomentEntry`` of the ``evicted`` ``[B, H_kv, N]`` tokens, or None if there are none."""
         counts = evicted.sum(dim=-1)  # [B, H_kv]
         if not bool(counts.any()):
-            return []
+            return None
         weights = evicted.float()[..., None]
         total = counts.clamp(min=1).float()[..., None]
         keys, values = ctx.key.float(), ctx.value.float()
@@ -147,9 +160,9 @@ class Moments(Options):
         log_count = torch.where(counts > 0, counts.float().log(), float("-inf"))
         oldest = ctx.positions_of(torch.where(counts > 0, first, -1)[..., None])[..., 0]
         cost = 0 if self.moments_free_stats else self.slots(ctx.key.shape[-1])
-        return [MomentEntry(key_mean.to(ctx.key.dtype), value_mean.to(ctx.value.dtype), log_count,
-                            None if covariance is None else covariance.to(ctx.value.dtype), oldest,
-                            self.moments_outside_softmax, cost)]
+        return MomentEntry(key_mean.to(ctx.key.dtype), value_mean.to(ctx.value.dtype), log_count,
+                           None if covariance is None else covariance.to(ctx.value.dtype), oldest,
+                           self.moments_outside_softmax, cost)
 
 
 class MomentEntry:
@@ -199,6 +212,31 @@ class MomentEntry:
             members = torch.where(torch.isfinite(lse), self.log_count.exp()[..., None], 0.0)
             return mix_separately(current, side, members / (members + exact.count))
         return merge([current, side], statistics=False)
+
+    def merged_with(self, old: "MomentEntry") -> "MomentEntry":
+        """The statistics of this entry's tokens and ``old``'s together (counts add, means weigh
+        by them, the cross-covariance gains the means' difference: Chan et al.'s pairwise update),
+        on every head that holds either."""
+        n_new, n_old = (torch.where(torch.isfinite(e.log_count), e.log_count.exp(), 0.0)[..., None]
+                        for e in (self, old))
+        total = (n_new + n_old).clamp(min=1)
+
+        def mean(new: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+            return ((new.float() * n_new + previous.float() * n_old) / total).to(new.dtype)
+
+        covariance = None
+        if self.covariance is not None:
+            key_gap, value_gap = self.key_mean.float() - old.key_mean.float(), self.value_mean.float() - old.value_mean.float()
+            spread = (n_new * n_old / total)[..., None] * value_gap[..., :, None] * key_gap[..., None, :]
+            covariance = ((self.covariance.float() * n_new[..., None] + old.covariance.float() * n_old[..., None]
+                           + spread) / total[..., None]).to(self.covariance.dtype)
+        counts = (n_new + n_old)[..., 0]
+        log_count = torch.where(counts > 0, counts.clamp(min=1).log(), float("-inf"))
+        oldest = None
+        if self.oldest is not None and old.oldest is not None:
+            oldest = torch.where(old.oldest >= 0, old.oldest, self.oldest)
+        return MomentEntry(mean(self.key_mean, old.key_mean), mean(self.value_mean, old.value_mean), log_count,
+                           covariance, oldest, self.outside_softmax, self.slot_cost)
 
     def as_slots(self):
         """The entry as one last slot of ``restkv.compress.CompressedKV``: ``(keys, values [B, H_kv, 1, d],
