@@ -189,7 +189,6 @@ def _chunked_prefill(original: Callable, decoder, chunk: int, kwargs: dict):
     outputs, cache._restkv_in_chunks = [], True
     try:
         for start, stop in chunk_bounds(tokens.shape[1], chunk):
-            cache._restkv_chunking = start > 0
             piece = {name: tokens[:, start:stop], **with_cache(cache)}
             if mask is not None:
                 piece["attention_mask"] = mask[:, :stop]
@@ -197,7 +196,7 @@ def _chunked_prefill(original: Callable, decoder, chunk: int, kwargs: dict):
                 piece["position_ids"] = positions[:, start:stop]
             outputs.append(original(decoder, **kwargs, **piece))
     finally:
-        cache._restkv_chunking = cache._restkv_in_chunks = False
+        cache._restkv_in_chunks = False
     if module_config(decoder.layers[0].self_attn).run.decode_budget is None:
         for layer in cache.layers:  # the window that scored the chunks: only a decode budget reads it again
             if isinstance(layer, CompressedLayer):
@@ -237,7 +236,7 @@ def _compress_again(module, config, cache, layer: CompressedLayer, query, params
     (``restkv.recompress``) with the newest queries."""
     window = config.run.window_size
     layer.remember_queries(query, window)  # the newest window's queries, across chunk boundaries
-    if getattr(cache, "_restkv_chunking", False):
+    if getattr(cache, "_restkv_in_chunks", False):  # a prompt's later chunk (its first was the prefill)
         seen = [layer.tokens_seen - int(padding) for padding in layer.prompt_padding.tolist()]
         budgets = [_chunk_budget(config, count) for count in seen]
         queries = layer.recent_queries

@@ -77,20 +77,23 @@ def load_module(tmp_path, name: str, source: str):
     return module
 
 
+def installed(tmp_path, kind: str, name: str, source: str):
+    """Load ``source`` as module ``name`` (it registers a ``kind`` part), yield its name, then
+    unregister it: a fixture's body."""
+    load_module(tmp_path, name, source)
+    yield name
+    unregister(kind, name)
+    sys.modules.pop(name)
+
+
 @pytest.fixture
 def keynorm_method(tmp_path):
-    load_module(tmp_path, "keynorm_power", METHOD_FILE)
-    yield "keynorm_power"
-    unregister("method", "keynorm_power")
-    sys.modules.pop("keynorm_power")
+    yield from installed(tmp_path, "method", "keynorm_power", METHOD_FILE)
 
 
 @pytest.fixture
 def front_loaded(tmp_path):
-    load_module(tmp_path, "front_loaded", ALLOCATION_FILE)
-    yield "front_loaded"
-    unregister("allocation", "front_loaded")
-    sys.modules.pop("front_loaded")
+    yield from installed(tmp_path, "allocation", "front_loaded", ALLOCATION_FILE)
 
 
 def test_a_new_method_file_is_a_method_everywhere(keynorm_method):
@@ -196,10 +199,7 @@ class MeanEntry:
 
 @pytest.fixture
 def mean_summary(tmp_path):
-    load_module(tmp_path, "mean_summary", SEGMENT_FILE)
-    yield "mean_summary"
-    unregister("switch", "mean_summary")
-    sys.modules.pop("mean_summary")
+    yield from installed(tmp_path, "switch", "mean_summary", SEGMENT_FILE)
 
 
 def test_a_new_segment_file_is_a_switch_whose_segment_decode_reads(mean_summary):
