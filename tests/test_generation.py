@@ -144,9 +144,10 @@ def test_bad_questions_are_refused_before_the_context_is_prefilled(call, message
 @pytest.mark.parametrize("options", [
     dict(method="snapkv", quant_method="kivi", nbits=4, quant_group_size=16, quant_residual_length=16),
     dict(method="think", recent_size=8, quant_method="kivi", nbits=4, quant_group_size=4, quant_residual_length=4),
+    dict(method="think", recent_size=8, quant_method="kivi", nbits=4, quant_group_size=8, quant_residual_length=8),
     dict(method="snapkv", quant_method="kivi", nbits=2, quant_group_size=4, quant_residual_length=4),
     dict(method="snapkv", residual=True, quant_method="kivi", nbits=4, quant_group_size=8, quant_residual_length=8),
-], ids=["kivi16", "think+kivi4", "kivi2-group4", "residual+kivi8"])
+], ids=["kivi16", "think+kivi4", "think+kivi8", "kivi2-group4", "residual+kivi8"])
 def test_answer_many_restores_quantised_layers_that_sealed_blocks_during_an_answer(options):
     """Issue 20: a question plus its answer (9 + 12 tokens) seals quantised blocks; the snapshots
     once shared the list of blocks, so the next question failed (TypeError, size mismatches).

@@ -40,6 +40,8 @@ def test_budget_labels():
         (["--tasks", "nosuch"], "unknown RULER task 'nosuch'"),
         (["--length", "100"], "--length 100 leaves no room for niah_single_1's 128 generated tokens"),
         (["--attn_implementation", "fast"], "invalid choice: 'fast'"),
+        (["--methods", "snapkv", "laprox+observation=reconstruction"],
+         "--method laprox scores with each window query's own attention row"),  # issue 20: once after 138 s of runs
     ],
 )
 def test_every_configuration_is_checked_before_the_first_runs(flags, message, tmp_path, capsys, no_model_loading):
