@@ -44,11 +44,24 @@ class ObservedLayer(Protocol):
     softcap: float | None
 
 
+@dataclass(frozen=True)
+class _Observed:
+    """The fields of an ``ObservedLayer`` an observation keeps: not the layer's context itself,
+    which holds the observation (a reference cycle would keep every layer's queries, keys and
+    attention alive until the garbage collector runs, well past the layer's compression)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    plan: Any
+    scaling: float
+    softcap: float | None
+
+
 class WindowObservation:
     """The last ``window_size`` prompt queries of a layer (see the module docstring)."""
 
     def __init__(self, ctx: ObservedLayer) -> None:
-        self.ctx = ctx
+        self.ctx = _Observed(ctx.query, ctx.key, ctx.plan, ctx.scaling, ctx.softcap)
         self._attention: dict[int, torch.Tensor] = {}
 
     def attention(self, num_queries: int | None = None) -> torch.Tensor:

@@ -142,3 +142,22 @@ def test_kept_positions_count_residual_entries_apart():
         for head, positions in enumerate(kept.exact[0]):
             assert len(positions) + kept.summaries[0][head] == 24
             assert kept.summaries[0][head] == 6
+
+
+@pytest.mark.parametrize("method", ["snapkv", "restkv", "adakv", "kvzip"])
+def test_a_compressed_prefill_leaves_no_layer_context_alive(method):
+    """A layer's queries, keys and window attention are freed once it is compressed: the scoring
+    context and its observation once referred to each other, so every layer's stayed in memory
+    until the garbage collector ran (single-pass SnapKV then peaked above the full cache)."""
+    import gc
+
+    model = tiny_model("llama")
+    replace_for("llama")(method=method, max_capacity_prompts=20, window_size=4)
+    gc.collect()
+    gc.disable()
+    try:
+        cache = prefill(model, random_prompt(1, 90))
+        alive = [obj for obj in gc.get_objects() if type(obj).__name__ in ("ScoringContext", "WindowObservation")]
+    finally:
+        gc.enable()
+    assert isinstance(cache.layers[0], CompressedLayer) and alive == []
