@@ -143,7 +143,7 @@ def _reconstruct(model_forward: Callable, model, cache, pending: PendingPrefill)
     start, stop = context_span(cache) or (0, context.shape[1] - padding)  # the context alone, not its template
     repeat = torch.cat([prefix[None], context[:, padding + start : padding + stop]], dim=-1)
     chunk = config.run.reconstruction_chunk
-    first = prefix.shape[0] + min(chunk, context.shape[1])  # the instruction joins the first chunk
+    first = prefix.shape[0] + min(chunk, stop - start)  # the instruction joins the first chunk
     bounds = [0, first] + list(range(first + chunk, repeat.shape[1], chunk)) + [repeat.shape[1]]
     bounds = sorted(set(bounds))
     for layer in pending.layers.values():

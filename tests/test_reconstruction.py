@@ -301,10 +301,12 @@ def test_a_context_span_keeps_the_template_around_it_and_only_the_context_is_rep
             repeated.append(hidden.shape[1])
 
     hook = model.model.layers[0].register_forward_pre_hook(count_repeated, with_kwargs=True)
-    replace_for("llama")(method="kvzip", max_capacity_prompts=30, reconstruction_chunk=32)
+    model.model._restkv_reconstruction_prefix = torch.tensor([5, 6, 7])  # as set_reconstruction_prompt sets it
+    replace_for("llama")(method="kvzip", max_capacity_prompts=30, reconstruction_chunk=128)
     cache = prefill(model, prompt, context_span=(10, 80))
     hook.remove()
-    assert sum(repeated) == 70  # the span alone (no instruction set: the prefix is empty)
+    del model.model._restkv_reconstruction_prefix
+    assert repeated == [3 + 70]  # the instruction and the span alone, in one chunk
     for layer in kept_positions(cache):
         for head in layer.exact[0]:
             assert set(range(10)) | set(range(80, 90)) <= set(head)
