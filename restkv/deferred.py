@@ -135,13 +135,15 @@ def _reconstruct(model_forward: Callable, model, cache, pending: PendingPrefill)
     context = pending.context_ids
     if context is None or context.shape[0] != 1:
         raise ValueError("--observation reconstruction compresses one prompt at a time (batch size 1, input_ids)")
-    config, valid = next((layer.config, layer.plan.valid) for layer in pending.layers.values() if layer.reconstructed)
+    config, plan = next((layer.config, layer.plan) for layer in pending.layers.values() if layer.reconstructed)
     prefix = reconstruction_prefix(model).to(context.device)
     # A left-padded row repeats its real tokens only, at the positions that follow them, and
     # no reconstruction query sees its padding.
-    padding = int((~valid[0]).sum())
+    padding = int(plan.padding[0])
     start, stop = context_span(cache) or (0, context.shape[1] - padding)  # the context alone, not its template
     repeat = torch.cat([prefix[None], context[:, padding + start : padding + stop]], dim=-1)
+    real = context.shape[1] - padding
+    seen_mask = torch.cat([plan.valid.long(), torch.ones_like(repeat)], dim=-1)
     chunk = config.run.reconstruction_chunk
     first = prefix.shape[0] + min(chunk, stop - start)  # the instruction joins the first chunk
     bounds = [0, first] + list(range(first + chunk, repeat.shape[1], chunk)) + [repeat.shape[1]]
@@ -155,8 +157,6 @@ def _reconstruct(model_forward: Callable, model, cache, pending: PendingPrefill)
             sample_at = torch.linspace(0, repeat.shape[1] - 1, steps=min(samples, repeat.shape[1])).round().long()
             layer.stats = ReconstructionStats(repeat.shape[1], top, sample_at.unique())
     saved = [copy.copy(layer) for layer in cache.layers]
-    real = context.shape[1] - padding
-    seen_mask = torch.cat([valid.long(), torch.ones_like(repeat)], dim=-1)
     pending.observing = True
     try:
         with torch.no_grad():
