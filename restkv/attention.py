@@ -111,7 +111,7 @@ def restkv_attention_forward(
         output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
         waiting = pending.layers.get(self.layer_idx)
         if waiting is not None and waiting.reconstructed:
-            observe_chunk(waiting, query, key)
+            observe_chunk(waiting, pending.repeating, query, key)
     elif (plan := _plan_to_compress(self, config, cache, layer, query, attention_mask, params)) is not None:
         if config.compresses_after_prefill:  # the layer waits for the whole prefill (restkv.deferred)
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)

@@ -12,19 +12,25 @@ For such a run, each compressing layer's prefill stores its full K/V in the cach
 and leaves a ``PendingLayer`` (its plan, the trailing prompt queries its window observation
 and residual proxy read, its output projection). When the decoder model's forward returns
 (``finish_prefill``, called by the patched model forward), the reconstruction pass runs if
-asked: the reconstruction prompt (an instruction in the model's chat format, then the
-context itself) is fed in chunks of ``--reconstruction_chunk`` tokens, each chunk attending
-to the full uncompressed cache and the repeated text before it; every layer folds its
-chunk queries' attention to the context into ``ReconstructionStats``. Then the cache is put
-back exactly as the prefill left it (nothing of the reconstruction stays), every pending
-layer is scored, the allocation runs (across the model if it is model-wide), and each layer
-is replaced by its compressed form.
+asked, as KVzip's reference runs it: the context is cut into chunks of
+``--reconstruction_chunk`` tokens, and each chunk is fed after its instruction
+(``restkv.reconstruction_prompt``), at the positions right after the context. Its queries
+attend to the whole uncompressed context and to the chunk's own repetition (the model's
+attention, unchanged); a chunk's scores are its queries' softmax over the context's sinks (the
+template before the context span, or the method's ``--n_sink`` first tokens), the context
+chunk it repeats and its own repetition, restricted to the context chunk, and every layer folds
+them into ``ReconstructionStats``. The repetition's K/V is dropped after each chunk. Then the
+cache is as the prefill left it, every pending layer is scored, the allocation runs (across
+the model if it is model-wide), and each layer is replaced by its compressed form.
 
-Memory: the peak is the uncompressed prefill's cache, plus during reconstruction the
-repeated text's K/V (up to the context length again) and one layer's attention of
-``RECONSTRUCTION_QUERY_BLOCK`` queries over context + repetition (float32).
-Cost: one extra forward over the context per chunk (``ceil(L / reconstruction_chunk)``).
-Reconstruction runs one row at a time (batch 1; a left-padded row repeats its real tokens).
+Memory: the peak is the uncompressed prefill's cache, plus during reconstruction one chunk's
+repetition K/V (instruction + ``--reconstruction_chunk`` tokens) and one float32 block of at
+most ``RECONSTRUCTION_BLOCK_ELEMENTS`` attention weights (queries x heads x scored keys; the
+model's own attention of the chunk over the context comes on top, as in any forward).
+Cost: one extra forward per chunk, each over its chunk against context + chunk keys, so the
+whole pass costs one forward over the context with ``(L + chunk) / L`` times the keys; the
+scores read ``sinks + 2 x chunk`` keys per query. Reconstruction runs one row at a time
+(batch 1; a left-padded row repeats its real tokens).
 """
 
 from __future__ import annotations
@@ -41,11 +47,11 @@ from restkv.compress import compress_layer
 from restkv.context import LayerPlan, ScoringContext
 from restkv.context_span import context_span
 from restkv.observation import ReconstructionObservation, ReconstructionStats
-from restkv.reconstruction_prompt import reconstruction_prefix
-from restkv.scoring import window_attention
+from restkv.reconstruction_prompt import reconstruction_prompt
 
-#: reconstruction queries per block when their attention is folded into the statistics
-RECONSTRUCTION_QUERY_BLOCK = 256
+#: float32 attention weights (query heads x queries x scored keys) of one block of a reconstruction
+#: chunk's scores: 16 MiB
+RECONSTRUCTION_BLOCK_ELEMENTS = 1 << 22
 
 
 @dataclass
@@ -70,13 +76,28 @@ class PendingLayer:
         return self.config.run.observation == "reconstruction"
 
 
+@dataclass(frozen=True)
+class RepeatedChunk:
+    """The context chunk a reconstruction forward repeats: the cache columns its scores' softmax
+    covers besides the repetition itself."""
+
+    sinks: torch.Tensor  # cache columns of the sinks before the chunk, always in the softmax
+    start: int  # the chunk's cache columns [start, stop)
+    stop: int
+
+
 @dataclass
 class PendingPrefill:
     """The layers of one prefill waiting for compression (attached to the cache)."""
 
     context_ids: torch.Tensor | None = None
     layers: dict[int, PendingLayer] = field(default_factory=dict)
-    observing: bool = False
+    repeating: RepeatedChunk | None = None
+
+    @property
+    def observing(self) -> bool:
+        """Whether a reconstruction chunk is running (its forward must leave the pending layers alone)."""
+        return self.repeating is not None
 
 
 def pending_of(cache) -> PendingPrefill | None:
@@ -100,21 +121,40 @@ def trailing_queries(config, query: torch.Tensor) -> torch.Tensor:
     return query[:, :, max(query.shape[2] - count, 0) :]
 
 
-def observe_chunk(pending_layer: PendingLayer, query: torch.Tensor, key: torch.Tensor) -> None:
-    """Fold a reconstruction chunk's queries ``[1, H, c, d]`` into the layer's statistics; ``key``
-    ``[1, H_kv, T, d]`` holds the context, the repetition so far and the chunk (the cache's keys)."""
-    stats = pending_layer.stats
-    length = pending_layer.plan.valid.shape[-1]
-    chunk = query.shape[2]
-    total = key.shape[2]
-    valid = torch.ones(1, total, dtype=torch.bool, device=key.device)
-    valid[:, :length] = pending_layer.plan.valid  # a left-padded context's padding is never seen
-    for start in range(0, chunk, RECONSTRUCTION_QUERY_BLOCK):
-        stop = min(start + RECONSTRUCTION_QUERY_BLOCK, chunk)
-        end = total - chunk + stop  # keys the block's newest query sees
-        weights = window_attention(query[:, :, start:stop], key[:, :, :end], valid[:, :end], stop - start,
-                                   pending_layer.scaling, pending_layer.softcap)
-        stats.add(weights[..., :length], query[:, :, start:stop], pending_layer.plan.valid)
+def observe_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torch.Tensor, key: torch.Tensor) -> None:
+    """Fold a reconstruction chunk's queries ``[1, H, q, d]`` into the layer's statistics; ``key``
+    ``[1, H_kv, T, d]`` holds the context and, last, the chunk's ``q`` repeated tokens (the cache's
+    keys). Each block of queries reads the sinks, the context chunk and the repetition up to
+    itself (causal), in blocks of at most ``RECONSTRUCTION_BLOCK_ELEMENTS`` weights."""
+    repeated = query.shape[2]
+    columns = torch.cat([chunk.sinks, torch.arange(chunk.start, chunk.stop)]).to(key.device)
+    scored = torch.cat([key.index_select(2, columns), key[:, :, key.shape[2] - repeated :]], dim=2)
+    sinks, context = chunk.sinks.numel(), columns.numel()
+    block = max(1, RECONSTRUCTION_BLOCK_ELEMENTS // (query.shape[1] * scored.shape[2]))
+    for start in range(0, repeated, block):
+        stop = min(start + block, repeated)
+        weights = chunk_attention(query[:, :, start:stop], scored[:, :, : context + stop], start,
+                                  pending_layer.scaling, pending_layer.softcap)
+        pending_layer.stats.add(weights[..., sinks:context], chunk.start, query[:, :, start:stop])
+
+
+def chunk_attention(query: torch.Tensor, key: torch.Tensor, first: int, scaling: float,
+                    softcap: float | None) -> torch.Tensor:
+    """``[1, H, q, K]`` float32 softmax of the repeated queries ``first .. first + q - 1`` of a chunk
+    over ``key`` ``[1, H_kv, K, d]``: the scored context columns, then the repetition up to the
+    newest query (each query sees the repetition up to itself: only that corner is masked)."""
+    _, heads, rows, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    q = query.float().reshape(kv_heads, groups * rows, dim)
+    k = key[0].float().transpose(-1, -2)
+    logits = torch.baddbmm(q.new_empty(()), q, k, beta=0.0, alpha=scaling).view(1, heads, rows, length)
+    if softcap is not None:
+        logits = logits.div_(softcap).tanh_().mul_(softcap)
+    corner = logits[..., length - rows :]  # the block's own repeated keys: causal among themselves
+    future = torch.ones(rows, rows, dtype=torch.bool, device=key.device).triu_(1)
+    corner.masked_fill_(future, torch.finfo(logits.dtype).min)
+    return torch.softmax(logits, dim=-1)
 
 
 def finish_prefill(model_forward: Callable, model, cache) -> None:
@@ -136,37 +176,50 @@ def _reconstruct(model_forward: Callable, model, cache, pending: PendingPrefill)
     if context is None or context.shape[0] != 1:
         raise ValueError("--observation reconstruction compresses one prompt at a time (batch size 1, input_ids)")
     config, plan = next((layer.config, layer.plan) for layer in pending.layers.values() if layer.reconstructed)
-    prefix = reconstruction_prefix(model).to(context.device)
     # A left-padded row repeats its real tokens only, at the positions that follow them, and
     # no reconstruction query sees its padding.
     padding = int(plan.padding[0])
-    start, stop = context_span(cache) or (0, context.shape[1] - padding)  # the context alone, not its template
-    repeat = torch.cat([prefix[None], context[:, padding + start : padding + stop]], dim=-1)
     real = context.shape[1] - padding
-    seen_mask = torch.cat([plan.valid.long(), torch.ones_like(repeat)], dim=-1)
-    chunk = config.run.reconstruction_chunk
-    first = prefix.shape[0] + min(chunk, stop - start)  # the instruction joins the first chunk
-    bounds = [0, first] + list(range(first + chunk, repeat.shape[1], chunk)) + [repeat.shape[1]]
-    bounds = sorted(set(bounds))
+    start, stop = context_span(cache) or (0, real)  # the context alone, not its template
+    sink_end = max(start, getattr(config.policy, "n_sink", 0))
+    size = config.run.reconstruction_chunk
+    pieces = [(first, min(first + size, stop)) for first in range(start, stop, size)]
+    prompt = reconstruction_prompt(model)
+    tokens = context[0, padding:]
+    inputs = [torch.cat([prompt.before(tokens[pieces[i - 1][0] : pieces[i - 1][1]] if i else None).to(context.device),
+                         tokens[first:last]]) for i, (first, last) in enumerate(pieces)]
+    expected = sum(ids.shape[0] for ids in inputs)
     for layer in pending.layers.values():
         if layer.reconstructed:
-            plan = layer.plan
-            top = [max(int(b) - int(p), 0) for b, p in zip(plan.budgets.tolist(), plan.protected.sum(-1).tolist())]
-            residual = layer.config.switch("residual")
-            samples = residual.residual_obs_queries if residual is not None else 0
-            sample_at = torch.linspace(0, repeat.shape[1] - 1, steps=min(samples, repeat.shape[1])).round().long()
-            layer.stats = ReconstructionStats(repeat.shape[1], top, sample_at.unique())
+            layer.stats = _stats_for(layer, expected)
     saved = [copy.copy(layer) for layer in cache.layers]
-    pending.observing = True
     try:
         with torch.no_grad():
-            for start, stop in zip(bounds[:-1], bounds[1:]):
-                positions = torch.arange(real + start, real + stop, device=context.device)[None]
-                model_forward(model, input_ids=repeat[:, start:stop], position_ids=positions, use_cache=True,
-                              attention_mask=seen_mask[:, : context.shape[1] + stop], **with_cache(cache))
+            for (first, last), ids in zip(pieces, inputs):
+                pending.repeating = RepeatedChunk(torch.arange(padding, padding + min(sink_end, first)),
+                                                  padding + first, padding + last)
+                positions = torch.arange(real, real + ids.shape[0], device=context.device)[None]
+                seen = torch.cat([plan.valid.long(), torch.ones(1, ids.shape[0], dtype=torch.long,
+                                                                device=context.device)], dim=-1)
+                model_forward(model, input_ids=ids[None], position_ids=positions, use_cache=True,
+                              attention_mask=seen, **with_cache(cache))
+                cache.layers[:] = [copy.copy(layer) for layer in saved]  # the repetition's K/V is dropped
     finally:
-        pending.observing = False
+        pending.repeating = None
         cache.layers[:] = saved
+
+
+def _stats_for(layer: PendingLayer, expected: int) -> ReconstructionStats:
+    """Empty statistics for ``expected`` reconstruction queries; ReST-KV's drift statistic is
+    gathered only for a policy whose pooling reads it, the validation sample only with ResKV."""
+    plan = layer.plan
+    top = [0] * len(plan.budgets)
+    if layer.config.policy.reads_attention_drift:
+        top = [max(int(b) - int(p), 0) for b, p in zip(plan.budgets.tolist(), plan.protected.sum(-1).tolist())]
+    residual = layer.config.switch("residual")
+    samples = residual.residual_obs_queries if residual is not None else 0
+    sample_at = torch.linspace(0, expected - 1, steps=min(samples, expected)).round().long()
+    return ReconstructionStats(expected, plan.valid.shape[-1], top, sample_at.unique())
 
 
 def _compress_pending(cache, pending: PendingPrefill) -> None:

@@ -164,48 +164,59 @@ def _top_position_totals(weights: torch.Tensor, top: int) -> torch.Tensor:
 
 @dataclass
 class ReconstructionStats:
-    """Attention of the reconstruction queries to a layer's context keys, accumulated by chunk.
+    """Attention of the reconstruction queries to a layer's ``length`` context columns, folded
+    in block by block; each block's weights cover the context chunk its queries repeat.
 
-    total, maximum: ``[B, H, N]`` float32 sum and maximum over the queries seen so far.
-    last: ``[B, H, N]`` the newest query's row. count: queries seen. shift: per row, the
-    ``(early, late)`` position sums of ReST-KV's drift statistic (first and second half of all
-    ``expected`` queries). sample: per row, queries kept for the ResKV validation proxy (the
-    ones at ``sample_at``), ``[H, n, d]``.
+    total, maximum: ``[B, H, N]`` float32 sum and maximum over the queries that read each
+    column; reads: ``[N]`` how many did. last: ``[B, H, N]`` the newest query's row (zero outside
+    the chunk it read). count: queries seen. shift: per row, the ``(early, late)`` position sums of
+    ReST-KV's drift statistic (first and second half of all ``expected`` queries; gathered only
+    where ``shift_top`` is positive). sample: per row, queries kept for the ResKV validation proxy
+    (the ones at ``sample_at``), ``[H, n, d]``.
     """
 
     expected: int
+    length: int
     shift_top: list[int]
     sample_at: torch.Tensor
     total: torch.Tensor | None = None
     maximum: torch.Tensor | None = None
     last: torch.Tensor | None = None
+    reads: torch.Tensor | None = None
     count: int = 0
     shift: list = field(default_factory=list)
     sample: list = field(default_factory=list)
 
-    def add(self, weights: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor) -> None:
-        """Fold in a block of ``q`` queries: ``weights`` ``[B, H, q, N]`` float32 (their softmax over
-        everything they see, restricted to the context's ``N`` keys), ``queries`` ``[B, H, q, d]``."""
-        block = torch.arange(self.count, self.count + weights.shape[2], device=weights.device)
+    def add(self, weights: torch.Tensor, start: int, queries: torch.Tensor) -> None:
+        """Fold in a block of ``q`` queries: ``weights`` ``[B, H, q, c]`` float32 (their softmax,
+        restricted to the context columns ``[start, start + c)``), ``queries`` ``[B, H, q, d]``."""
+        batch, heads, rows, width = weights.shape
+        stop = start + width
         if self.total is None:
-            self.total, self.maximum = weights.sum(dim=2), weights.amax(dim=2)
-            self.shift = [None] * weights.shape[0]
-            self.sample = [[] for _ in range(weights.shape[0])]
-        else:
-            self.total += weights.sum(dim=2)
-            self.maximum = torch.maximum(self.maximum, weights.amax(dim=2))
-        self.last = weights[:, :, -1, :]
+            self.total = weights.new_zeros(batch, heads, self.length)
+            self.maximum, self.last = torch.zeros_like(self.total), torch.zeros_like(self.total)
+            self.reads = torch.zeros(self.length, device=weights.device)
+            self.shift = [None] * batch
+            self.sample = [[] for _ in range(batch)]
+        self.total[..., start:stop] += weights.sum(dim=2)
+        torch.maximum(self.maximum[..., start:stop], weights.amax(dim=2), out=self.maximum[..., start:stop])
+        self.reads[start:stop] += rows
+        self.last.zero_()[..., start:stop] = weights[:, :, -1, :]
+        block = torch.arange(self.count, self.count + rows, device=weights.device)
         first_half = block < self.expected // 2
         keep = torch.isin(block, self.sample_at.to(block.device))
-        for row in range(weights.shape[0]):
-            top = self.shift_top[row]
+        every = torch.ones(width, dtype=torch.bool, device=weights.device)
+        for row in range(batch):
+            top = min(self.shift_top[row], width)
             if top > 0:
-                early, late = top_position_sums(weights[row], valid[row], top, first_half)
+                early, late = top_position_sums(weights[row], every, top, first_half)
+                for half in (early, late):  # chunk columns -> context columns
+                    half[:, 0] += start * half[:, 1]
                 previous = self.shift[row]
                 self.shift[row] = (early, late) if previous is None else (previous[0] + early, previous[1] + late)
             if bool(keep.any()):
                 self.sample[row].append(queries[row][:, keep])
-        self.count += weights.shape[2]
+        self.count += rows
 
 
 class ReconstructionObservation:
@@ -233,7 +244,7 @@ class ReconstructionObservation:
         return self.stats.maximum if self.reduce == "max" else self.stats.total
 
     def mean(self) -> torch.Tensor:
-        return self.stats.maximum if self.reduce == "max" else self.stats.total / self.stats.count
+        return self.stats.maximum if self.reduce == "max" else self.stats.total / self.stats.reads.clamp(min=1)
 
     def maximum(self) -> torch.Tensor:
         return self.stats.maximum

@@ -31,7 +31,7 @@ import torch
 import restkv
 from restkv.cache import kept_positions
 from restkv.compat import output_cache
-from restkv.reconstruction_prompt import KVPRESS_CLOSING, set_reconstruction_prompt
+from restkv.reconstruction_prompt import KVPRESS_CLOSING, KVPRESS_CONTINUATION, set_reconstruction_prompt
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "golden_kvpress"
 TABLE = json.loads((Path(__file__).parent / "golden_kvpress_cases.json").read_text())
@@ -101,7 +101,7 @@ def replay(case: str, **changes) -> tuple[list[list[list[int]]], dict[int, tuple
         stack.enter_context(torch.no_grad())
         config = stack.enter_context(restkv.compression(model, **options))
         if config.run.observation == "reconstruction":
-            set_reconstruction_prompt(model, ByteTokenizer(), closing=KVPRESS_CLOSING)
+            set_reconstruction_prompt(model, ByteTokenizer(), closing=KVPRESS_CLOSING, continuation=KVPRESS_CONTINUATION)
         if case in TABLE["inject"] and not changes:
             module, name = TABLE["inject"][case].rsplit(".", 1)
             stack.enter_context(mock.patch.object(importlib.import_module(module), name, recorded_draw(case)))
@@ -186,7 +186,7 @@ def test_restkv_scores_equal_the_kvpress_scores(case):
 
 # ---------------------------------------------------------------- the fixtures' inputs
 def test_kvzip_reconstruction_replays_the_ids_kvpress_replayed():
-    prefix = set_reconstruction_prompt(tiny_llama("sdpa"), ByteTokenizer(), closing=KVPRESS_CLOSING)
+    prefix = set_reconstruction_prompt(tiny_llama("sdpa"), ByteTokenizer(), closing=KVPRESS_CLOSING).before(None)
     replayed = torch.from_numpy(fixture("kvzip_r0.5")["replay_ids_c0"]).long()
     assert torch.equal(torch.cat([prefix, prompt()[0]]), replayed)
 

@@ -4,6 +4,7 @@ context for many questions (restkv.deferred, restkv.observation, restkv.policies
 import copy
 import math
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from restkv.compress import compress_layer
 from restkv.storage import joined_view
 from restkv.context import ScoringContext, plan_layer
 from restkv.benchmarks.prompts import encode_prompt
-from restkv.reconstruction_prompt import set_reconstruction_prompt
+from restkv.reconstruction_prompt import ReconstructionPrompt, set_reconstruction_prompt
 from restkv.generation import answer_many, generate_after_context, prefill
 from restkv.observation import ReconstructionObservation, ReconstructionStats
 from restkv.scoring import window_attention
@@ -41,6 +42,7 @@ TINY_TEMPLATE = ("{{ bos_token }}{% if messages[0]['role'] != 'system' %}<|im_st
                  "{% endif %}")
 OPENING = "<|endoftext|><|im_start|>system\nYou are a test.<|im_end|>\n<|im_start|>user\n"
 INSTRUCTION = "\n\nRepeat the previous context exactly."
+CONTINUATION = "\n\nRepeat the part of the previous context exactly, starting with "
 
 
 def with_template(tokenizer, template):
@@ -59,8 +61,12 @@ def test_the_reconstruction_continues_the_user_turn_that_holds_the_context(token
     opening. The prompt's builder says where the context lies (query-aware: before the question)."""
     chat = with_template(tokenizer, TINY_TEMPLATE)
     model = tiny_model("llama")
-    prefix = set_reconstruction_prompt(model, chat)
+    prompt = set_reconstruction_prompt(model, chat)
+    prefix = prompt.before(None)
     assert chat.decode(prefix) == INSTRUCTION + "<|im_end|>\n<|im_start|>assistant\n"
+    previous = torch.tensor(chat("one two three four five six seven eight nine ten", add_special_tokens=False).input_ids)
+    assert chat.decode(prompt.before(previous)) == (CONTINUATION + chat.decode(previous[-8:])
+                                                    + "<|im_end|>\n<|im_start|>assistant\n")
     sample = toy_samples(None, "logs", None)[0]
     for split in (True, False):
         encoded = encode_prompt(chat, sample, max_tokens=4000, split=split)
@@ -76,7 +82,7 @@ def test_the_reconstruction_continues_the_user_turn_that_holds_the_context(token
 
 def test_without_a_chat_template_the_reconstruction_uses_kvzips_plain_closing(tokenizer):
     plain = with_template(tokenizer, None)
-    prefix = set_reconstruction_prompt(tiny_model("llama"), plain)
+    prefix = set_reconstruction_prompt(tiny_model("llama"), plain).before(None)
     assert plain.decode(prefix) == INSTRUCTION + "\n\nAnswer: "
     sample = toy_samples(None, "logs", None)[0]
     for split in (True, False):
@@ -115,23 +121,47 @@ def test_reconstruction_costs_one_extra_forward_per_chunk_and_leaves_nothing_beh
 
 
 def test_kvzip_scores_are_the_largest_attention_of_the_reconstruction_queries():
-    """The oracle: the unpatched model reading context + prompt + context in one pass; the
-    attention rows of the repeated part give every context token its score (group max)."""
+    """The oracle, KVzip's reference: for each 16-token chunk, the unpatched model reads the
+    context, the chunk's instruction (a later one quotes the previous chunk's last 8 tokens) and
+    the chunk; the repeated rows' attention, renormalised over the sinks, the context chunk and
+    the repetition, gives each token of the chunk its score (query and group maximum)."""
     model = tiny_model("llama", "eager")
-    prefix = set_reconstruction_prompt(model, FakeTokenizer())
+    prompt = set_reconstruction_prompt(model, FakeTokenizer())
     context = random_prompt(1, 40)
+    sinks = 2
+    expected = torch.zeros(len(model.model.layers), 2, 40)
     with torch.no_grad():
-        whole = torch.cat([context, prefix[None], context], dim=-1)
-        attentions = model(whole, output_attentions=True).attentions
-    replace_for("llama")(method="kvzip", max_capacity_prompts=10, reconstruction_chunk=16, n_sink=0,
+        for first in range(0, 40, 16):
+            last = min(first + 16, 40)
+            before = prompt.before(context[0, first - 16 : first] if first else None)
+            whole = torch.cat([context, before[None], context[:, first:last]], dim=-1)
+            attentions = model(whole, output_attentions=True).attentions
+            columns = sorted(set(range(min(sinks, first))) | set(range(first, last)) | set(range(40, whole.shape[1])))
+            for index, attention in enumerate(attentions):
+                rows = attention[0, :, 40:][..., columns]
+                rows = rows / rows.sum(dim=-1, keepdim=True)
+                chunk = rows[..., [columns.index(c) for c in range(first, last)]]
+                expected[index, :, first:last] = chunk.amax(dim=1).view(2, 2, -1).amax(dim=1)
+    replace_for("llama")(method="kvzip", max_capacity_prompts=10, reconstruction_chunk=16, n_sink=sinks,
                          kvzip_layerwise=True)
-    cache = prefill(model, context)
-    for index, layer in enumerate(cache.layers):
-        expected = attentions[index][0, :, 40:, :40].amax(dim=1).view(2, 2, 40).amax(dim=1)  # [H_kv, 40]
-        for head in range(2):
-            kept = [c for c in layer.kept_columns[0, head].tolist() if c >= 0]
-            dropped = [c for c in range(40) if c not in kept]
-            assert float(expected[head, kept].min()) >= float(expected[head, dropped].max()) - 1e-6
+    scores = recorded_scores(lambda: prefill(model, context))
+    for index, layer_scores in scores.items():
+        torch.testing.assert_close(layer_scores[0, :, sinks:], expected[index, :, sinks:], rtol=1e-5, atol=1e-6)
+    assert len(scores) == len(model.model.layers)
+
+
+def recorded_scores(run) -> dict:
+    """Each layer's KVzip scores ``[B, H_kv, N]`` while ``run`` prefills."""
+    from restkv.policies.kvzip import KVzip
+    scores, original = {}, KVzip.score
+
+    def recording(policy, ctx):
+        scores[ctx.layer_idx] = result = original(policy, ctx)
+        return result
+
+    with mock.patch.object(KVzip, "score", recording):
+        run()
+    return scores
 
 
 def test_kvzip_keeps_the_token_that_takes_all_the_reconstruction_attention():
@@ -140,11 +170,11 @@ def test_kvzip_keeps_the_token_that_takes_all_the_reconstruction_attention():
     key[0, :, 20] = 40.0  # every reconstruction query below attends to token 20 alone
     config = CompressionConfig(method="kvzip", max_capacity_prompts=6, n_sink=4, kvzip_layerwise=True)
     plan = plan_layer(config, torch.ones(1, 64, dtype=torch.bool))
-    stats = ReconstructionStats(expected=8, shift_top=[6], sample_at=torch.arange(0))
+    stats = ReconstructionStats(expected=8, length=64, shift_top=[6], sample_at=torch.arange(0))
     reconstruction = torch.ones(1, 4, 8, 16)
     keys = torch.cat([key, torch.zeros(1, 2, 8, 16)], dim=2)
     weights = window_attention(reconstruction, keys, torch.ones(1, 72, dtype=torch.bool), 8, 0.25)
-    stats.add(weights[..., :64], reconstruction, plan.valid)
+    stats.add(weights[..., :64], 0, reconstruction)
     ctx = ScoringContext.of(query, key, value, plan, 0.25, observation=ReconstructionObservation(stats))
     columns = joined_view(compress_layer(config, ctx).kept)[2]
     for head in range(2):
@@ -301,11 +331,12 @@ def test_a_context_span_keeps_the_template_around_it_and_only_the_context_is_rep
             repeated.append(hidden.shape[1])
 
     hook = model.model.layers[0].register_forward_pre_hook(count_repeated, with_kwargs=True)
-    model.model._restkv_reconstruction_prefix = torch.tensor([5, 6, 7])  # as set_reconstruction_prompt sets it
+    model.model._restkv_reconstruction_prompt = ReconstructionPrompt(torch.tensor([5, 6]), torch.tensor([8]),
+                                                                     torch.tensor([7]))  # as set_reconstruction_prompt sets it
     replace_for("llama")(method="kvzip", max_capacity_prompts=30, reconstruction_chunk=128)
     cache = prefill(model, prompt, context_span=(10, 80))
     hook.remove()
-    del model.model._restkv_reconstruction_prefix
+    del model.model._restkv_reconstruction_prompt
     assert repeated == [3 + 70]  # the instruction and the span alone, in one chunk
     for layer in kept_positions(cache):
         for head in layer.exact[0]:
@@ -322,3 +353,34 @@ def test_a_context_span_changes_nothing_under_window_observation():
     replace_for("llama")(method="snapkv", max_capacity_prompts=30, window_size=4)
     plain, spanned = kept_positions(prefill(model, prompt)), kept_positions(prefill(model, prompt, context_span=(10, 80)))
     assert [layer.exact for layer in plain] == [layer.exact for layer in spanned]
+
+
+def test_each_chunk_repeats_against_the_context_alone_and_its_scores_come_in_bounded_blocks():
+    """Memory: a chunk's repetition is dropped before the next chunk (the cache never holds more
+    than the context and one chunk with its instruction), and the weights a block of scores
+    materialises stay under RECONSTRUCTION_BLOCK_ELEMENTS, giving the scores of one big block."""
+    from restkv import deferred
+
+    model = tiny_model("llama")
+    set_reconstruction_prompt(model, FakeTokenizer())
+    context = random_prompt(1, 100)
+    replace_for("llama")(method="kvzip", max_capacity_prompts=20, reconstruction_chunk=24)
+    whole = recorded_scores(lambda: prefill(model, context))
+    held, blocks = [], []
+    hook = model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args, kwargs: held.append(kwargs["cache"].layers[0].get_seq_length()), with_kwargs=True)
+    original = deferred.chunk_attention
+
+    def measured(query, key, *args, **kwargs):
+        weights = original(query, key, *args, **kwargs)
+        blocks.append(weights.numel())
+        return weights
+
+    with mock.patch.object(deferred, "RECONSTRUCTION_BLOCK_ELEMENTS", 4 * 40 * 8), \
+            mock.patch.object(deferred, "chunk_attention", measured):
+        blocked = recorded_scores(lambda: prefill(model, context))
+    hook.remove()
+    assert held[0] == 0 and set(held[1:]) == {100}  # each chunk starts from the context alone
+    assert max(blocks) <= 4 * 40 * 8 and len(blocks) > len(whole) * math.ceil(100 / 24)
+    for index in whole:
+        torch.testing.assert_close(blocked[index], whole[index], rtol=1e-6, atol=1e-7)

@@ -73,6 +73,11 @@ class Policy(Options):
         return self.allocation
 
     @property
+    def reads_attention_drift(self) -> bool:
+        """True when scoring reads ReST-KV's drift statistic (``ObservedLayer.shift_positions``)."""
+        return False
+
+    @property
     def shares_scores_across_heads(self) -> bool:
         """True when every KV head of a layer keeps the same tokens (one score for the layer)."""
         return False
@@ -203,6 +208,10 @@ class PooledScores(GroupedScores):
                 f"--pooling adaptive compares the two halves of the window, so it needs --window_size >= 2; "
                 f"got {config.run.window_size}"
             )
+
+    @property
+    def reads_attention_drift(self) -> bool:
+        return self.pooling == "adaptive"
 
     def smooth(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
         """Spatial smoothing with ``--pooling``/``--kernel_size`` over the candidates

@@ -13,13 +13,13 @@ total).
 
 Where this differs from the paper and from kvpress' ``KVzipPress``:
 
-* a reconstruction chunk attends to the whole uncompressed context and to everything
-  repeated before it, and its softmax runs over all of that; kvpress renormalises over the
-  sinks, the matching context chunk and the chunk itself, drops the repetition after every
-  chunk, and restarts each later chunk with "Repeat the part of the previous context
-  exactly, starting with" and the previous chunk's last 8 tokens;
-* kvpress scores 2048-token chunks; here ``--reconstruction_chunk`` (default 2048) sets the
-  chunk and the instruction joins the first one;
+* the reconstruction runs as the reference runs it (``restkv.deferred``): chunks of
+  ``--reconstruction_chunk`` context tokens (default 2048, kvpress's; the reference's 2000),
+  each after its instruction (a later one quotes the previous chunk's last 8 tokens), each
+  attending to the whole context and its own repetition, whose K/V is dropped after it; a
+  chunk's scores are its softmax over the sinks (the template before the context span, else
+  the first ``--n_sink`` tokens; the reference's sinks are its system prompt, kvpress's its
+  first 4 tokens), the chunk and the repetition;
 * evicted entries are removed from memory (ragged per head), where kvpress masks them;
   the paper's own code stores a head-variable cache too;
 * the paper's score also covers the system prompt and template tokens; here they are part
