@@ -118,7 +118,7 @@ def restkv_attention_forward(
             output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
             defer_layer(cache, self.layer_idx, PendingLayer(
                 config, plan, key, value, trailing_queries(config, query), params.scaling, params.softcap,
-                self.o_proj.weight,
+                self.o_proj.weight, position_embeddings,
             ))
         else:
             output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)

@@ -263,6 +263,7 @@ def compress_kv(
     scaling: float | None = None,
     softcap: float | None = None,
     sliding_window: int | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> CompressedKV:
     """Compress one layer's prompt K/V with ``config``.
 
@@ -278,6 +279,8 @@ def compress_kv(
     attention_mask: optional ``[B, N]`` with 1 for real tokens, 0 for left padding.
     scaling: attention scale (default ``1/sqrt(d)``); softcap: logit soft-cap (Gemma 2).
     sliding_window: for sliding-window layers, keys older than the window are invisible.
+    rotary: the ``(cos, sin)`` ``[B, N, d]`` the keys were rotated with, for scorers that read the
+        keys before RoPE (``learned_zip``).
 
     Returns
     -------
@@ -288,7 +291,8 @@ def compress_kv(
     config = CompressionConfig.from_any(config)
     valid = _validate_inputs(query, key, value, attention_mask)
     plan = plan_layer(config, valid, layer_idx, num_layers, sliding_window)
-    state = compress_layer(config, ScoringContext.of(query, key, value, plan, scaling, softcap, o_proj_weight))
+    state = compress_layer(config, ScoringContext.of(query, key, value, plan, scaling, softcap, o_proj_weight,
+                                                     rotary=rotary))
     return public_view(state, plan.padding)
 
 

@@ -387,7 +387,7 @@ class CompressionConfig:
     def files(self) -> dict[str, str]:
         """The files the run reads, by the option that names them (``--indexmem_weights``, ``--head_scores``)."""
         return {name: value for part in self.parts for name, spec in option_specs(type(part)).items()
-                if spec.names_file and (value := getattr(part, name)) is not None}
+                if spec.names_file and (value := part.file_read(name)) is not None}
 
     def to_dict(self) -> dict[str, Any]:
         """Every flat option: the value a run uses, None where no active part declares it."""

@@ -35,9 +35,10 @@ scores read ``sinks + 2 x chunk`` keys per query. Reconstruction runs one row at
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -66,6 +67,7 @@ class PendingLayer:
     scaling: float
     softcap: float | None
     o_proj_weight: torch.Tensor
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # the prefill's (cos, sin), shared by the layers
     stats: ReconstructionStats | None = None
 
     @property
@@ -230,6 +232,9 @@ def _compress_pending(cache, pending: PendingPrefill) -> None:
     for config, indices in by_config.items():
         allocator = config.allocator
         scores = {index: config.policy.score(contexts[index]) for index in indices}
+        for listener in _SCORE_LISTENERS:
+            for index in indices:
+                listener(contexts[index], scores[index])
         keeps = allocator.allocate_model({i: contexts[i] for i in indices}, scores) if allocator.model_wide else {}
         for index in indices:
             layer = pending.layers[index]
@@ -238,8 +243,23 @@ def _compress_pending(cache, pending: PendingPrefill) -> None:
                                                              layer.plan.sliding_window, config, layer.plan.padding)
 
 
+#: callbacks ``(ctx, scores)`` told every deferred layer's scores (``listening_to_scores``)
+_SCORE_LISTENERS: list[Callable[[ScoringContext, torch.Tensor], None]] = []
+
+
+@contextlib.contextmanager
+def listening_to_scores(listener: Callable[[ScoringContext, torch.Tensor], None]) -> Iterator[None]:
+    """Within the block, ``listener(ctx, scores)`` receives each deferred layer's scoring context
+    and ``[B, H_kv, N]`` scores before it is compressed (``restkv.train_scorer`` reads KVzip's)."""
+    _SCORE_LISTENERS.append(listener)
+    try:
+        yield
+    finally:
+        _SCORE_LISTENERS.remove(listener)
+
+
 def _scoring_context(layer: PendingLayer) -> ScoringContext:
     observation = (ReconstructionObservation(layer.stats, layer.config.run.reconstruction_reduce)
                    if layer.reconstructed else None)
     return ScoringContext.of(layer.queries, layer.key, layer.value, layer.plan, layer.scaling, layer.softcap,
-                             layer.o_proj_weight, observation)
+                             layer.o_proj_weight, observation, rotary=layer.rotary)

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from restkv.options import ConfigError
 from restkv.scoring import key_visibility, window_attention
 from restkv.storage import SegmentReport, tensor_bytes
+from restkv.weights_file import read_payload
 
 #: the file format ``IndexMemWeights.save`` writes and ``load_weights`` accepts
 WEIGHTS_FORMAT = "restkv-indexmem-v2"
@@ -281,14 +282,7 @@ class IndexMemWeights:
 def load_weights(path: str | Path, flag: str = "--indexmem_weights") -> IndexMemWeights:
     """Read a file ``save`` wrote; anything else is a ``ConfigError`` naming ``flag``."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{flag} {str(path)!r}: no such file (train one with python -m restkv.train_indexmem)")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch raises many kinds for a file that is not a checkpoint
-        raise ConfigError(f"{flag} {str(path)!r} is not a readable weights file ({type(error).__name__})") from None
-    if not isinstance(payload, dict) or payload.get("format") not in (WEIGHTS_FORMAT, POST_ROPE_FORMAT):
-        raise ConfigError(f"{flag} {str(path)!r} is not an IndexMem weights file (format {WEIGHTS_FORMAT})")
+    payload = read_payload(path, flag, "restkv.train_indexmem", (WEIGHTS_FORMAT, POST_ROPE_FORMAT), "an IndexMem")
     try:
         earlier = {"memory_inputs": "post_rope"} if payload["format"] == POST_ROPE_FORMAT else {}
         arch = Architecture(**{**payload["architecture"], **earlier})

@@ -88,6 +88,15 @@ def check_model_path(model_path: str) -> None:
         raise ModelPathError(f"--model_path {model_path}: no such folder; give {_WHAT_LOADS}")
 
 
+def load_frozen(model_path: str, dtype: str = "float32"):
+    """``(model, tokenizer)`` of a training command: the model without gradients; a path that does
+    not load is a ``ValueError`` naming ``--model_path`` (``model_path_errors``)."""
+    with model_path_errors(model_path):
+        tokenizer = load_tokenizer(model_path)
+        model = load_model(model_path, dtype=dtype).requires_grad_(False)
+    return model, tokenizer
+
+
 @contextlib.contextmanager
 def model_path_errors(model_path: str) -> Iterator[None]:
     """A model or tokenizer that cannot be loaded (a hub id offline, a folder without weights)

@@ -93,6 +93,11 @@ class Options:
         """The part's options by flag name."""
         return {name: getattr(self, name) for name in option_specs(type(self))}
 
+    def file_read(self, name: str) -> str | None:
+        """The file the option ``name`` (declared ``names_file``) makes the run read: its value, or
+        the file a part reads by default (override)."""
+        return getattr(self, name)
+
 
 @dataclass(frozen=True)
 class OptionSpec:

@@ -42,15 +42,25 @@ KVPRESS_CLOSING = "\n"
 _CONTENT_MARK = "\ue000restkv-content\ue000"
 
 
+def template_opening(tokenizer) -> str:
+    """What the tokenizer's chat template puts before a user message's content (BOS, default system
+    prompt, the user's header); empty without a template."""
+    return _around_content(tokenizer)[0] if getattr(tokenizer, "chat_template", None) else ""
+
+
 def template_closing(tokenizer) -> str:
     """What the tokenizer's chat template puts after a user message's content when the
     assistant answers next (the end of the turn and the assistant's header); ``PLAIN_CLOSING``
     without a template."""
-    if not getattr(tokenizer, "chat_template", None):
-        return PLAIN_CLOSING
+    return _around_content(tokenizer)[1] if getattr(tokenizer, "chat_template", None) else PLAIN_CLOSING
+
+
+def _around_content(tokenizer) -> tuple[str, str]:
+    """The chat template's text before and after one user message's content (assistant next)."""
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": _CONTENT_MARK}], add_generation_prompt=True,
                                              tokenize=False)
-    return rendered.split(_CONTENT_MARK)[1]
+    opening, closing = rendered.split(_CONTENT_MARK)
+    return opening, closing
 
 
 @dataclass(frozen=True)

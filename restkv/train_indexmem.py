@@ -38,7 +38,7 @@ from tqdm import tqdm
 from restkv.attention import project_qkv
 from restkv.indexmem import (FUSIONS, INDEXER_FORMS, MEMORY_INPUTS, QUERY_REDUCTIONS, Architecture, IndexMemLayer,
                              IndexMemWeights)
-from restkv.models import check_model_path, load_model, load_tokenizer, model_path_errors
+from restkv.models import check_model_path, load_frozen
 from restkv.partial import Probe, reference_kernel
 from restkv.rope import unrotate
 from restkv.scoring import pool_scores, reduce_groups, window_attention
@@ -291,9 +291,7 @@ def main(argv: list[str] | None = None) -> IndexMemWeights:
     args = build_parser().parse_args(argv)
     try:
         check_args(args)
-        with model_path_errors(args.model_path):
-            tokenizer = load_tokenizer(args.model_path)
-            model = load_model(args.model_path, dtype="float32").requires_grad_(False)
+        model, tokenizer = load_frozen(args.model_path)
         sequences = training_sequences(tokenizer, args)
     except ValueError as error:  # a flag, a --model_path (ModelPathError), too short a --text_file
         raise SystemExit(f"error: {error}") from None

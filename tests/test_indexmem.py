@@ -467,8 +467,7 @@ def test_the_training_command_checks_its_flags_before_the_model_loads(flags, mes
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the error was found")
 
-    monkeypatch.setattr(train_indexmem, "load_model", refuse)
-    monkeypatch.setattr(train_indexmem, "load_tokenizer", refuse)
+    monkeypatch.setattr(train_indexmem, "load_frozen", refuse)
     with pytest.raises(SystemExit) as stop:
         train_indexmem.main([*TRAIN_TINY, *(flag.format(tmp=tmp_path) for flag in flags)])
     assert stop.value.code == f"error: {message.format(tmp=tmp_path)}"

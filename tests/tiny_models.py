@@ -170,7 +170,8 @@ def registered_methods(*, uniform: bool = False, splittable: bool = False, keeps
                        compresses_first_layer: bool = False) -> list[str]:
     """The registered ``--method`` names a per-method test matrix runs (read from the registry,
     so a new method joins every matrix): those that evict and build from a budget alone
-    (a method that needs a file, such as HeadKV's scores, has its own tests), filtered by what a
+    (a method that needs a file, such as HeadKV's scores, has its own tests; one fitted to a
+    model's shape, learned_zip, cannot score the matrices' random layers), filtered by what a
     test assumes of them.
 
     uniform: every KV head keeps the budget in tokens (no allocation of its own, no summary of the
@@ -194,7 +195,7 @@ def registered_methods(*, uniform: bool = False, splittable: bool = False, keeps
                 policy = config.policy
         except ConfigError:
             continue
-        if not policy.evicts or (uniform and (policy.allocation is not None or policy.summarises_evicted)):
+        if not policy.evicts or policy.fitted_to_a_model or (uniform and (policy.allocation is not None or policy.summarises_evicted)):
             continue
         if splittable and (policy.ranks_by_position or policy.merges_values or policy.summarises_evicted):
             continue

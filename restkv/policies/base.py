@@ -66,6 +66,9 @@ class Policy(Options):
     #: IndexMem's latent memory): its numbers take token slots of the budget, so heads keep fewer
     #: tokens than the budget (IndexMem: ``reserve``, read through ``summarise``'s output correction)
     summarises_evicted: ClassVar[bool] = False
+    #: scores with weights fitted to one model's layers and heads (``learned_zip``), so it cannot
+    #: score a layer of any other shape
+    fitted_to_a_model: ClassVar[bool] = False
 
     def own_allocation(self) -> str | None:
         """The allocation the method is defined with (``allocation``, unless one of its options

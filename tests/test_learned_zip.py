@@ -1,0 +1,140 @@
+"""KVzip's ranking at the price of one prefill: the learned scorer, its weights and its trainer
+(restkv.policies.learned_zip, restkv.learned_scores, restkv.train_scorer)."""
+
+import json
+
+import pytest
+import torch
+
+import restkv.train_scorer as train_scorer
+from restkv import ConfigError
+from restkv.cache import kept_positions
+from restkv.deferred import listening_to_scores
+from restkv.generation import prefill
+from restkv.head_scores import load_head_scores
+from restkv.learned_scores import SHIPPED_WEIGHTS, NormalEquations, ScorerWeights, load_weights, save
+from restkv.monkeypatch import replace_for_model
+from restkv.train_scorer import Collected
+from tiny_models import random_prompt, replace_for, tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:restkv. --observation reconstruction without")
+
+#: the tiny Llama: 3 layers, 2 KV heads of dimension 16 (33 features per head)
+TINY_SHAPE = (3, 2, 16)
+
+
+def kvzip_collected(model, prompt, **options) -> Collected:
+    collected = Collected()
+    replace_for("llama")(method="kvzip", max_capacity_prompts=8, **options)
+    with listening_to_scores(collected):
+        cache = prefill(model, prompt)
+    collected.kept = kept_positions(cache)
+    return collected
+
+
+def fitted(collected: Collected, ridge: float = 0.0) -> ScorerWeights:
+    equations = NormalEquations(*TINY_SHAPE)
+    for index, (x, target, mask) in collected.layers.items():
+        equations.add(index, x, target, mask)
+    return ScorerWeights(equations.solve(ridge)[0], "kvzip")
+
+
+def test_a_scorer_fitted_exactly_to_kvzips_scores_keeps_what_kvzip_keeps(tmp_path):
+    """The oracle: 30 distinct tokens (layer 0's features are those of the token alone), 33
+    features per head, so least squares fits every log-score exactly; the learned scorer then
+    ranks the model's (layer, head, token) entries as KVzip does."""
+    model = tiny_model("llama")
+    prompt = (torch.randperm(250, generator=torch.Generator().manual_seed(0))[:30] + 3)[None]
+    collected = kvzip_collected(model, prompt)
+    weights = fitted(collected)
+    for index, (x, target, mask) in collected.layers.items():
+        predicted = (x @ weights.weight[index][..., None]).squeeze(-1)
+        torch.testing.assert_close(predicted[mask], target[mask], rtol=0, atol=1e-3)
+    path = tmp_path / "exact.pt"
+    save(path, weights)
+    replace_for("llama")(method="learned_zip", max_capacity_prompts=8, learned_zip_weights=str(path))
+    assert kept_positions(prefill(model, prompt)) == collected.kept
+
+
+def test_the_learned_scorer_costs_no_extra_forward_and_evicts_for_real(tmp_path):
+    model = tiny_model("llama")
+    path = tmp_path / "weights.pt"
+    save(path, fitted(kvzip_collected(model, random_prompt(1, 60, seed=3)), ridge=1e-2))
+    calls = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(lambda module, args: calls.append(1))
+    replace_for("llama")(method="learned_zip", max_capacity_prompts=12, learned_zip_weights=str(path))
+    cache = prefill(model, random_prompt(1, 90, seed=4))
+    assert len(calls) == 1  # the prefill alone: no reconstruction pass
+    counts = torch.stack([layer.kept_counts[0] for layer in cache.layers])
+    assert int(counts.sum()) == 12 * 3 * 2 and len(set(counts.flatten().tolist())) > 1  # model-wide, ragged
+    for layer in kept_positions(cache):
+        for head in layer.exact[0]:
+            assert {0, 1, 2, 3} <= set(head)  # the sinks
+
+
+def test_weights_round_trip_and_bad_files_name_the_flag(tmp_path):
+    weights = ScorerWeights(torch.randn(3, 2, 33), "kvzip", {"note": "test"})
+    path = tmp_path / "weights.pt"
+    save(path, weights)
+    loaded = load_weights(path)
+    assert torch.equal(loaded.weight, weights.weight) and loaded.training == {"note": "test"}
+    garbage, other, damaged, infinite = (tmp_path / name for name in ("garbage.pt", "other.pt", "damaged.pt",
+                                                                      "infinite.pt"))
+    garbage.write_bytes(b"not a checkpoint")
+    torch.save({"format": "something-else"}, other)
+    torch.save({"format": "restkv-learned-scorer-1", "weight": torch.zeros(3, 32)}, damaged)
+    torch.save({"format": "restkv-learned-scorer-1", "weight": torch.full((3, 2, 33), float("nan"))}, infinite)
+    for bad, fragment in ((tmp_path / "missing.pt", "no such file"), (garbage, "not a readable weights file"),
+                          (other, "not a learned scorer's weights file"), (damaged, "damaged weights"),
+                          (infinite, "not finite")):
+        with pytest.raises(ConfigError, match=f"--learned_zip_weights '{bad}'.*{fragment}"):
+            replace_for("llama")(method="learned_zip", max_capacity_prompts=8, learned_zip_weights=str(bad))
+
+
+def test_weights_of_another_shape_are_refused_before_the_model_runs(tmp_path):
+    path = tmp_path / "weights.pt"
+    save(path, ScorerWeights(torch.zeros(4, 2, 33), "kvzip"))
+    with pytest.raises(ConfigError, match=r"--learned_zip_weights .* fit 4 layers x 2 KV heads of dimension 16; the "
+                                          r"model has 3 x 2 of 16: train weights for it"):
+        replace_for_model(tiny_model("llama"), method="learned_zip", max_capacity_prompts=8,
+                          learned_zip_weights=str(path))
+    with pytest.raises(ConfigError, match=r"the shipped --learned_zip_weights \(SmolLM2-135M's\) fit 30 layers"):
+        replace_for_model(tiny_model("llama"), method="learned_zip", max_capacity_prompts=8)
+
+
+def test_the_shipped_weights_fit_the_embedded_model_and_say_how_they_were_made():
+    weights = load_weights(SHIPPED_WEIGHTS)
+    assert weights.shape == (30, 3, 64) and weights.target == "kvzip"
+    assert weights.training["model_path"] == "smollm2-135m" and weights.training["held_out_recall"] > 0.5
+
+
+def test_the_training_command_writes_weights_the_method_loads_and_head_scores_headkv_reads(tiny_model_dir,
+                                                                                             tmp_path):
+    out, heads = tmp_path / "weights.pt", tmp_path / "heads.json"
+    weights = train_scorer.main(["--model_path", str(tiny_model_dir), "--output", str(out), "--num_sequences", "3",
+                                 "--held_out", "1", "--seq_len", "96", "--head_scores_output", str(heads)])
+    assert weights.shape == TINY_SHAPE and torch.equal(load_weights(out).weight, weights.weight)
+    assert weights.training["tokens"] > 0 and 0 <= weights.training["held_out_recall"] <= 1
+    model = tiny_model("llama", vocab_size=49152)
+    replace_for_model(model, method="learned_zip", max_capacity_prompts=8, learned_zip_weights=str(out))
+    importance = load_head_scores(heads, 3, 4)  # every query head, each KV head's value for its group
+    assert torch.equal(importance[:, 0], importance[:, 1]) and bool((importance > 0).all())
+    assert len(json.loads(heads.read_text())["0-0"]) == 3  # one entry per sequence
+    replace_for_model(model, method="headkv", max_capacity_prompts=8, window_size=4, head_scores=str(heads))
+    assert prefill(model, random_prompt(1, 40)).layers[0].kept_counts.sum() > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--output", "{tmp}/missing/weights.pt"], "--output {tmp}/missing/weights.pt: no such folder {tmp}/missing"),
+    (["--held_out", "3"], "--held_out must lie in [0, --num_sequences 3); got 3"),
+    (["--ridge", "-1"], "--ridge must be >= 0; got -1.0"),
+    (["--seq_len", "10"], "--seq_len must be at least 64"),
+])
+def test_the_training_command_checks_its_flags_before_the_model_loads(flags, message, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the error was found")
+
+    monkeypatch.setattr(train_scorer, "load_frozen", refuse)
+    with pytest.raises(SystemExit) as stop:
+        train_scorer.main(["--num_sequences", "3", *(flag.format(tmp=tmp_path) for flag in flags)])
+    assert str(stop.value.code).startswith(f"error: {message.format(tmp=tmp_path)}")
