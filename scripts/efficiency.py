@@ -57,6 +57,7 @@ from restkv.config import config_from_spec
 from restkv.generation import prefill
 from restkv.models import check_model_path, load_model, load_tokenizer, model_path_errors
 from restkv.monkeypatch import replace_for_model
+from restkv.reconstruction_prompt import set_reconstruction_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_shapes import CONFIGS, build_model  # noqa: E402
@@ -222,14 +223,17 @@ def rotated(names: list[str], shift: int) -> list[str]:
 
 def load(args: argparse.Namespace, max_positions: int):
     """The model and tokenizer to measure: ``--config``'s shape with random weights (random
-    prompts; no tokenizer), or ``--model_path``."""
+    prompts; no tokenizer, so a method that repeats the context does so without its instruction),
+    or ``--model_path`` (with its reconstruction prompt, the instruction a real run reads)."""
     if args.config is not None:
         args.prompt = "random"
         return build_model(args.config, torch.float32, torch.device("cpu"), args.attn_implementation,
                            max_positions), None
     with model_path_errors(args.model_path):
-        return (load_model(args.model_path, attn_implementation=args.attn_implementation, dtype=args.dtype),
-                load_tokenizer(args.model_path))
+        model = load_model(args.model_path, attn_implementation=args.attn_implementation, dtype=args.dtype)
+        tokenizer = load_tokenizer(args.model_path)
+    set_reconstruction_prompt(model, tokenizer)
+    return model, tokenizer
 
 
 def budgets_for(args: argparse.Namespace, length: int) -> list[int]:
