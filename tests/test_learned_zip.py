@@ -138,3 +138,43 @@ def test_the_training_command_checks_its_flags_before_the_model_loads(flags, mes
     with pytest.raises(SystemExit) as stop:
         train_scorer.main(["--num_sequences", "3", *(flag.format(tmp=tmp_path) for flag in flags)])
     assert str(stop.value.code).startswith(f"error: {message.format(tmp=tmp_path)}")
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(tmp_path_factory):
+    model = tiny_model("llama")
+    path = tmp_path_factory.mktemp("learned") / "weights.pt"
+    save(path, fitted(kvzip_collected(model, random_prompt(1, 60, seed=3)), ridge=1e-2))
+    return str(path)
+
+
+def test_a_left_padded_row_keeps_what_it_keeps_alone(tiny_weights):
+    model = tiny_model("llama")
+    replace_for("llama")(method="learned_zip", max_capacity_prompts=16, learned_zip_weights=tiny_weights)
+    long, short = random_prompt(1, 80, seed=7), random_prompt(1, 60, seed=8)
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 20, dtype=torch.long), short], dim=1)])
+    mask = torch.ones_like(batch)
+    mask[1, :20] = 0
+    together = kept_positions(prefill(model, batch, attention_mask=mask))
+    alone = kept_positions(prefill(model, short))
+    assert [layer.exact[1] for layer in together] == [layer.exact[0] for layer in alone]
+
+
+@pytest.mark.parametrize("options, refusal", [
+    (dict(residual=True), None),
+    (dict(quant_method="kivi"), None),
+    (dict(think=True), None),
+    (dict(prefill_chunk_size=32), "--prefill_chunk_size compresses as tokens come; --method learned_zip's model-wide"),
+    (dict(decode_budget=20), "--decode_budget compresses as tokens come; --method learned_zip's model-wide"),
+])
+def test_learned_zip_composes_or_refuses_in_one_line(tiny_weights, options, refusal):
+    model = tiny_model("llama")
+    patch = lambda: replace_for("llama")(method="learned_zip", max_capacity_prompts=16,  # noqa: E731
+                                         learned_zip_weights=tiny_weights, **options)
+    if refusal is not None:
+        with pytest.raises(ConfigError, match=refusal):
+            patch()
+        return
+    patch()
+    out = model.generate(random_prompt(1, 80), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    assert out.sequences.shape == (1, 83) and out.past_key_values.layers[0].tokens_seen > 16
