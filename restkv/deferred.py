@@ -135,16 +135,15 @@ def observe_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torc
     block = max(1, RECONSTRUCTION_BLOCK_ELEMENTS // (query.shape[1] * scored.shape[2]))
     for start in range(0, repeated, block):
         stop = min(start + block, repeated)
-        weights = chunk_attention(query[:, :, start:stop], scored[:, :, : context + stop], start,
-                                  pending_layer.scaling, pending_layer.softcap)
+        weights = chunk_attention(query[:, :, start:stop], scored[:, :, : context + stop], pending_layer.scaling,
+                                  pending_layer.softcap)
         pending_layer.stats.add(weights[..., sinks:context], chunk.start, query[:, :, start:stop])
 
 
-def chunk_attention(query: torch.Tensor, key: torch.Tensor, first: int, scaling: float,
-                    softcap: float | None) -> torch.Tensor:
-    """``[1, H, q, K]`` float32 softmax of the repeated queries ``first .. first + q - 1`` of a chunk
-    over ``key`` ``[1, H_kv, K, d]``: the scored context columns, then the repetition up to the
-    newest query (each query sees the repetition up to itself: only that corner is masked)."""
+def chunk_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
+    """``[1, H, q, K]`` float32 softmax of a block of a chunk's repeated queries over ``key``
+    ``[1, H_kv, K, d]``: the scored context columns, then the repetition up to the block's newest
+    query (each query sees the repetition up to itself: only the block's own corner is masked)."""
     _, heads, rows, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
