@@ -178,3 +178,20 @@ def test_learned_zip_composes_or_refuses_in_one_line(tiny_weights, options, refu
     patch()
     out = model.generate(random_prompt(1, 80), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     assert out.sequences.shape == (1, 83) and out.past_key_values.layers[0].tokens_seen > 16
+
+
+def test_a_run_whose_model_wide_ranking_leaves_a_layer_whole_still_counts_as_compressed(tmp_path):
+    """The runners' check that a run compressed: one ranking across the model may give a layer
+    every token (here layer 0, whose scores are all highest), and the model still evicts."""
+    from restkv.benchmarks.session import compression_record
+
+    weight = torch.zeros(3, 2, 33)
+    weight[0, :, -1], weight[1:, :, -1] = 5.0, -5.0  # biases: layer 0's tokens win every slot
+    path = tmp_path / "layer0.pt"
+    save(path, ScorerWeights(weight, "kvzip"))
+    model = tiny_model("llama")
+    config = replace_for_model(model, method="learned_zip", max_capacity_prompts=16, learned_zip_weights=str(path))
+    cache = prefill(model, random_prompt(1, 40))
+    assert cache.layers[0].kept_counts.tolist() == [[40, 40]]
+    compression_record(model, config, cache, 40)  # before: "layers [0] kept every token"
+    assert int(sum(layer.kept_counts.sum() for layer in cache.layers)) == 16 * 3 * 2

@@ -166,7 +166,8 @@ def compression_record(model, config: CompressionConfig, cache, prefill_tokens: 
     """Tokens seen and stored by the cache, after checking it did what ``config`` claims.
 
     Raises ``CompressionNotApplied`` if a layer that had to compress the ``prefill_tokens``-token
-    prefill kept everything, and ``CompressionMismatch`` if a layer was compressed with other
+    prefill kept everything (under a model-wide allocation, if no layer evicted or one was not
+    held compressed: one ranking across the model may give a layer all its tokens), and ``CompressionMismatch`` if a layer was compressed with other
     settings than ``config`` (the model re-configured behind the run's back). This is the one
     place that reads the library's compression internals.
     """
@@ -182,7 +183,12 @@ def compression_record(model, config: CompressionConfig, cache, prefill_tokens: 
         if plan_layer(config, valid, module.layer_idx, layers, LayerParams.of(module).sliding_window).compress
     ]
     reports = cache_report(cache)
-    missing = [layer for layer in expected if layer >= len(reports) or not reports[layer].compressed]
+    if config.allocator.model_wide:  # one ranking across the model may leave a layer whole: the model must evict
+        missing = [layer for layer in expected if layer >= len(reports) or reports[layer].kind != "compressed"]
+        if not missing and not any(reports[layer].compressed for layer in expected):
+            missing = expected
+    else:
+        missing = [layer for layer in expected if layer >= len(reports) or not reports[layer].compressed]
     if missing:
         raise CompressionNotApplied(
             f"the prefill had {prefill_tokens} tokens, over the budget of --method {config.method}, but layers "
