@@ -5,7 +5,7 @@ The features of a token, for each KV head, are its key before RoPE, its value an
 (``2 d + 1`` numbers; ``features``). The key is taken before RoPE so that one weight vector
 serves every position; both key and value are linear in the layer's input, so the scorer is a
 linear function of the hidden state seen through that head. Each ``(layer, head)`` is fitted by
-ridge regression on the logarithm of the target scores (``NormalEquations``: a QR factor of
+ridge regression on the logarithm of the target scores (``LeastSquares``: a QR factor of
 every training token's features, updated as they come, then one solve; ``ridge 0`` gives the
 least-squares solution of minimum norm, so a head that has seen no more tokens than it has
 features is fitted exactly). ``python -m restkv.train_scorer`` collects the targets.
@@ -53,11 +53,14 @@ class ScorerWeights:
 
     def predict(self, layer_idx: int, pre_rope_key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """``[B, H_kv, N]`` float32 predicted log-scores of layer ``layer_idx``'s tokens."""
-        weight = self.weight[layer_idx].to(value.device)  # [H_kv, p]
-        return torch.einsum("bhnp,hp->bhn", features(pre_rope_key, value), weight)
+        return self.predict_from(layer_idx, features(pre_rope_key, value))
+
+    def predict_from(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
+        """``[..., H_kv, N]`` predicted log-scores from the tokens' ``features`` ``[..., H_kv, N, p]``."""
+        return torch.einsum("...hnp,hp->...hn", x, self.weight[layer_idx].to(x.device))
 
 
-class NormalEquations:
+class LeastSquares:
     """Every ``(layer, KV head)``'s least-squares problem, folded in as it comes: the triangular
     factor ``R`` and ``Q^T y`` of a QR decomposition of all its rows so far (float64; updated
     by the QR of ``[R; X]``, so the fit never squares the features' condition number, as

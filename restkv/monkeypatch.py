@@ -180,8 +180,13 @@ def replace_for_model(model: torch.nn.Module, method: str = "snapkv", **options:
     against the model (``CompressionConfig.check_model``)."""
     family = family_of(model)
     config = CompressionConfig.from_options(method=method, **options)
-    config.check_model(model_shape(_attention_modules_of(model, family)))
+    config.check_model(shape_of(model))
     return _replace(family, config)
+
+
+def shape_of(model: torch.nn.Module) -> ModelShape:
+    """The shape of a supported model (layers, heads, KV heads, head dim...), as its attention reads it."""
+    return model_shape(_attention_modules_of(model, family_of(model)))
 
 
 def configure(model: torch.nn.Module, config: CompressionConfig | None = None, /, *, reset: bool = False,

@@ -33,9 +33,9 @@ from tqdm import tqdm
 from restkv.deferred import listening_to_scores
 from restkv.generation import prefill
 from restkv.head_scores import head_key, save_head_scores
-from restkv.learned_scores import NormalEquations, ScorerWeights, features, save
+from restkv.learned_scores import LeastSquares, ScorerWeights, features, save
 from restkv.models import check_model_path, load_frozen
-from restkv.monkeypatch import replace_for_model
+from restkv.monkeypatch import replace_for_model, shape_of
 from restkv.policies.kvzip import SINK_SCORE
 from restkv.reconstruction_prompt import set_reconstruction_prompt, template_opening
 from restkv.text import prose_vocabulary, synthetic_prose
@@ -76,7 +76,7 @@ def check_args(args: argparse.Namespace) -> None:
         folder = Path(path).expanduser().parent if path is not None else None
         if folder is not None and not folder.is_dir():
             raise ValueError(f"--{flag} {path}: no such folder {folder}")
-    for flag in ("num_sequences", "seq_len", "reconstruction_chunk"):
+    for flag in ("num_sequences", "reconstruction_chunk"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be at least 1; got {getattr(args, flag)}")
     if args.seq_len < 64:
@@ -117,6 +117,9 @@ def training_texts(tokenizer, args: argparse.Namespace) -> list[list[int]]:
         if len(ids) < args.seq_len:
             raise ValueError(f"--text_file {args.text_file!r} holds {len(ids)} tokens, fewer than --seq_len")
         count = min(args.num_sequences, len(ids) // args.seq_len)
+        if count <= args.held_out:
+            raise ValueError(f"--text_file {args.text_file!r} gives {count} sequences of --seq_len {args.seq_len}, "
+                             f"none left to fit beside --held_out {args.held_out}")
         return [ids[i * args.seq_len : (i + 1) * args.seq_len] for i in range(count)]
     rng = random.Random(args.seed)
     texts = []
@@ -158,7 +161,7 @@ def held_out_recall(weights: ScorerWeights, collected: Collected, ratio: float) 
     truth, predicted = [], []
     for index, (x, target, mask) in sorted(collected.layers.items()):
         truth.append(target[mask])
-        predicted.append((x @ weights.weight[index][..., None]).squeeze(-1)[mask])
+        predicted.append(weights.predict_from(index, x)[mask])
     truth, predicted = torch.cat(truth), torch.cat(predicted)
     top = max(1, int(ratio * truth.numel()))
     kept = set(predicted.topk(top).indices.tolist())
@@ -180,9 +183,9 @@ def main(argv: list[str] | None = None) -> ScorerWeights:
     opening = tokenizer(template_opening(tokenizer), add_special_tokens=False).input_ids
     if not opening and tokenizer.bos_token_id is not None:
         opening = [tokenizer.bos_token_id]
-    shape = (model.config.num_hidden_layers, model.config.num_key_value_heads,
-             getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads)
-    equations, checks, heads = NormalEquations(*shape), [], {}
+    model_shape = shape_of(model)
+    shape = (model_shape.num_layers, model_shape.num_kv_heads, model_shape.head_dim)
+    fits, checks, heads = LeastSquares(*shape), [], {}
     # The budget only decides what KVzip would keep; its scores do not depend on it (the template is kept).
     replace_for_model(model, method="kvzip", max_capacity_prompts=len(opening) + max(1, args.seq_len // 10),
                       reconstruction_chunk=args.reconstruction_chunk)
@@ -193,19 +196,19 @@ def main(argv: list[str] | None = None) -> ScorerWeights:
         ids = torch.tensor(opening + text)[None]
         with listening_to_scores(collected), torch.no_grad():
             prefill(model, ids, context_span=(len(opening), ids.shape[1]))
-        for name, value in head_importance(collected, model.config.num_attention_heads).items():
+        for name, value in head_importance(collected, model_shape.num_heads).items():
             heads.setdefault(name, []).append(value)
         if number < fitted:
             for index, (x, target, mask) in collected.layers.items():
-                equations.add(index, x, target, mask)
+                fits.add(index, x, target, mask)
         else:
             checks.append(collected)
-    if int(equations.tokens.min()) == 0:
-        raise ValueError("some layers were never scored by KVzip (sliding-window layers are not): learned_zip "
+    if int(fits.tokens.min()) == 0:
+        raise SystemExit("error: some layers were never scored by KVzip (sliding-window layers are not): learned_zip "
                          "needs every layer's scores")
-    weight, error = equations.solve(args.ridge)
+    weight, error = fits.solve(args.ridge)
     training = {"model_path": args.model_path, "target": args.target, "text": args.text_file or "synthetic prose+facts",
-                "sequences": fitted, "seq_len": args.seq_len, "tokens": int(equations.tokens.sum()),
+                "sequences": fitted, "seq_len": args.seq_len, "tokens": int(fits.tokens.sum()),
                 "ridge": args.ridge, "reconstruction_chunk": args.reconstruction_chunk, "seed": args.seed,
                 "mean_squared_log_error": float(error.mean())}
     weights = ScorerWeights(weight, args.target, training)

@@ -12,7 +12,7 @@ from restkv.cache import kept_positions
 from restkv.deferred import listening_to_scores
 from restkv.generation import prefill
 from restkv.head_scores import load_head_scores
-from restkv.learned_scores import SHIPPED_WEIGHTS, NormalEquations, ScorerWeights, load_weights, save
+from restkv.learned_scores import SHIPPED_WEIGHTS, LeastSquares, ScorerWeights, load_weights, save
 from restkv.monkeypatch import replace_for_model
 from restkv.train_scorer import Collected
 from tiny_models import random_prompt, replace_for, tiny_model
@@ -33,7 +33,7 @@ def kvzip_collected(model, prompt, **options) -> Collected:
 
 
 def fitted(collected: Collected, ridge: float = 0.0) -> ScorerWeights:
-    equations = NormalEquations(*TINY_SHAPE)
+    equations = LeastSquares(*TINY_SHAPE)
     for index, (x, target, mask) in collected.layers.items():
         equations.add(index, x, target, mask)
     return ScorerWeights(equations.solve(ridge)[0], "kvzip")

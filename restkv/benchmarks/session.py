@@ -167,9 +167,10 @@ def compression_record(model, config: CompressionConfig, cache, prefill_tokens: 
 
     Raises ``CompressionNotApplied`` if a layer that had to compress the ``prefill_tokens``-token
     prefill kept everything (under a model-wide allocation, if no layer evicted or one was not
-    held compressed: one ranking across the model may give a layer all its tokens), and ``CompressionMismatch`` if a layer was compressed with other
-    settings than ``config`` (the model re-configured behind the run's back). This is the one
-    place that reads the library's compression internals.
+    held compressed: one ranking across the model may give a layer all its tokens), and
+    ``CompressionMismatch`` if a layer was compressed with other settings than ``config`` (the
+    model re-configured behind the run's back). This is the one place that reads the library's
+    compression internals.
     """
     from restkv.attention import LayerParams
     from restkv.cache import CompressedLayer, cache_report

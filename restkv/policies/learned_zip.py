@@ -66,7 +66,9 @@ class LearnedZip(KeepsSinks, Policy):
             )
 
     def file_read(self, name: str) -> str | None:
-        return self.learned_zip_weights or str(SHIPPED_WEIGHTS) if name == "learned_zip_weights" else None
+        if name == "learned_zip_weights":
+            return self.learned_zip_weights or str(SHIPPED_WEIGHTS)
+        return super().file_read(name)
 
     def weights(self) -> ScorerWeights:
         file = Path(self.file_read("learned_zip_weights"))
