@@ -174,6 +174,13 @@ class KeepsSinks(SinkOptions):
     def compressible_to(self, window_size: int, budget: int) -> bool:
         return self.n_sink < budget
 
+    def mark_sinks(self, ctx, scores: torch.Tensor, score: float) -> torch.Tensor:
+        """``scores`` with ``score`` at each row's first ``n_sink`` tokens, found by their row-local
+        positions (a chunk scored after the first holds none of them)."""
+        columns = torch.arange(scores.shape[-1], device=scores.device).expand(*scores.shape[:2], -1)
+        local = ctx.positions_of(columns).long() - ctx.row_padding.to(scores.device).view(-1, 1, 1)
+        return scores.masked_fill((local >= 0) & (local < self.n_sink), score)
+
     def check_row(self, config: "CompressionConfig", length: int, budget: int, protected: int) -> None:
         if not self.compressible_to(config.run.window_size, budget):
             raise ConfigError(
