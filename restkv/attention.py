@@ -38,7 +38,8 @@ from restkv.compress import compress_layer, prunes_keys
 from restkv.config import CompressionConfig
 from restkv.context import LayerPlan, ScoringContext, plan_layer, valid_from_mask
 from restkv.context_span import context_span
-from restkv.deferred import PendingLayer, defer_layer, finish_prefill, observe_chunk, pending_of, trailing_queries
+from restkv.deferred import (PendingLayer, chunk_budget, defer_layer, finish_prefill, observe_chunk, observe_held_chunk,
+                             pending_of, trailing_queries)
 from restkv.recompress import recompress
 
 
@@ -102,9 +103,22 @@ def restkv_attention_forward(
     pending = pending_of(cache)
     weights = None
     if isinstance(layer, CompressedLayer) and layer.tokens_seen > 0:
+        in_chunks, first = getattr(cache, "_restkv_in_chunks", False), layer.tokens_seen
         output = layer.attend(query, key, value, attention_mask, params.scaling, params.softcap, position_embeddings,
-                              prompt=getattr(cache, "_restkv_in_chunks", False))
-        if config.rescores:
+                              prompt=in_chunks)
+        if pending is not None and pending.observing:  # a reconstruction piece of a chunked prompt
+            waiting = pending.layers.get(self.layer_idx)
+            if waiting is not None and waiting.reconstructed:
+                observe_held_chunk(waiting, pending.repeating, query, layer)
+        elif in_chunks and config.compresses_after_prefill:  # the chunk waits for the model's (restkv.deferred)
+            valid = key_validity(attention_mask, query.shape[0], query.shape[2], query.device, empty_rows=True)
+            plan = plan_layer(config, valid, self.layer_idx, self.config.num_hidden_layers,
+                              budgets=valid.sum(dim=-1).tolist())
+            defer_layer(cache, self.layer_idx, PendingLayer(
+                config, plan, key, value, trailing_queries(config, query), params.scaling, params.softcap,
+                self.o_proj.weight, position_embeddings, first_column=first,
+            ))
+        elif config.rescores:
             _compress_again(self, config, cache, layer, query, params)
     elif pending is not None and pending.observing:  # a reconstruction chunk (restkv.deferred)
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
@@ -195,11 +209,17 @@ def _chunked_prefill(original: Callable, decoder, chunk: int, kwargs: dict):
             if positions is not None:
                 piece["position_ids"] = positions[:, start:stop]
             outputs.append(original(decoder, **kwargs, **piece))
+            pending = pending_of(cache)
+            if pending is not None:  # layers that wait for every layer's scores of the chunk
+                pending.context_ids = tokens[:, :stop] if name == "input_ids" else None
+                finish_prefill(original, decoder, cache)
     finally:
         cache._restkv_in_chunks = False
-    if module_config(decoder.layers[0].self_attn).run.decode_budget is None:
-        for layer in cache.layers:  # the window that scored the chunks: only a decode budget reads it again
-            if isinstance(layer, CompressedLayer):
+    decode_budget = module_config(decoder.layers[0].self_attn).run.decode_budget
+    for layer in cache.layers:  # what ranked the chunks: only a decode budget reads the newest queries again
+        if isinstance(layer, CompressedLayer):
+            layer.token_scores = None
+            if decode_budget is None:
                 layer.recent_queries = None
     return _joined_chunks(outputs)
 
@@ -238,7 +258,7 @@ def _compress_again(module, config, cache, layer: CompressedLayer, query, params
     layer.remember_queries(query, window)  # the newest window's queries, across chunk boundaries
     if getattr(cache, "_restkv_in_chunks", False):  # a prompt's later chunk (its first was the prefill)
         seen = [layer.tokens_seen - int(padding) for padding in layer.prompt_padding.tolist()]
-        budgets = [_chunk_budget(config, count) for count in seen]
+        budgets = [chunk_budget(config, count) for count in seen]
         queries = layer.recent_queries
     elif config.run.decode_budget is not None and _due(layer, config.run.decode_budget, config.run.decode_interval):
         budgets = [config.run.decode_budget] * query.shape[0]
@@ -261,13 +281,6 @@ def _due(layer: CompressedLayer, budget: int, interval: int) -> bool:
     return layer.tail_length >= interval or held > budget + interval
 
 
-def _chunk_budget(config, seen: int) -> int:
-    """The budget of a row that has seen ``seen`` tokens at a chunk's end, or all of them while
-    the method cannot compress to that budget (early chunks of a ratio budget)."""
-    budget = config.budget_for(seen)
-    return budget if config.policy.compressible_to(config.run.window_size, budget) else seen
-
-
 # ---------------------------------------------------------------- prefill
 COMPRESSIBLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, CompressedLayer)
 
@@ -286,7 +299,7 @@ def _plan_to_compress(module, config, cache, layer, query, attention_mask, param
     budgets, span = None, context_span(cache) if config.run.observation == "reconstruction" else None
     if in_chunks:  # a sliding-window layer keeps its window whole (the config checked the prompt's budget reaches it)
         seen = valid.sum(dim=-1).tolist()
-        budgets = seen if params.sliding_window is not None else [_chunk_budget(config, int(count)) for count in seen]
+        budgets = seen if params.sliding_window is not None else [chunk_budget(config, int(count)) for count in seen]
     plan = plan_layer(config, valid, module.layer_idx, module.config.num_hidden_layers, params.sliding_window, budgets,
                       span)
     # A layer compressed again later (chunked prefill, decode budget) is held compressed from the start; ThinK

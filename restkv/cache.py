@@ -82,6 +82,9 @@ class CompressedLayer(CacheLayerMixin):
                                else torch.zeros(batch, dtype=torch.long)).cpu()
         #: ``[B, H, w, d]`` the newest tokens' queries (kept when the layer is compressed again later)
         self.recent_queries: torch.Tensor | None = None
+        #: ``[B, H_kv, S]`` the kept tokens' scores, aligned with ``kept_columns`` (+inf: protected), while a
+        #: chunked prefill ranks them again beside each new chunk's (``restkv.recompress.rank_chunk``)
+        self.token_scores: torch.Tensor | None = None
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.device = self.tail.columns.device
@@ -236,7 +239,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def nbytes(self) -> int:
         """Bytes of every segment, and of the queries kept for a later compression."""
-        return sum(report.nbytes for report in self.reports()) + tensor_bytes([self.recent_queries])
+        return sum(report.nbytes for report in self.reports()) + tensor_bytes([self.recent_queries, self.token_scores])
 
     def reports(self) -> list[SegmentReport]:
         return [segment.report() for segment in self.segments()]
@@ -273,6 +276,7 @@ class CompressedLayer(CacheLayerMixin):
         self.summaries, self.corrections = [], []
         self.seal, self.sealed = None, 0
         self.tokens_seen = self.prompt_tokens = 0
+        self.token_scores = None
 
     def __copy__(self) -> "CompressedLayer":
         """A snapshot: the segments are shared until either copy writes (``answer_many``)."""
@@ -289,6 +293,8 @@ class CompressedLayer(CacheLayerMixin):
         self.prompt_padding = fn(self.prompt_padding)
         if self.recent_queries is not None:
             self.recent_queries = fn(self.recent_queries)
+        if self.token_scores is not None:
+            self.token_scores = fn(self.token_scores)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))

@@ -271,11 +271,16 @@ class CompressionConfig:
                 f"--decode_budget {run.decode_budget} must exceed --window_size {run.window_size} (the newest "
                 "tokens are always kept)"
             )
-        if self.rescores and self.compresses_after_prefill:
-            flags = "--prefill_chunk_size" if run.prefill_chunk_size is not None else "--decode_budget"
+        if self.compresses_after_prefill and run.decode_budget is not None:
             causes = self.deferring_flags()
-            raise ConfigError(f"{flags} compresses as tokens come; {' and '.join(causes)} "
+            raise ConfigError(f"--decode_budget compresses as tokens come; {' and '.join(causes)} "
                               f"need{'s' if len(causes) == 1 else ''} the whole prompt first")
+        if self.compresses_after_prefill and run.prefill_chunk_size is not None and not self.fixed_scores:
+            raise ConfigError(
+                f"--prefill_chunk_size compresses as tokens come; {' and '.join(self.deferring_flags())} needs the "
+                f"whole prompt first (scores read by --observation {run.observation} change with each chunk's "
+                "queries; reconstruction and query-free scores are ranked chunk by chunk)"
+            )
 
     def deferring_flags(self) -> list[str]:
         """The settings that make layers wait for the whole prefill (``compresses_after_prefill``),
@@ -334,6 +339,12 @@ class CompressionConfig:
     def rescores(self) -> bool:
         """Whether layers are compressed again after their prefill (chunked prefill, decode budget)."""
         return self.run.prefill_chunk_size is not None or self.run.decode_budget is not None
+
+    @property
+    def fixed_scores(self) -> bool:
+        """Whether a token's score is fixed once its chunk is scored (reconstruction queries, or no
+        queries at all), so a chunked prefill may rank stored scores beside new ones."""
+        return self.run.observation == "reconstruction" or not self.policy.observes_queries
 
     @property
     def compresses_after_prefill(self) -> bool:

@@ -23,7 +23,23 @@ them into ``ReconstructionStats``. The repetition's K/V is dropped after each ch
 cache is as the prefill left it, every pending layer is scored, the allocation runs (across
 the model if it is model-wide), and each layer is replaced by its compressed form.
 
-Memory: the peak is the uncompressed prefill's cache, plus during reconstruction one chunk's
+Under ``--prefill_chunk_size`` such a run waits for each chunk instead of the whole prompt
+(``restkv.attention``'s chunked prefill calls ``finish_prefill`` after every chunk). The first
+chunk is deferred as above; each later one is appended to its already compressed layer and
+deferred with its first column (``PendingLayer.first_column``). Its reconstruction repeats the
+chunk's own tokens, their queries attending to what the layer kept of earlier chunks, the
+chunk itself and the repetition; their scores read each head's sinks (its first kept tokens),
+the chunk and the repetition (``observe_held_chunk``), so a chunk's tokens get the scores the
+single pass gives them when nothing was evicted before (the last chunk's exactly, in a test).
+Then ``restkv.recompress.rank_chunk`` ranks the kept tokens' stored scores beside the chunk's,
+to the budget of every token seen. Peak cache, per layer and KV head (model-wide: summed over
+them): ``budget + N + repetition``, where ``N`` is ``--prefill_chunk_size`` and ``repetition``
+the instruction plus ``--reconstruction_chunk`` tokens; flat in the prompt's length.
+The scores a chunk's ranking compares are fixed once read; a window observation's, which
+change with every chunk's queries, are refused with chunked prefill when the allocation is
+model-wide (``CompressionConfig._check_recompression``).
+
+Memory (single pass): the peak is the uncompressed prefill's cache, plus during reconstruction one chunk's
 repetition K/V (instruction + ``--reconstruction_chunk`` tokens) and one float32 block of at
 most ``RECONSTRUCTION_BLOCK_ELEMENTS`` attention weights (queries x heads x scored keys; the
 model's own attention of the chunk over the context comes on top, as in any forward).
@@ -49,6 +65,7 @@ from restkv.context import LayerPlan, ScoringContext
 from restkv.context_span import context_span
 from restkv.observation import ReconstructionObservation, ReconstructionStats
 from restkv.reconstruction_prompt import reconstruction_prompt
+from restkv.recompress import ScoredChunk, rank_chunk
 
 #: float32 attention weights (query heads x queries x scored keys) of one block of a reconstruction
 #: chunk's scores: 16 MiB
@@ -69,6 +86,9 @@ class PendingLayer:
     o_proj_weight: torch.Tensor
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # the prefill's (cos, sin), shared by the layers
     stats: ReconstructionStats | None = None
+    #: None: the cache holds the layer's whole prefill (``key``, ``value``); else the layer is already
+    #: compressed and ``key``/``value`` are a later prompt chunk appended to it from this padded-batch column
+    first_column: int | None = None
 
     @property
     def reconstructed(self) -> bool:
@@ -83,9 +103,12 @@ class RepeatedChunk:
     """The context chunk a reconstruction forward repeats: the cache columns its scores' softmax
     covers besides the repetition itself."""
 
-    sinks: torch.Tensor  # cache columns of the sinks before the chunk, always in the softmax
-    start: int  # the chunk's cache columns [start, stop)
+    sinks: torch.Tensor  # columns of the sinks before the chunk, always in the softmax
+    start: int  # the chunk's columns [start, stop)
     stop: int
+    #: the column of the layer's statistics' first one: 0 for the cache's columns, the sinks' count for
+    #: a compressed layer read as sinks + appended chunk + repetition (``observe_held_chunk``)
+    offset: int = 0
 
 
 @dataclass
@@ -137,7 +160,20 @@ def observe_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torc
         stop = min(start + block, repeated)
         weights = chunk_attention(query[:, :, start:stop], scored[:, :, : context + stop], pending_layer.scaling,
                                   pending_layer.softcap)
-        pending_layer.stats.add(weights[..., sinks:context], chunk.start, query[:, :, start:stop])
+        pending_layer.stats.add(weights[..., sinks:context], chunk.start - chunk.offset, query[:, :, start:stop])
+
+
+def observe_held_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torch.Tensor, layer) -> None:
+    """``observe_chunk`` for a compressed layer holding a chunked prompt: its keys read as its
+    sinks (each head's first kept tokens), then what was appended since its last compression (the
+    prompt chunk and the repetition)."""
+    sinks = chunk.sinks.numel()
+    keys, _, columns = layer.kept_tokens()
+    expected = torch.arange(sinks, dtype=columns.dtype, device=columns.device) + layer.prompt_padding.to(columns)
+    if columns.shape[2] < sinks or not bool((columns[:, :, :sinks] == expected).all()):
+        raise RuntimeError(f"layer {pending_layer.plan.layer_idx} no longer holds its {sinks} sinks")
+    appended = layer.tail.appended_tokens()[0]
+    observe_chunk(pending_layer, chunk, query, torch.cat([keys[:, :, :sinks], appended], dim=2))
 
 
 def chunk_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
@@ -176,38 +212,50 @@ def _reconstruct(model_forward: Callable, model, cache, pending: PendingPrefill)
     context = pending.context_ids
     if context is None or context.shape[0] != 1:
         raise ValueError("--observation reconstruction compresses one prompt at a time (batch size 1, input_ids)")
-    config, plan = next((layer.config, layer.plan) for layer in pending.layers.values() if layer.reconstructed)
+    index, waiting = next((i, layer) for i, layer in pending.layers.items() if layer.reconstructed)
+    config, held = waiting.config, waiting.first_column is not None
     # A left-padded row repeats its real tokens only, at the positions that follow them, and
     # no reconstruction query sees its padding.
-    padding = int(plan.padding[0])
+    padding = int(cache.layers[index].prompt_padding[0] if held else waiting.plan.padding[0])
     real = context.shape[1] - padding
+    first = max((waiting.first_column or 0) - padding, 0)  # the first token these layers wait on (row-local)
     start, stop = context_span(cache) or (0, real)  # the context alone, not its template
     sink_end = max(start, getattr(config.policy, "n_sink", 0))
     size = config.run.reconstruction_chunk
-    pieces = [(first, min(first + size, stop)) for first in range(start, stop, size)]
+    pieces = [(piece, min(piece + size, stop, real)) for piece in range(max(start, first), min(stop, real), size)]
     prompt = reconstruction_prompt(model)
     tokens = context[0, padding:]
-    inputs = [torch.cat([prompt.before(tokens[pieces[i - 1][0] : pieces[i - 1][1]] if i else None).to(context.device),
-                         tokens[first:last]]) for i, (first, last) in enumerate(pieces)]
+    inputs = [torch.cat([prompt.before(tokens[max(start, piece - size) : piece] if piece > start else None).to(
+        context.device), tokens[piece:last]]) for piece, last in pieces]
     expected = sum(ids.shape[0] for ids in inputs)
     for layer in pending.layers.values():
         if layer.reconstructed:
             layer.stats = _stats_for(layer, expected)
+    if not pieces:  # a chunk of template alone: every token of it is protected
+        return
+    seen = (torch.arange(context.shape[1], device=context.device) >= padding).long()[None]
     saved = [copy.copy(layer) for layer in cache.layers]
     try:
         with torch.no_grad():
-            for (first, last), ids in zip(pieces, inputs):
-                pending.repeating = RepeatedChunk(torch.arange(padding, padding + min(sink_end, first)),
-                                                  padding + first, padding + last)
+            for (piece, last), ids in zip(pieces, inputs):
+                pending.repeating = _repeated(piece, last, padding, min(sink_end, piece), waiting.first_column)
                 positions = torch.arange(real, real + ids.shape[0], device=context.device)[None]
-                seen = torch.cat([plan.valid.long(), torch.ones(1, ids.shape[0], dtype=torch.long,
-                                                                device=context.device)], dim=-1)
+                mask = torch.cat([seen, torch.ones(1, ids.shape[0], dtype=torch.long, device=context.device)], dim=-1)
                 model_forward(model, input_ids=ids[None], position_ids=positions, use_cache=True,
-                              attention_mask=seen, **with_cache(cache))
+                              attention_mask=mask, **with_cache(cache))
                 cache.layers[:] = [copy.copy(layer) for layer in saved]  # the repetition's K/V is dropped
     finally:
         pending.repeating = None
         cache.layers[:] = saved
+
+
+def _repeated(piece: int, last: int, padding: int, sinks: int, first_column: int | None) -> RepeatedChunk:
+    """The columns a reconstruction piece (row-local ``[piece, last)``) is scored over: the cache's,
+    or for a compressed layer (its chunk appended from ``first_column``) sinks + chunk + repetition."""
+    if first_column is None:
+        return RepeatedChunk(torch.arange(padding, padding + sinks), padding + piece, padding + last)
+    shift = sinks - first_column + padding
+    return RepeatedChunk(torch.arange(sinks), piece + shift, last + shift, offset=sinks)
 
 
 def _stats_for(layer: PendingLayer, expected: int) -> ReconstructionStats:
@@ -224,22 +272,64 @@ def _stats_for(layer: PendingLayer, expected: int) -> ReconstructionStats:
 
 
 def _compress_pending(cache, pending: PendingPrefill) -> None:
-    contexts = {index: _scoring_context(layer) for index, layer in pending.layers.items()}
+    contexts = {index: _scoring_context(cache, index, layer) for index, layer in pending.layers.items()}
     by_config: dict[Any, list[int]] = {}
     for index, layer in pending.layers.items():
         by_config.setdefault(layer.config, []).append(index)
     for config, indices in by_config.items():
-        allocator = config.allocator
         scores = {index: config.policy.score(contexts[index]) for index in indices}
         for listener in _SCORE_LISTENERS:
             for index in indices:
                 listener(contexts[index], scores[index])
-        keeps = allocator.allocate_model({i: contexts[i] for i in indices}, scores) if allocator.model_wide else {}
+        held = [index for index in indices if pending.layers[index].first_column is not None]
+        if held:
+            _rank_chunk(cache, config, {index: pending.layers[index] for index in held}, contexts, scores)
+            continue
+        keeps = (config.allocator.allocate_model({i: contexts[i] for i in indices}, scores)
+                 if config.allocator.model_wide else {})
         for index in indices:
-            layer = pending.layers[index]
-            state = compress_layer(config, contexts[index], scores=scores[index], keep=keeps.get(index))
-            cache.layers[index] = CompressedLayer.from_state(state, layer.plan.valid.shape[-1],
-                                                             layer.plan.sliding_window, config, layer.plan.padding)
+            layer, ctx = pending.layers[index], contexts[index]
+            state = compress_layer(config, ctx, scores=scores[index], keep=keeps.get(index))
+            compressed = CompressedLayer.from_state(state, layer.plan.valid.shape[-1], layer.plan.sliding_window,
+                                                    config, layer.plan.padding)
+            if config.rescores:  # a chunked prefill: the next chunk's ranking reads the kept tokens' scores
+                lasting = _outside_span(cache, layer, layer.plan.padding)  # not the window: it competes later
+                marked = scores[index].float().masked_fill(lasting[:, None], float("inf"))
+                compressed.token_scores = marked.gather(2, compressed.kept_columns.long().clamp(min=0))
+            cache.layers[index] = compressed
+
+
+def _rank_chunk(cache, config, layers: dict[int, PendingLayer], contexts: dict[int, ScoringContext],
+                scores: dict[int, torch.Tensor]) -> None:
+    """Rank the chunk each compressed layer of ``layers`` was appended beside what it kept, to the
+    budget of every token its rows have seen (``restkv.recompress.rank_chunk``)."""
+    chunks, budgets = {}, None
+    for index, layer in layers.items():
+        compressed = cache.layers[index]
+        seen = [compressed.tokens_seen - int(padding) for padding in compressed.prompt_padding.tolist()]
+        budgets = [chunk_budget(config, count) for count in seen]
+        chunks[index] = ScoredChunk(compressed, scores[index], _outside_span(cache, layer, compressed.prompt_padding),
+                                    layer.queries, layer.scaling, layer.softcap, layer.o_proj_weight)
+    rank_chunk(config, chunks, budgets, next(iter(layers.values())).plan.num_layers)
+
+
+def _outside_span(cache, layer: PendingLayer, padding: torch.Tensor) -> torch.Tensor:
+    """``[B, n]`` the layer's pending tokens outside the context span (the template around it,
+    protected under reconstruction whatever follows); ``padding`` ``[B]``: each row's."""
+    valid = layer.plan.valid
+    span = context_span(cache) if layer.reconstructed else None
+    if span is None:
+        return torch.zeros_like(valid)
+    columns = (layer.first_column or 0) + torch.arange(valid.shape[-1], device=valid.device)
+    local = columns[None] - padding.to(valid.device)[:, None]
+    return valid & ((local < span[0]) | (local >= span[1]))
+
+
+def chunk_budget(config, seen: int) -> int:
+    """The budget of a row that has seen ``seen`` tokens at a chunk's end, or all of them while
+    the method cannot compress to that budget (early chunks of a ratio budget)."""
+    budget = config.budget_for(seen)
+    return budget if config.policy.compressible_to(config.run.window_size, budget) else seen
 
 
 #: callbacks ``(ctx, scores)`` told every deferred layer's scores (``listening_to_scores``)
@@ -257,8 +347,13 @@ def listening_to_scores(listener: Callable[[ScoringContext, torch.Tensor], None]
         _SCORE_LISTENERS.remove(listener)
 
 
-def _scoring_context(layer: PendingLayer) -> ScoringContext:
+def _scoring_context(cache, index: int, layer: PendingLayer) -> ScoringContext:
     observation = (ReconstructionObservation(layer.stats, layer.config.run.reconstruction_reduce)
                    if layer.reconstructed else None)
+    positions = padding = None
+    if layer.first_column is not None:  # a chunk: its tokens' columns, and its rows' padding
+        batch, num_kv_heads, length = layer.key.shape[:3]
+        positions = (layer.first_column + torch.arange(length, device=layer.key.device)).expand(batch, num_kv_heads, -1)
+        padding = cache.layers[index].prompt_padding
     return ScoringContext.of(layer.queries, layer.key, layer.value, layer.plan, layer.scaling, layer.softcap,
-                             layer.o_proj_weight, observation, rotary=layer.rotary)
+                             layer.o_proj_weight, observation, positions, padding, layer.rotary)

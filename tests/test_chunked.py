@@ -233,10 +233,11 @@ def test_rows_of_a_batch_stay_independent_under_decode_compression():
         (dict(method="kvzip", decode_budget=64), "--decode_budget compresses as tokens come; --observation "
          "reconstruction (--method kvzip's own) and --method kvzip's model-wide model_ranked allocation need the "
          "whole prompt first"),
-        (dict(method="snapkv", observation="reconstruction", prefill_chunk_size=64),
-         "--prefill_chunk_size compresses as tokens come; --observation reconstruction needs the whole prompt first"),
+        (dict(method="snapkv", observation="reconstruction", decode_budget=64),
+         "--decode_budget compresses as tokens come; --observation reconstruction needs the whole prompt first"),
         (dict(method="snapkv", allocation="model_ranked", prefill_chunk_size=64),
-         "; --allocation model_ranked needs the whole prompt first"),
+         "; --allocation model_ranked needs the whole prompt first (scores read by --observation window change with "
+         "each chunk's queries"),
         (dict(method="cam", cam_mode="reference", decode_budget=64), "--cam_mode reference"),
         (dict(method="fullkv", decode_budget=64), "--method fullkv evicts nothing"),
     ],

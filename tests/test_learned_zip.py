@@ -164,7 +164,7 @@ def test_a_left_padded_row_keeps_what_it_keeps_alone(tiny_weights):
     (dict(residual=True), None),
     (dict(quant_method="kivi"), None),
     (dict(think=True), None),
-    (dict(prefill_chunk_size=32), "--prefill_chunk_size compresses as tokens come; --method learned_zip's model-wide"),
+    (dict(prefill_chunk_size=32), None),
     (dict(decode_budget=20), "--decode_budget compresses as tokens come; --method learned_zip's model-wide"),
 ])
 def test_learned_zip_composes_or_refuses_in_one_line(tiny_weights, options, refusal):
@@ -178,6 +178,20 @@ def test_learned_zip_composes_or_refuses_in_one_line(tiny_weights, options, refu
     patch()
     out = model.generate(random_prompt(1, 80), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     assert out.sequences.shape == (1, 83) and out.past_key_values.layers[0].tokens_seen > 16
+
+
+def test_chunked_learned_zip_keeps_what_the_single_pass_keeps_when_no_chunk_before_the_last_evicts(tiny_weights):
+    """A learned score is fixed once its token is read: ranking the kept tokens' stored scores
+    beside the last chunk's is the single pass's ranking of the same scores."""
+    model = tiny_model("llama")
+    ids = random_prompt(1, 96)
+    replace_for("llama")(method="learned_zip", max_capacity_prompts=64, learned_zip_weights=tiny_weights)
+    single = kept_positions(prefill(model, ids))
+    replace_for("llama")(method="learned_zip", max_capacity_prompts=64, learned_zip_weights=tiny_weights,
+                         prefill_chunk_size=32)
+    chunked = kept_positions(prefill(model, ids))
+    assert [layer.exact for layer in chunked] == [layer.exact for layer in single]
+    assert any(len(head) < 96 for layer in single for head in layer.exact[0])
 
 
 def test_a_run_whose_model_wide_ranking_leaves_a_layer_whole_still_counts_as_compressed(tmp_path):

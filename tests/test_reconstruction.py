@@ -20,7 +20,7 @@ from restkv.reconstruction_prompt import ReconstructionPrompt, set_reconstructio
 from restkv.generation import answer_many, generate_after_context, prefill
 from restkv.observation import ReconstructionObservation, ReconstructionStats
 from restkv.scoring import window_attention
-from tiny_models import assert_patch_reproduces_unpatched, random_prompt, random_qkv, replace_for, tiny_model
+from tiny_models import assert_patch_reproduces_unpatched, greedy, random_prompt, random_qkv, replace_for, tiny_model
 from toy_benchmark import toy_samples
 
 pytestmark = pytest.mark.filterwarnings("ignore:restkv. --observation reconstruction without")
@@ -384,3 +384,108 @@ def test_each_chunk_repeats_against_the_context_alone_and_its_scores_come_in_bou
     assert max(blocks) <= 4 * 40 * 8 and len(blocks) > len(whole) * math.ceil(100 / 24)
     for index in whole:
         torch.testing.assert_close(blocked[index], whole[index], rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- reconstruction in chunked prefill
+def scores_by_chunk(run, policy_cls=None) -> list[dict]:
+    """Each ranking's ``{layer: [1, H_kv, n] scores}`` while ``run`` prefills, in order (a chunked
+    prefill scores each chunk once)."""
+    from restkv.policies.kvzip import KVzip
+    policy_cls = policy_cls or KVzip
+    rankings, original = [], policy_cls.score
+
+    def recording(policy, ctx):
+        if not rankings or ctx.layer_idx in rankings[-1]:
+            rankings.append({})
+        rankings[-1][ctx.layer_idx] = result = original(policy, ctx)
+        return result
+
+    with mock.patch.object(policy_cls, "score", recording):
+        run()
+    return rankings
+
+
+CHUNKED_KVZIP = dict(method="kvzip", reconstruction_chunk=32, prefill_chunk_size=32)
+
+
+def test_chunked_kvzip_scores_a_chunk_as_the_single_pass_does_when_it_sees_the_same_context():
+    """A budget that keeps everything until the last chunk: that chunk's reconstruction reads the
+    whole uncompressed context, as the single pass's last piece does, and gets its scores."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    set_reconstruction_prompt(model, FakeTokenizer())
+    context = random_prompt(1, 96)
+    replace_for("llama")(**CHUNKED_KVZIP, max_capacity_prompts=64)
+    chunked = scores_by_chunk(lambda: prefill(model, context))
+    replace_for("llama")(**{**CHUNKED_KVZIP, "prefill_chunk_size": None}, max_capacity_prompts=64)
+    (single,) = scores_by_chunk(lambda: prefill(model, context))
+    assert [sorted(ranking) for ranking in chunked] == [[0, 1, 2]] * 3
+    for index, scores in chunked[-1].items():
+        torch.testing.assert_close(scores, single[index][..., 64:], rtol=1e-4, atol=1e-6)
+
+
+def test_chunked_kvzip_keeps_the_model_wide_top_of_each_chunks_scores():
+    """The oracle: no eviction before the last chunk, so the kept set is the model-wide top
+    3 x 2 x 64 of every token's score from the ranking of its own chunk (the sinks always in)."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    set_reconstruction_prompt(model, FakeTokenizer())
+    context = random_prompt(1, 96)
+    replace_for("llama")(**CHUNKED_KVZIP, max_capacity_prompts=64, n_sink=2)
+    holder = {}
+    rankings = scores_by_chunk(lambda: holder.update(cache=prefill(model, context)))
+    assert len(rankings) == 3
+    every = torch.stack([torch.cat([ranking[index][0] for ranking in rankings], dim=-1) for index in range(3)])
+    won = torch.zeros_like(every, dtype=torch.bool).flatten()
+    won[torch.sort(every.flatten(), descending=True, stable=True).indices[: 3 * 2 * 64]] = True
+    expected = won.view_as(every)
+    for index, layer in enumerate(kept_positions(holder["cache"])):
+        for head in range(2):
+            assert layer.exact[0][head] == expected[index, head].nonzero().flatten().tolist()
+            assert {0, 1} <= set(layer.exact[0][head])
+
+
+def test_chunked_reconstruction_holds_at_most_budget_chunk_and_repetition_and_none_of_it_stays():
+    """Peak, over the model (its allocation is model-wide): the budget, plus one prompt chunk and
+    one repetition (instruction + reconstruction chunk) per layer and KV head; after the prefill,
+    every layer holds its share of the budget of the prompt alone."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    prompt = set_reconstruction_prompt(model, FakeTokenizer())
+    repetition = prompt.before(torch.zeros(32, dtype=torch.long)).shape[0] + 16
+    replace_for("llama")(**{**CHUNKED_KVZIP, "reconstruction_chunk": 16}, max_capacity_prompts=24)
+    held = []
+
+    def entries(module, args, kwargs, output):
+        held.append(sum(int(layer.kept_counts.sum()) + 2 * layer.tail_length if isinstance(layer, CompressedLayer)
+                        else 2 * layer.get_seq_length() for layer in kwargs["cache"].layers))
+
+    hooks = [layer.self_attn.register_forward_hook(entries, with_kwargs=True) for layer in model.model.layers]
+    cache = prefill(model, random_prompt(1, 160))
+    for hook in hooks:
+        hook.remove()
+    assert 3 * 2 * (24 + 32) < max(held) <= 3 * 2 * (24 + 32 + repetition)
+    counts = torch.stack([layer.kept_counts[0] for layer in cache.layers])
+    assert int(counts.sum()) == 3 * 2 * 24
+    for layer in cache.layers:
+        assert layer.tokens_seen == 160 and layer.tail_length == 0 and layer.token_scores is None
+        assert int(layer.kept_columns.max()) < 160
+
+
+@pytest.mark.parametrize("options", [
+    dict(method="restkv", observation="reconstruction", allocation="model_ranked"),
+    dict(method="snapkv", observation="reconstruction", allocation="adakv"),
+    dict(method="kvzip", residual=True),
+])
+def test_reconstruction_configurations_compress_in_chunks_to_their_budget(options):
+    """The window a chunk's ranking protects is the newest tokens' of that moment: it competes in
+    the next chunk's ranking (it once stayed +inf, filling the budget with old windows)."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    set_reconstruction_prompt(model, FakeTokenizer())
+    replace_for("llama")(**options, max_capacity_prompts=16, window_size=4, reconstruction_chunk=32,
+                         prefill_chunk_size=32)
+    cache = prefill(model, random_prompt(1, 130))
+    counts = torch.stack([layer.kept_counts[0] + layer.summary_slots[0] for layer in cache.layers])
+    assert int(counts.sum()) == 3 * 2 * 16
+    assert len(set(counts.flatten().tolist())) > 1 or options.get("allocation") is None
+    kept = kept_positions(cache)
+    assert all(set(range(126, 130)) <= set(head) for layer in kept for head in layer.exact[0]) or \
+        options["method"] == "kvzip"
+    greedy(model, random_prompt(1, 1), new_tokens=2)  # nothing left behind breaks a new prompt

@@ -25,6 +25,12 @@ Where this differs from the paper and from kvpress' ``KVzipPress``:
 * the paper's score also covers the system prompt and template tokens; here they are part
   of the context like any other token.
 
+With ``--prefill_chunk_size N`` the context is read, reconstructed and ranked chunk by chunk
+(``restkv.deferred``): each chunk's repetition attends to what earlier chunks kept, and the
+kept tokens' scores are ranked again beside the new chunk's, so the cache never holds more than
+the budget plus one chunk and one repetition (a single-pass reconstruction holds the whole
+context).
+
 On a model with sliding-window layers (Gemma 2/3, sliding Mistral) only the global layers are
 scored and pruned, as the reference does: a sliding layer keeps its window, as the model does,
 and the global layers alone share the model-wide budget.
@@ -68,9 +74,4 @@ class KVzip(KeepsSinks, GroupedScores):
         self.check_sinks(config)
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
-        scores = self.reduce(ctx, ctx.observation.maximum()).clone()
-        length = ctx.valid.shape[-1]
-        first_real = (length - ctx.plan.lengths).tolist()
-        for row, start in enumerate(first_real):
-            scores[row, :, start : start + self.n_sink] = SINK_SCORE
-        return scores
+        return self.mark_sinks(ctx, self.reduce(ctx, ctx.observation.maximum()), SINK_SCORE)

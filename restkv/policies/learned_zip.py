@@ -8,7 +8,9 @@ fitted by ``python -m restkv.train_scorer --target kvzip`` on text the project g
 scoring costs one small matrix product per layer; everything else is KVzip's: no observation
 window, the first ``--n_sink`` tokens always kept, and one ranking of every (layer, KV head,
 token) across the model (``--max_capacity_prompts`` x layers x KV heads entries, ragged per
-layer and head).
+layer and head). Under ``--prefill_chunk_size`` the kept tokens' predicted scores are ranked
+again beside each new chunk's (``restkv.recompress.rank_chunk``): a token's score is fixed once
+its key is read, so the ranking is the single pass's, in bounded memory.
 
 ``--learned_zip_weights`` names the weights file; without it, the weights shipped for the
 embedded default model (``SmolLM2-135M``; README, "learned_zip") are used, and a model of
@@ -82,10 +84,7 @@ class LearnedZip(KeepsSinks, Policy):
                              "sin)")
         # Predicted log-scores; KVzip's are attention weights, at most 1.
         scores = self.weights().predict(ctx.layer_idx, key, ctx.value).exp().clamp(max=1.0)
-        length = ctx.valid.shape[-1]
-        for row, start in enumerate((length - ctx.plan.lengths).tolist()):
-            scores[row, :, start : start + self.n_sink] = SINK_SCORE
-        return scores
+        return self.mark_sinks(ctx, scores, SINK_SCORE)
 
 
 @functools.lru_cache(maxsize=4)
