@@ -280,7 +280,7 @@ def compress_kv(
     scaling: attention scale (default ``1/sqrt(d)``); softcap: logit soft-cap (Gemma 2).
     sliding_window: for sliding-window layers, keys older than the window are invisible.
     rotary: the ``(cos, sin)`` ``[B, N, d]`` the keys were rotated with, for scorers that read the
-        keys before RoPE (``learned_zip``).
+        keys before RoPE or rotate to other positions (``learned_zip``, ``expected_attention``).
 
     Returns
     -------
@@ -290,6 +290,9 @@ def compress_kv(
     """
     config = CompressionConfig.from_any(config)
     valid = _validate_inputs(query, key, value, attention_mask)
+    if config.policy.needs_rotary and rotary is None:
+        raise ValueError(f"--method {config.run.method} reads the RoPE tables the keys were rotated with: give "
+                         "compress_kv the layer's rotary=(cos, sin)")
     plan = plan_layer(config, valid, layer_idx, num_layers, sliding_window)
     state = compress_layer(config, ScoringContext.of(query, key, value, plan, scaling, softcap, o_proj_weight,
                                                      rotary=rotary))

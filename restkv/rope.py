@@ -46,3 +46,25 @@ def rotary_inverse(model, layer_idx: int) -> Unrotate:
         return unrotate(x, cos, sin)
 
     return undo
+
+
+def following_rotation(cos: torch.Tensor, sin: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean ``cos`` and ``sin`` ``[d]`` of the ``count`` positions after the last of a row's
+    consecutive positions, whose ``cos``/``sin`` ``[n, d]`` (n >= 2) a forward used: every
+    rotation transformers' families apply turns each channel by a fixed angle per position
+    (default, linear, Llama 3 and YaRN scaling alike), read here from the row's own angles (their
+    mean step, in float64), so no rotary module is needed. Float64."""
+    if cos.shape[0] < 2:
+        raise ValueError("the rotation of later positions is read from at least 2 consecutive positions")
+    cos, sin = cos.double(), sin.double()
+    amplitude = (cos[-1].square() + sin[-1].square()).sqrt()  # the rope's attention scaling
+    angles = torch.atan2(sin, cos)
+    steps = torch.remainder(angles.diff(dim=0) + torch.pi, 2 * torch.pi) - torch.pi  # each in (-pi, pi]
+    step = steps.mean(dim=0)
+    ahead = angles[-1] + step * torch.arange(1, count + 1, dtype=torch.float64, device=cos.device)[:, None]
+    return amplitude * ahead.cos().mean(dim=0), amplitude * ahead.sin().mean(dim=0)
+
+
+def rotation_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``[d, d]`` the linear map ``x -> x cos + rotate_half(x) sin`` (``apply_rotary_pos_emb``)."""
+    return torch.diag(cos) + sin[:, None] * rotate_half(torch.eye(cos.shape[0], dtype=cos.dtype, device=cos.device)).T

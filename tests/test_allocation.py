@@ -21,6 +21,7 @@ from tiny_models import (
     random_prompt,
     random_qkv,
     registered_methods,
+    rope_tables,
     replace_for,
     tiny_model,
 )
@@ -351,7 +352,8 @@ def test_every_scorer_composes_with_every_allocation(method, allocation, tiny_he
     o_proj = torch.randn(64, 4 * 16, generator=torch.Generator().manual_seed(0))  # output-space scorers read it
     totals = 0
     for layer in range(3):
-        out = compress_kv(query, key, value, config, layer_idx=layer, num_layers=3, o_proj_weight=o_proj)
+        out = compress_kv(query, key, value, config, layer_idx=layer, num_layers=3, o_proj_weight=o_proj,
+                          rotary=rope_tables(query))
         counts = stored_counts(out)[0]
         if not config.policy.compresses_layer(layer):
             assert counts.tolist() == [120, 120]

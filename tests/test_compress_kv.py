@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from tiny_models import random_qkv, registered_methods
+from tiny_models import random_qkv, registered_methods, rope_tables
 
 #: every registered method whose heads keep the budget and whose kept entries are the inputs
 METHODS = registered_methods(uniform=True, keeps_inputs=True)
@@ -27,7 +27,7 @@ O_PROJ = torch.randn(32, 6 * 8, generator=torch.Generator().manual_seed(1))
 @pytest.mark.parametrize("method", METHODS)
 def test_kept_entries_are_the_inputs_at_ascending_positions(method):
     query, key, value = qkv()
-    out = compress_kv(query, key, value, config_for(method), o_proj_weight=O_PROJ)
+    out = compress_kv(query, key, value, config_for(method), o_proj_weight=O_PROJ, rotary=rope_tables(query))
     assert out.keys.shape == (1, 2, 40, 8) and out.indices.shape == (1, 2, 40)
     for head in range(2):
         positions = out.indices[0, head]
@@ -39,7 +39,7 @@ def test_kept_entries_are_the_inputs_at_ascending_positions(method):
 @pytest.mark.parametrize("method", METHODS)
 def test_window_is_always_kept(method):
     query, key, value = qkv()
-    out = compress_kv(query, key, value, config_for(method), o_proj_weight=O_PROJ)
+    out = compress_kv(query, key, value, config_for(method), o_proj_weight=O_PROJ, rotary=rope_tables(query))
     protected = config_for(method).policy.protected_count(8, 40)
     for head in range(2):
         assert set(range(120 - protected, 120)) <= set(out.indices[0, head].tolist())
@@ -52,10 +52,12 @@ def test_left_padded_rows_equal_their_single_row_runs(method):
     mask = torch.zeros(3, 120, dtype=torch.long)
     for row, length in enumerate(lengths):
         mask[row, 120 - length :] = 1
-    batched = compress_kv(query, key, value, config_for(method), attention_mask=mask, o_proj_weight=O_PROJ)
+    batched = compress_kv(query, key, value, config_for(method), attention_mask=mask, o_proj_weight=O_PROJ,
+                          rotary=rope_tables(query, mask))
     for row, length in enumerate(lengths):
-        alone = compress_kv(query[row : row + 1, :, -length:], key[row : row + 1, :, -length:],
-                            value[row : row + 1, :, -length:], config_for(method), o_proj_weight=O_PROJ)
+        alone_query = query[row : row + 1, :, -length:]
+        alone = compress_kv(alone_query, key[row : row + 1, :, -length:], value[row : row + 1, :, -length:],
+                            config_for(method), o_proj_weight=O_PROJ, rotary=rope_tables(alone_query))
         width = alone.indices.shape[-1]
         assert torch.equal(batched.indices[row, :, :width], alone.indices[0])
         assert bool((batched.indices[row, :, width:] == -1).all())

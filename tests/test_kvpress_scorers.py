@@ -1,4 +1,4 @@
-"""The scorers ported from kvpress 0.5.5 (KeyDiff, LagKV, CUR, NonCausalAttn, Finch) and the
+"""The scorers ported from kvpress 0.5.5 (KeyDiff, LagKV, CUR, NonCausalAttn, Finch, Expected Attention) and the
 PyramidKV parity schedule, each against an oracle written from its formula on small tensors,
 and composed with the rest of the library (or refusing what it cannot do, naming the flag)."""
 
@@ -13,17 +13,17 @@ from restkv.compat import output_cache
 from restkv.context import ScoringContext, plan_layer, valid_from_mask
 from restkv.policies.pyramidkv import kvpress_pyramid_totals
 from test_policies import dense_attention
-from tiny_models import greedy, random_prompt, random_qkv, replace_for, tiny_model
+from tiny_models import greedy, random_prompt, random_qkv, replace_for, rope_tables, tiny_model
 
-PORTED = ["keydiff", "lagkv", "cur", "noncausal_attn", "finch", "qfilter"]
+PORTED = ["keydiff", "lagkv", "cur", "noncausal_attn", "finch", "qfilter", "expected_attention"]
 
 
-def scores_of(options, query, key, value, attention_mask=None):
+def scores_of(options, query, key, value, attention_mask=None, rotary=None):
     """``policy.score(ctx)`` of the config ``options`` (no protected window unless given) on one
     layer's tensors."""
     config = CompressionConfig(**{"window_size": 0, **options})
     valid = valid_from_mask(attention_mask, key.shape[0], key.shape[2], key.device)
-    ctx = ScoringContext.of(query, key, value, plan_layer(config, valid))
+    ctx = ScoringContext.of(query, key, value, plan_layer(config, valid), rotary=rotary)
     return config.policy.score(ctx)
 
 
@@ -199,6 +199,68 @@ def test_noncausal_attention_refuses_what_cannot_give_it_every_prompt_query(opti
     flag = "--" + next(iter(options))
     with pytest.raises(ConfigError, match=flag):
         CompressionConfig(method="noncausal_attn", max_capacity_prompts=40, window_size=8, **options)
+
+
+# ---------------------------------------------------------------- Expected Attention
+def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary_pos_emb`` of ``x`` ``[..., d]`` at one position."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def test_expected_attention_of_one_repeated_query_is_its_mean_logit_over_the_future_positions():
+    """The oracle: every prompt query is the same pre-RoPE ``q`` (no covariance), so the expected
+    logit of key ``k`` is the mean over the 16 next positions of ``s k . rope_t(q)``; the scores are
+    their softmax over the tokens after the sinks, sinks above every other."""
+    _, key, value = random_qkv(length=40, seed=4)
+    q = torch.randn(4, 16, generator=torch.Generator().manual_seed(5))
+    cos, sin = rope_tables(torch.zeros(1, 1, 40 + 16, 16))
+    query = rotated(q[None, :, None], cos[0, :40][None, None], sin[0, :40][None, None])  # [1, 4, 40, 16]
+    options = dict(method="expected_attention", max_capacity_prompts=10, ea_future_positions=16, ea_vnorm=False)
+    scores = scores_of(options, query, key, value, rotary=(cos[:, :40], sin[:, :40]))
+    future = torch.stack([rotated(q, cos[0, t], sin[0, t]) for t in range(40, 56)])  # [16, 4, 16]
+    for head in range(4):
+        logits = torch.stack([key[0, head // 2, 4:] @ future[t, head] for t in range(16)]).mean(dim=0) / 4
+        expected = logits.softmax(dim=-1)
+        if head % 2 == 0:
+            group = expected
+            continue
+        torch.testing.assert_close(scores[0, head // 2, 4:], (group + expected) / 2, rtol=1e-4, atol=1e-6)
+        assert bool((scores[0, head // 2, :4] > scores[0, head // 2, 4:].max()).all())
+
+
+def test_expected_attention_variance_raises_keys_along_the_queries_spread_and_vnorm_weights_by_values():
+    """Queries spread along channel 0 only (no rotation: cos 1, sin 0): the logit of key ``k`` is
+    ``s mean k_0 + s^2/2 var k_0^2``; without the covariance the mean term alone; --ea_vnorm
+    multiplies by ``||v||``."""
+    length, dim = 30, 16
+    spread = torch.zeros(1, 4, length, dim)
+    spread[..., 0] = torch.linspace(-2, 2, length)
+    _, key, value = random_qkv(length=length, seed=6)
+    still = (torch.ones(1, length, dim), torch.zeros(1, length, dim))
+    options = dict(method="expected_attention", max_capacity_prompts=10, ea_vnorm=False)
+    scores = scores_of(options, spread, key, value, rotary=still)
+    observed = spread[0, 0, 4:, 0]  # the statistics skip the sinks' queries
+    logits = observed.mean() * key[0, :, 4:, 0] / 4 + observed.var(unbiased=False) / dim / 2 * key[0, :, 4:, 0] ** 2
+    torch.testing.assert_close(scores[0, :, 4:], logits.softmax(dim=-1), rtol=1e-4, atol=1e-7)
+    flat = scores_of({**options, "ea_covariance": False}, spread, key, value, rotary=still)
+    torch.testing.assert_close(flat[0, :, 4:], (observed.mean() * key[0, :, 4:, 0] / 4).softmax(dim=-1))
+    weighted = scores_of({**options, "ea_vnorm": True, "ea_epsilon": 0.5}, spread, key, value, rotary=still)
+    torch.testing.assert_close(weighted[0, :, 4:], (scores[0, :, 4:] + 0.5) * value[0, :, 4:].norm(dim=-1))
+
+
+@pytest.mark.parametrize("options", [dict(prefill_chunk_size=64), dict(decode_budget=48),
+                                     dict(allocation="model_ranked"), dict(observation="reconstruction")])
+def test_expected_attention_refuses_what_cannot_give_it_every_prompt_query(options):
+    flag = "--" + next(iter(options))
+    with pytest.raises(ConfigError, match=flag):
+        CompressionConfig(method="expected_attention", max_capacity_prompts=40, window_size=8, **options)
+
+
+def test_expected_attention_on_tensors_needs_the_rope_tables():
+    query, key, value = random_qkv(length=40)
+    with pytest.raises(ValueError, match="give compress_kv the layer's rotary"):
+        compress_kv(query, key, value, dict(method="expected_attention", max_capacity_prompts=16, window_size=4))
 
 
 # ---------------------------------------------------------------- Finch

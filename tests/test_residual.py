@@ -28,6 +28,7 @@ from tiny_models import (
     random_prompt,
     random_qkv,
     registered_methods,
+    rope_tables,
     replace_for,
     tiny_model,
 )
@@ -82,8 +83,9 @@ def test_residual_budget_zero_is_bitwise_the_base_method(method, zero):
     query, key, value = qkv()
     o_proj = torch.randn(48, 6 * 8, generator=torch.Generator().manual_seed(3))
     config = residual_config(method, **zero)
-    ours = compress_kv(query, key, value, config, o_proj_weight=o_proj)
-    base = compress_kv(query, key, value, config.replace(residual=False), o_proj_weight=o_proj)
+    rotary = rope_tables(query)
+    ours = compress_kv(query, key, value, config, o_proj_weight=o_proj, rotary=rotary)
+    base = compress_kv(query, key, value, config.replace(residual=False), o_proj_weight=o_proj, rotary=rotary)
     assert ours.residual_log_counts is None
     assert torch.equal(ours.keys, base.keys) and torch.equal(ours.values, base.values)
     assert torch.equal(ours.indices, base.indices)
@@ -107,8 +109,10 @@ def test_main_cache_is_the_base_method_at_the_smaller_budget(method):
     query, key, value = qkv()
     o_proj = torch.randn(48, 6 * 8, generator=torch.Generator().manual_seed(3))
     config = residual_config(method, residual_no_validation=True, residual_fixed_ratio=0.25)  # r = 10 of 40
-    ours = compress_kv(query, key, value, config, o_proj_weight=o_proj)
-    base = compress_kv(query, key, value, config.replace(residual=False, max_capacity_prompts=30), o_proj_weight=o_proj)
+    rotary = rope_tables(query)
+    ours = compress_kv(query, key, value, config, o_proj_weight=o_proj, rotary=rotary)
+    base = compress_kv(query, key, value, config.replace(residual=False, max_capacity_prompts=30), o_proj_weight=o_proj,
+                       rotary=rotary)
     assert torch.equal(ours.indices[..., :30], base.indices) and bool((ours.indices[..., 30:] == -1).all())
     assert torch.equal(ours.keys[..., :30, :], base.keys)
     assert bool(torch.isfinite(ours.residual_log_counts).all())

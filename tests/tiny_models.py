@@ -118,6 +118,17 @@ def random_qkv(batch=1, heads=4, kv_heads=2, length=96, dim=16, seed=0):
     return query, key, value
 
 
+def rope_tables(query: torch.Tensor, attention_mask: torch.Tensor | None = None, base: float = 10000.0):
+    """The default RoPE ``(cos, sin)`` ``[B, N, d]`` of each row's own positions (a left-padded
+    row's first real token at 0), as ``compress_kv``'s ``rotary`` for scorers that read it."""
+    batch, _, length, dim = query.shape
+    positions = (torch.arange(length).expand(batch, -1) if attention_mask is None
+                 else (attention_mask.cumsum(dim=-1) - 1).clamp(min=0))
+    angles = positions[..., None].double() / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
 def greedy(model, input_ids, attention_mask=None, new_tokens=5):
     """Greedy generation of exactly ``new_tokens`` tokens (never stopping early on EOS, so rows
     stay comparable), returning the sequences, the per-step logits and the cache."""

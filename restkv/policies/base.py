@@ -69,6 +69,9 @@ class Policy(Options):
     #: scores with weights fitted to one model's layers and heads (``learned_zip``), so it cannot
     #: score a layer of any other shape
     fitted_to_a_model: ClassVar[bool] = False
+    #: reads the RoPE tables the keys were rotated with (``ScoringContext.rotary``): keys or queries
+    #: before RoPE, or rotations to other positions; ``compress_kv`` needs its ``rotary`` then
+    needs_rotary: ClassVar[bool] = False
 
     def own_allocation(self) -> str | None:
         """The allocation the method is defined with (``allocation``, unless one of its options

@@ -39,6 +39,7 @@ class LearnedZip(KeepsSinks, Policy):
     allocation = "model_ranked"
     observes_queries = False
     fitted_to_a_model = True
+    needs_rotary = True
 
     learned_zip_weights: str | None = option(
         None, "learned_zip: weights file (python -m restkv.train_scorer); default: the ones shipped for SmolLM2-135M",
@@ -79,9 +80,6 @@ class LearnedZip(KeepsSinks, Policy):
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         self.check_shape(ctx.num_layers, ctx.num_kv_heads, ctx.key.shape[-1])
         key = ctx.pre_rope_key
-        if key is None:
-            raise ValueError("--method learned_zip reads the keys before RoPE: give compress_kv the layer's rotary=(cos, "
-                             "sin)")
         # Predicted log-scores; KVzip's are attention weights, at most 1.
         scores = self.weights().predict(ctx.layer_idx, key, ctx.value).exp().clamp(max=1.0)
         return self.mark_sinks(ctx, scores, SINK_SCORE)
