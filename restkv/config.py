@@ -177,7 +177,7 @@ class CompressionConfig:
                                 if name in explicit and name not in switched_off})
         # The policy is built first (its options checked): a method may choose its allocation by one of them.
         policy = policy_cls(**{name: value for name, value in explicit.items()
-                               if name in option_specs(policy_cls) and value is not None})
+                               if name in option_specs(policy_cls) and value is not None}).for_run(run)
         allocation = _resolve_allocation(policy, run, explicit)
         allocation_cls = lookup("allocation", allocation)
         merge_cls = None if run.merge == "none" else lookup("merge", run.merge)

@@ -1,4 +1,5 @@
-"""The scorers ported from kvpress 0.5.5 (KeyDiff, LagKV, CUR, NonCausalAttn, Finch, Expected Attention) and the
+"""The scorers ported from kvpress 0.5.5 (KeyDiff, LagKV, CUR, NonCausalAttn, Finch, Expected Attention,
+leverage scores, Compactor) and the
 PyramidKV parity schedule, each against an oracle written from its formula on small tensors,
 and composed with the rest of the library (or refusing what it cannot do, naming the flag)."""
 
@@ -15,7 +16,7 @@ from restkv.policies.pyramidkv import kvpress_pyramid_totals
 from test_policies import dense_attention
 from tiny_models import greedy, random_prompt, random_qkv, replace_for, rope_tables, tiny_model
 
-PORTED = ["keydiff", "lagkv", "cur", "noncausal_attn", "finch", "qfilter", "expected_attention"]
+PORTED = ["keydiff", "lagkv", "cur", "noncausal_attn", "finch", "qfilter", "expected_attention", "leverage", "compactor"]
 
 
 def scores_of(options, query, key, value, attention_mask=None, rotary=None):
@@ -261,6 +262,64 @@ def test_expected_attention_on_tensors_needs_the_rope_tables():
     query, key, value = random_qkv(length=40)
     with pytest.raises(ValueError, match="give compress_kv the layer's rotary"):
         compress_kv(query, key, value, dict(method="expected_attention", max_capacity_prompts=16, window_size=4))
+
+
+# ---------------------------------------------------------------- leverage scores, Compactor
+def hat_diagonal(keys: torch.Tensor) -> torch.Tensor:
+    """``[H, n]`` z-scored ``diag(X (X^T X + 0.01 I)^-1 X^T)`` of the row-centred ``keys`` ``[H, n, d]``."""
+    centred = keys - keys.mean(dim=1, keepdim=True)
+    inverse = torch.linalg.inv(centred.transpose(1, 2) @ centred + 0.01 * torch.eye(keys.shape[-1]))
+    leverage = torch.einsum("hnd,hde,hne->hn", centred, inverse, centred).clamp_min(0)
+    return (leverage - leverage.mean()) / leverage.std()
+
+
+def test_leverage_of_an_unsketched_key_is_its_hat_matrix_diagonal(monkeypatch):
+    """With the sketch set to ``sqrt(m) I`` (m = d) the score is the exact leverage; the outlying key stays."""
+    from restkv.policies import leverage
+
+    query, key, value = random_qkv(length=40, seed=7)
+    key[0, :, 13] *= 6.0
+    monkeypatch.setattr(leverage, "gaussian_sketch", lambda ctx, m: math.sqrt(m) * torch.eye(16).expand(1, 2, 16, 16))
+    cos, sin = rope_tables(query)
+    options = dict(method="leverage", max_capacity_prompts=10, leverage_sketch_dim=16)
+    scores = scores_of(options, query, key, value, rotary=(cos, sin))
+    pre_rope = torch.stack([rotated(key[0, :, i], cos[0, i], -sin[0, i]) for i in range(40)], dim=1)
+    torch.testing.assert_close(scores[0], hat_diagonal(pre_rope), rtol=1e-4, atol=1e-5)
+    out = compress_kv(query, key, value, dict(options, window_size=2), rotary=(cos, sin))
+    assert 13 in kept(out, head=0) and 13 in kept(out, head=1)
+
+
+def test_leverage_sketch_is_seeded_per_layer():
+    from restkv.policies.leverage import gaussian_sketch
+
+    query, key, value = random_qkv(length=20)
+    config = CompressionConfig(method="leverage", max_capacity_prompts=8, window_size=0)
+    valid = valid_from_mask(None, 1, 20, key.device)
+    draws = [gaussian_sketch(ScoringContext.of(query, key, value, plan_layer(config, valid, layer, 3)), 48)
+             for layer in (0, 0, 1)]
+    assert draws[0].shape == (1, 2, 16, 48) and torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+
+
+def test_compactor_blends_the_middles_leverage_and_attention_and_keeps_its_ends():
+    """The oracle is the two scorers run on the middle tokens alone (after 8 sinks, before the last 4)."""
+    query, key, value = random_qkv(length=60, seed=8)
+    rotary = rope_tables(query)
+    options = dict(max_capacity_prompts=20, compactor_blending=0.3)
+    scores = scores_of(dict(options, method="compactor"), query, key, value, rotary=rotary)
+    middle = slice(8, 56)
+    part = lambda method: scores_of(dict(max_capacity_prompts=20, method=method), query[:, :, middle],  # noqa: E731
+                                    key[:, :, middle], value[:, :, middle],
+                                    rotary=tuple(table[:, middle] for table in rotary))
+    torch.testing.assert_close(scores[0, :, middle], 0.3 * part("leverage")[0] + part("noncausal_attn")[0])
+    ends = torch.cat([scores[0, :, :8], scores[0, :, 56:]], dim=-1)
+    assert bool((ends > scores[0, :, middle].max()).all())
+
+
+@pytest.mark.parametrize("method", ["leverage", "compactor"])
+@pytest.mark.parametrize("options", [dict(prefill_chunk_size=64), dict(decode_budget=48)])
+def test_leverage_scorers_refuse_scoring_a_layer_again(method, options):
+    with pytest.raises(ConfigError, match="--" + next(iter(options))):
+        CompressionConfig(method=method, max_capacity_prompts=40, window_size=8, **options)
 
 
 # ---------------------------------------------------------------- Finch

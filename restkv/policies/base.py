@@ -73,6 +73,11 @@ class Policy(Options):
     #: before RoPE, or rotations to other positions; ``compress_kv`` needs its ``rotary`` then
     needs_rotary: ClassVar[bool] = False
 
+    def for_run(self, run: Any) -> "Policy":
+        """The policy with the defaults that follow the run's options (``RunOptions``) filled in;
+        itself for most methods."""
+        return self
+
     def own_allocation(self) -> str | None:
         """The allocation the method is defined with (``allocation``, unless one of its options
         chooses, like ``--kvzip_layerwise``); None lets ``--allocation`` choose."""

@@ -58,17 +58,17 @@ class NonCausalAttention(GroupedScores):
         if ctx.query.shape[2] != ctx.key.shape[2]:
             raise ValueError(f"--method {self.name} needs the queries of all {ctx.key.shape[2]} prompt tokens; the "
                              f"scoring context holds {ctx.query.shape[2]}")
+        return score_rows(ctx, lambda row, columns: self.row_scores(ctx, row, columns))
+
+    def row_scores(self, ctx: ScoringContext, row: int, columns: slice) -> torch.Tensor:
+        """``[H_kv, n]`` z-scored scores of row ``row``'s tokens at ``columns``, scored among themselves."""
         groups = ctx.query.shape[1] // ctx.num_kv_heads
-
-        def row_scores(row: int, columns: slice) -> torch.Tensor:
-            query = ctx.query[row, :, columns].float()
-            key = ctx.key[row, :, columns].float().repeat_interleave(groups, dim=0)
-            received = self.received_attention(query, key, ctx.scaling, ctx.softcap)  # [H, n]
-            scores = self.reduce(ctx, received[None])[0] * ctx.value[row, :, columns].float().norm(dim=-1)
-            pooled = F.avg_pool1d(scores[:, None], kernel_size=3, stride=1, padding=1)[:, 0]
-            return (pooled - pooled.mean()) / pooled.std().clamp_min(1e-6)
-
-        return score_rows(ctx, row_scores)
+        query = ctx.query[row, :, columns].float()
+        key = ctx.key[row, :, columns].float().repeat_interleave(groups, dim=0)
+        received = self.received_attention(query, key, ctx.scaling, ctx.softcap)  # [H, n]
+        scores = self.reduce(ctx, received[None])[0] * ctx.value[row, :, columns].float().norm(dim=-1)
+        pooled = F.avg_pool1d(scores[:, None], kernel_size=3, stride=1, padding=1)[:, 0]
+        return (pooled - pooled.mean()) / pooled.std().clamp_min(1e-6)
 
     def received_attention(self, query: torch.Tensor, key: torch.Tensor, scaling: float,
                            softcap: float | None) -> torch.Tensor:
