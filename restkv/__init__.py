@@ -1,13 +1,12 @@
 """restkv: KV cache compression for Hugging Face transformers models.
 
 Importing the package registers every part of a compression run (the methods in
-``restkv.policies``, the allocations, the merge, the residual cache, key-channel pruning and
-the quantisers), so configs can name
-them.
+``restkv.policies``, the allocations, the merge, the residual cache, key-channel pruning,
+CriticalKV's rescoring and the quantisers), so configs can name them.
 """
 
 from restkv import (  # noqa: F401  (they register their parts)
-    allocation, channel_pruning, merging, policies, quantization, residual,
+    allocation, channel_pruning, critical, merging, policies, quantization, residual,
 )
 from restkv.compress import CompressedKV, compress_kv
 from restkv.config import CompressionConfig, ConfigError

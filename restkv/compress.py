@@ -45,6 +45,13 @@ class Summariser(Protocol):
 
 
 @runtime_checkable
+class Rescorer(Protocol):
+    """A part that reweights the scores once each head's count is known (CriticalKV)."""
+
+    def rescore(self, ctx: ScoringContext, scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
 class KeyPruner(Protocol):
     """A part that stores kept keys with fewer channels (ThinK)."""
 
@@ -103,6 +110,9 @@ def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch
         scores = policy.score(ctx)
     if keep is None:
         keep = config.allocator.allocate(ctx, scores)
+    for part in config.parts:
+        if isinstance(part, Rescorer):
+            scores = part.rescore(ctx, scores, keep)
     memos = []
     for part in summarisers(config):
         reservation = part.reserve(ctx, scores, keep, previous)

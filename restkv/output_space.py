@@ -1,4 +1,4 @@
-"""Output-space maths shared by the scorers that read ``W_o`` (ReST-KV's ``--use_wo``, LaProx).
+"""Output-space maths shared by the scorers that read ``W_o`` (ReST-KV's ``--use_wo``, LaProx, CriticalKV).
 
 The norm of a head's contribution to the layer output, ``||W_o^h x||``, needs no ``N x hidden``
 projection: with the Gram matrix ``G_h = W_o^hT W_o^h`` (``d x d``), ``||W_o^h x||^2 = xT G_h x``
@@ -37,7 +37,7 @@ def output_weight(ctx) -> torch.Tensor:
     num_heads, head_dim = ctx.query.shape[1], ctx.query.shape[-1]
     if weight is None:
         raise ValueError(
-            "scoring in output space (ReST-KV's --use_wo, LaProx) needs the layer's output projection: pass "
+            "scoring in output space (ReST-KV's --use_wo, LaProx, --critical) needs the layer's output projection: pass "
             "o_proj_weight ([hidden, heads * head_dim]) to compress_kv (or, for ReST-KV, use --no-use_wo)"
         )
     if weight.dim() != 2 or weight.shape[1] != num_heads * head_dim:
