@@ -38,8 +38,8 @@ from restkv.compress import compress_layer, prunes_keys
 from restkv.config import CompressionConfig
 from restkv.context import LayerPlan, ScoringContext, plan_layer, valid_from_mask
 from restkv.context_span import context_span
-from restkv.deferred import (PendingLayer, chunk_budget, defer_layer, finish_prefill, observe_chunk, observe_held_chunk,
-                             pending_of, trailing_queries)
+from restkv.deferred import (PendingLayer, chunk_budgets, chunked_prompt, defer_layer, finish_prefill, observe_chunk,
+                             observe_held_chunk, pending_of, trailing_queries)
 from restkv.recompress import recompress
 
 
@@ -103,7 +103,7 @@ def restkv_attention_forward(
     pending = pending_of(cache)
     weights = None
     if isinstance(layer, CompressedLayer) and layer.tokens_seen > 0:
-        in_chunks, first = getattr(cache, "_restkv_in_chunks", False), layer.tokens_seen
+        in_chunks, first = chunked_prompt(cache) is not None, layer.tokens_seen
         output = layer.attend(query, key, value, attention_mask, params.scaling, params.softcap, position_embeddings,
                               prompt=in_chunks)
         if pending is not None and pending.observing:  # a reconstruction piece of a chunked prompt
@@ -200,7 +200,8 @@ def _chunked_prefill(original: Callable, decoder, chunk: int, kwargs: dict):
     if kwargs.get("output_attentions"):
         raise ValueError(f"--prefill_chunk_size {chunk}: output_attentions is not available under chunked prefill "
                          "(each chunk attends to a different cache); run the prompt in one piece to read them")
-    outputs, cache._restkv_in_chunks = [], True
+    rows = (mask.sum(dim=-1) if mask is not None else torch.full((tokens.shape[0],), tokens.shape[1])).tolist()
+    outputs, cache._restkv_chunked_prompt = [], rows
     try:
         for start, stop in chunk_bounds(tokens.shape[1], chunk):
             piece = {name: tokens[:, start:stop], **with_cache(cache)}
@@ -214,7 +215,7 @@ def _chunked_prefill(original: Callable, decoder, chunk: int, kwargs: dict):
                 pending.context_ids = tokens[:, :stop] if name == "input_ids" else None
                 finish_prefill(original, decoder, cache)
     finally:
-        cache._restkv_in_chunks = False
+        cache._restkv_chunked_prompt = None
     decode_budget = module_config(decoder.layers[0].self_attn).run.decode_budget
     for layer in cache.layers:  # what ranked the chunks: only a decode budget reads the newest queries again
         if isinstance(layer, CompressedLayer):
@@ -256,9 +257,9 @@ def _compress_again(module, config, cache, layer: CompressedLayer, query, params
     (``restkv.recompress``) with the newest queries."""
     window = config.run.window_size
     layer.remember_queries(query, window)  # the newest window's queries, across chunk boundaries
-    if getattr(cache, "_restkv_in_chunks", False):  # a prompt's later chunk (its first was the prefill)
+    if chunked_prompt(cache) is not None:  # a prompt's later chunk (its first was the prefill)
         seen = [layer.tokens_seen - int(padding) for padding in layer.prompt_padding.tolist()]
-        budgets = [chunk_budget(config, count) for count in seen]
+        budgets = chunk_budgets(config, cache, seen)
         queries = layer.recent_queries
     elif config.run.decode_budget is not None and _due(layer, config.run.decode_budget, config.run.decode_interval):
         budgets = [config.run.decode_budget] * query.shape[0]
@@ -294,12 +295,12 @@ def _plan_to_compress(module, config, cache, layer, query, attention_mask, param
     if params.sliding_window is not None and config.run.observation == "reconstruction":
         return None  # as KVzip's reference: only global layers are scored and pruned; a sliding layer keeps its window
     # A chunked prompt's first chunk may be all padding for a shorter row (its chunks end where the row's own do).
-    in_chunks = getattr(cache, "_restkv_in_chunks", False)
+    in_chunks = chunked_prompt(cache) is not None
     valid = key_validity(attention_mask, query.shape[0], query.shape[2], query.device, in_chunks)
     budgets, span = None, context_span(cache) if config.run.observation == "reconstruction" else None
     if in_chunks:  # a sliding-window layer keeps its window whole (the config checked the prompt's budget reaches it)
         seen = valid.sum(dim=-1).tolist()
-        budgets = seen if params.sliding_window is not None else [chunk_budget(config, int(count)) for count in seen]
+        budgets = seen if params.sliding_window is not None else chunk_budgets(config, cache, [int(c) for c in seen])
     plan = plan_layer(config, valid, module.layer_idx, module.config.num_hidden_layers, params.sliding_window, budgets,
                       span)
     # A layer compressed again later (chunked prefill, decode budget) is held compressed from the start; ThinK

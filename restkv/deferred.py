@@ -307,7 +307,7 @@ def _rank_chunk(cache, config, layers: dict[int, PendingLayer], contexts: dict[i
     for index, layer in layers.items():
         compressed = cache.layers[index]
         seen = [compressed.tokens_seen - int(padding) for padding in compressed.prompt_padding.tolist()]
-        budgets = [chunk_budget(config, count) for count in seen]
+        budgets = chunk_budgets(config, cache, seen)
         chunks[index] = ScoredChunk(compressed, scores[index], _outside_span(cache, layer, compressed.prompt_padding),
                                     layer.queries, layer.scaling, layer.softcap, layer.o_proj_weight)
     rank_chunk(config, chunks, budgets, next(iter(layers.values())).plan.num_layers)
@@ -325,11 +325,25 @@ def _outside_span(cache, layer: PendingLayer, padding: torch.Tensor) -> torch.Te
     return valid & ((local < span[0]) | (local >= span[1]))
 
 
-def chunk_budget(config, seen: int) -> int:
-    """The budget of a row that has seen ``seen`` tokens at a chunk's end, or all of them while
-    the method cannot compress to that budget (early chunks of a ratio budget)."""
-    budget = config.budget_for(seen)
-    return budget if config.policy.compressible_to(config.run.window_size, budget) else seen
+def chunk_budgets(config, cache, seen: list[int]) -> list[int]:
+    """Each row's budget at the end of a chunk of the prompt the cache is reading in chunks: the
+    whole prompt's (a ratio counts every token of the row's prompt, known before its first chunk,
+    so early chunks are not squeezed to a ratio of the ``seen[b]`` tokens they have seen). A row
+    whose budget the method cannot compress to is refused as a single pass refuses it."""
+    policy, window = config.policy, config.run.window_size
+    budgets = []
+    for count, total in zip(seen, chunked_prompt(cache)):
+        budget = config.budget_for(total)
+        if budget < total:
+            policy.check_row(config, total, budget, policy.protected_count(window, budget))
+        budgets.append(budget)
+    return budgets
+
+
+def chunked_prompt(cache) -> list[int] | None:
+    """Each row's real tokens in the prompt the cache is reading in chunks (``--prefill_chunk_size``),
+    None outside a chunked prefill."""
+    return getattr(cache, "_restkv_chunked_prompt", None)
 
 
 #: callbacks ``(ctx, scores)`` told every deferred layer's scores (``listening_to_scores``)
