@@ -146,11 +146,13 @@ def trailing_queries(config, query: torch.Tensor) -> torch.Tensor:
     return query[:, :, max(query.shape[2] - count, 0) :]
 
 
-def observe_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torch.Tensor, key: torch.Tensor) -> None:
+def observe_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torch.Tensor, key: torch.Tensor,
+                  hidden_norms: torch.Tensor | None = None) -> None:
     """Fold a reconstruction chunk's queries ``[1, H, q, d]`` into the layer's statistics; ``key``
     ``[1, H_kv, T, d]`` holds the context and, last, the chunk's ``q`` repeated tokens (the cache's
     keys). Each block of queries reads the sinks, the context chunk and the repetition up to
-    itself (causal), in blocks of at most ``RECONSTRUCTION_BLOCK_ELEMENTS`` weights."""
+    itself (causal), in blocks of at most ``RECONSTRUCTION_BLOCK_ELEMENTS`` weights.
+    ``hidden_norms`` ``[1, q]``: each query's weights are divided by it (KVzip+)."""
     repeated = query.shape[2]
     columns = torch.cat([chunk.sinks, torch.arange(chunk.start, chunk.stop)]).to(key.device)
     scored = torch.cat([key.index_select(2, columns), key[:, :, key.shape[2] - repeated :]], dim=2)
@@ -160,10 +162,13 @@ def observe_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torc
         stop = min(start + block, repeated)
         weights = chunk_attention(query[:, :, start:stop], scored[:, :, : context + stop], pending_layer.scaling,
                                   pending_layer.softcap)
+        if hidden_norms is not None:
+            weights = weights / hidden_norms[:, None, start:stop, None]
         pending_layer.stats.add(weights[..., sinks:context], chunk.start - chunk.offset, query[:, :, start:stop])
 
 
-def observe_held_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torch.Tensor, layer) -> None:
+def observe_held_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torch.Tensor, layer,
+                       hidden_norms: torch.Tensor | None = None) -> None:
     """``observe_chunk`` for a compressed layer holding a chunked prompt: its keys read as its
     sinks (each head's first kept tokens), then what was appended since its last compression (the
     prompt chunk and the repetition)."""
@@ -173,7 +178,15 @@ def observe_held_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query:
     if columns.shape[2] < sinks or not bool((columns[:, :, :sinks] == expected).all()):
         raise RuntimeError(f"layer {pending_layer.plan.layer_idx} no longer holds its {sinks} sinks")
     appended = layer.tail.appended_tokens()[0]
-    observe_chunk(pending_layer, chunk, query, torch.cat([keys[:, :, :sinks], appended], dim=2))
+    observe_chunk(pending_layer, chunk, query, torch.cat([keys[:, :, :sinks], appended], dim=2), hidden_norms)
+
+
+def hidden_norms(pending_layer: PendingLayer, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    """``[1, q]`` the norms of a reconstruction chunk's hidden states (the attention's input) when the
+    layer's policy divides by them (KVzip+), else None."""
+    if not pending_layer.config.policy.divides_by_hidden_norm:
+        return None
+    return hidden_states.float().norm(dim=-1)
 
 
 def chunk_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:

@@ -489,3 +489,23 @@ def test_reconstruction_configurations_compress_in_chunks_to_their_budget(option
     assert all(set(range(126, 130)) <= set(head) for layer in kept for head in layer.exact[0]) or \
         options["method"] == "kvzip"
     greedy(model, random_prompt(1, 1), new_tokens=2)  # nothing left behind breaks a new prompt
+
+
+def test_kvzip_plus_weights_the_largest_attention_by_hidden_and_output_norms():
+    """KVzip+ with o_proj scaled by c and every hidden state of norm ~h: each score is plain KVzip's
+    maximum x ||v W_o||, so scaling o_proj by 3 scales every non-sink score by 3 (the ranking is
+    kvpress' kvzip_plus case, tests/test_kvpress_parity.py)."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    set_reconstruction_prompt(model, FakeTokenizer())
+    context = random_prompt(1, 60)
+    replace_for("llama")(method="kvzip", max_capacity_prompts=12, reconstruction_chunk=32, kvzip_plus=True)
+    base = recorded_scores(lambda: prefill(model, context))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(3.0)
+    scaled = recorded_scores(lambda: prefill(model, context))
+    torch.testing.assert_close(scaled[0][..., 4:], 3 * base[0][..., 4:], rtol=1e-4, atol=1e-7)
+    replace_for("llama")(method="kvzip", max_capacity_prompts=12, reconstruction_chunk=32)
+    plain = recorded_scores(lambda: prefill(model, context))
+    assert not torch.allclose(plain[0][..., 4:], base[0][..., 4:])
+    assert bool((base[0][..., :4] > base[0][..., 4:].max()).all())

@@ -73,6 +73,12 @@ class Policy(Options):
     #: before RoPE, or rotations to other positions; ``compress_kv`` needs its ``rotary`` then
     needs_rotary: ClassVar[bool] = False
 
+    @property
+    def divides_by_hidden_norm(self) -> bool:
+        """Whether each reconstruction query's attention is divided by its hidden state's norm
+        before it is folded into the statistics (KVzip+)."""
+        return False
+
     def for_run(self, run: Any) -> "Policy":
         """The policy with the defaults that follow the run's options (``RunOptions``) filled in;
         itself for most methods."""

@@ -31,6 +31,11 @@ kept tokens' scores are ranked again beside the new chunk's, so the cache never 
 the budget plus one chunk and one repetition (a single-pass reconstruction holds the whole
 context).
 
+``--kvzip_plus`` is KVzip+ (kvpress' ``kvzip_plus_normalization``, the target of its KVzap): each
+reconstruction query's attention is divided by the norm of its hidden state (the attention's
+input) before the maximum, and each token's maximum, per query head, multiplied by
+``||v W_o^h||_2``, what its value adds to the output; then the group maximum.
+
 On a model with sliding-window layers (Gemma 2/3, sliding Mistral) only the global layers are
 scored and pruned, as the reference does: a sliding layer keeps its window, as the model does,
 and the global layers alone share the model-wide budget.
@@ -44,6 +49,7 @@ import torch
 
 from restkv.context import ScoringContext
 from restkv.options import option, redeclared, register
+from restkv.output_space import head_grams
 from restkv.policies.base import GroupedScores, KeepsSinks
 
 #: the score of a sink token: above any attention weight, so sinks always rank first
@@ -62,6 +68,14 @@ class KVzip(KeepsSinks, GroupedScores):
         False, "KVzip: rank the KV heads of each layer apart (every layer keeps the same total) instead of one "
         "ranking across all layers"
     )
+    kvzip_plus: bool = option(
+        False, "KVzip+: divide each reconstruction query's attention by its hidden state's norm and weight each "
+        "token by its value's norm through each query head's slice of o_proj"
+    )
+
+    @property
+    def divides_by_hidden_norm(self) -> bool:
+        return self.kvzip_plus
 
     def own_allocation(self) -> str:
         return "layer_ranked" if self.kvzip_layerwise else "model_ranked"
@@ -74,4 +88,17 @@ class KVzip(KeepsSinks, GroupedScores):
         self.check_sinks(config)
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
-        return self.mark_sinks(ctx, self.reduce(ctx, ctx.observation.maximum()), SINK_SCORE)
+        maximum = ctx.observation.maximum()  # [B, H, N]; KVzip+: of the attention divided by ||h||
+        if not self.kvzip_plus:
+            return self.mark_sinks(ctx, self.reduce(ctx, maximum), SINK_SCORE)
+        weighted = maximum * value_output_norms(ctx)
+        return self.mark_sinks(ctx, self.reduce(ctx, weighted), torch.finfo(torch.float32).max)
+
+
+def value_output_norms(ctx: ScoringContext) -> torch.Tensor:
+    """``[B, H, N]`` ``||v_i W_o^h||_2`` of each token's value through each query head's slice of
+    ``o_proj`` (``v^T Gamma_h v``, no ``N x hidden`` product)."""
+    grams = head_grams(ctx)  # [H_kv, G, d, d]
+    values = ctx.value.float()
+    squared = torch.einsum("bknd,kgde,bkne->bkgn", values, grams, values).clamp_min(0)
+    return squared.sqrt().flatten(start_dim=1, end_dim=2)
