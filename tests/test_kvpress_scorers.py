@@ -194,12 +194,13 @@ def test_noncausal_default_is_kvpress_with_the_scale_and_without_its_padded_chun
     assert not torch.allclose(partial[:, 32:], padded[:, 32:])
 
 
+@pytest.mark.parametrize("method", ["noncausal_attn", "expected_attention"])
 @pytest.mark.parametrize("options", [dict(prefill_chunk_size=64), dict(decode_budget=48),
                                      dict(allocation="model_ranked"), dict(observation="reconstruction")])
-def test_noncausal_attention_refuses_what_cannot_give_it_every_prompt_query(options):
+def test_scorers_of_every_prompt_query_refuse_what_cannot_give_them_all(method, options):
     flag = "--" + next(iter(options))
     with pytest.raises(ConfigError, match=flag):
-        CompressionConfig(method="noncausal_attn", max_capacity_prompts=40, window_size=8, **options)
+        CompressionConfig(method=method, max_capacity_prompts=40, window_size=8, **options)
 
 
 # ---------------------------------------------------------------- Expected Attention
@@ -248,14 +249,6 @@ def test_expected_attention_variance_raises_keys_along_the_queries_spread_and_vn
     torch.testing.assert_close(flat[0, :, 4:], (observed.mean() * key[0, :, 4:, 0] / 4).softmax(dim=-1))
     weighted = scores_of({**options, "ea_vnorm": True, "ea_epsilon": 0.5}, spread, key, value, rotary=still)
     torch.testing.assert_close(weighted[0, :, 4:], (scores[0, :, 4:] + 0.5) * value[0, :, 4:].norm(dim=-1))
-
-
-@pytest.mark.parametrize("options", [dict(prefill_chunk_size=64), dict(decode_budget=48),
-                                     dict(allocation="model_ranked"), dict(observation="reconstruction")])
-def test_expected_attention_refuses_what_cannot_give_it_every_prompt_query(options):
-    flag = "--" + next(iter(options))
-    with pytest.raises(ConfigError, match=flag):
-        CompressionConfig(method="expected_attention", max_capacity_prompts=40, window_size=8, **options)
 
 
 def test_expected_attention_on_tensors_needs_the_rope_tables():
