@@ -46,9 +46,11 @@ class Summariser(Protocol):
 
 @runtime_checkable
 class Rescorer(Protocol):
-    """A part that reweights the scores once each head's count is known (CriticalKV)."""
+    """A part that reweights the scores once each head's count is known, and may lower the count
+    (CriticalKV, ChunkKV): it returns both."""
 
-    def rescore(self, ctx: ScoringContext, scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor: ...
+    def rescore(self, ctx: ScoringContext, scores: torch.Tensor,
+                keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @runtime_checkable
@@ -112,7 +114,7 @@ def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch
         keep = config.allocator.allocate(ctx, scores)
     for part in config.parts:
         if isinstance(part, Rescorer):
-            scores = part.rescore(ctx, scores, keep)
+            scores, keep = part.rescore(ctx, scores, keep)
     memos = []
     for part in summarisers(config):
         reservation = part.reserve(ctx, scores, keep, previous)

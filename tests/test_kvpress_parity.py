@@ -245,6 +245,16 @@ def test_lagkv_default_keeps_the_sinks_and_the_newest_tokens_where_kvpress_drops
             assert ours[layer][head] == [0, 1, 2, 3] + list(range(196, 384))
 
 
+def test_chunkkv_keeps_the_window_where_kvpress_counts_chunks_and_drops_part_of_it():
+    """At ratio 0.8 kvpress keeps int(20 x 0.2) = 3 chunks, 3 of the 4 window chunks (44 tokens,
+    README §12); restkv keeps the 64-token window and no chunk beside it (one more would take 84 of
+    the 76-token budget)."""
+    data = fixture("chunkkv_snapkv_r0.8")
+    ours = replay("chunkkv_snapkv_r0.5", compression_ratio=0.8)[0]
+    assert data["n_kept"].tolist()[0] == [44, 44]
+    assert all(head == list(range(320, 384)) for layer in ours for head in layer)
+
+
 def test_noncausal_default_scale_and_last_chunk_change_what_is_kept():
     """Only --noncausal_kvpress_logits reproduces kvpress (README §12.6: no 1/sqrt(d), the padded last
     chunk); tests/test_kvpress_scorers.py pins both differences on small tensors."""
