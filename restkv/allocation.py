@@ -29,6 +29,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
+from restkv.config import kept_at_ratio
 from restkv.context import ScoringContext
 from restkv.head_scores import load_head_scores, read_head_score_file
 from restkv.options import ConfigError, Options, option, register
@@ -153,6 +154,33 @@ class Pyramid(Allocation):
             middle_regime=not self.use_pyramid,
         )
         return torch.clamp(available, max=schedule[layer.layer_idx])
+
+
+@register("allocation")
+@dataclass(frozen=True)
+class PerLayerRatios(Allocation):
+    """Each layer its own compression ratio (kvpress' PerLayerCompressionPress): layer ``l`` keeps
+    ``floor(L (1 - r_l))`` tokens per head, window included, at most the run's budget (the
+    largest any layer keeps, and the memory bound); a layer beyond the list keeps the run's."""
+
+    name = "per_layer"
+
+    layer_ratios: tuple[float, ...] = option((), "--allocation per_layer: the compression ratio of each layer, in "
+                                                 "layer order")
+
+    def validate(self) -> None:
+        if not all(0 <= ratio < 1 for ratio in self.layer_ratios):
+            raise ConfigError(f"--layer_ratios must be fractions in [0, 1); got {self.layer_ratios!r}")
+
+    def check(self, config) -> None:
+        if not self.layer_ratios:
+            raise ConfigError("--allocation per_layer gives each layer its own ratio: give --layer_ratios R0 R1 ...")
+
+    def candidate_counts(self, layer, scores, shape, available):
+        if layer.layer_idx >= len(self.layer_ratios):
+            return torch.clamp(available, max=shape.candidate_budget)
+        kept = kept_at_ratio(shape.length, self.layer_ratios[layer.layer_idx])
+        return torch.clamp(available, max=max(min(kept, shape.budget) - shape.window, 0))
 
 
 @register("allocation")

@@ -53,6 +53,12 @@ __all__ = ["CompressionConfig", "ConfigError", "ModelShape", "RunOptions", "conf
            "option_names"]
 
 
+def kept_at_ratio(length: int, ratio: float) -> int:
+    """``floor(length * (1 - ratio))``, float noise rounded away first: 1000 * (1 - 0.9) is
+    99.99999999999997, which must keep 100."""
+    return math.floor(round(length * (1.0 - float(ratio)), 9))
+
+
 @dataclass(frozen=True)
 class RunOptions(Options):
     """What every run has, whatever its parts: method and part names, budget, window, seed."""
@@ -391,9 +397,7 @@ class CompressionConfig:
             return length  # nothing evicted at prefill (a --decode_budget alone)
         if run.max_capacity_prompts is not None:
             return min(run.max_capacity_prompts, length)
-        # Round away float noise first: 1000 * (1 - 0.9) is 99.99999999999997, which must keep 100.
-        kept = math.floor(round(length * (1.0 - float(run.compression_ratio)), 9))
-        return min(kept, length)
+        return min(kept_at_ratio(length, run.compression_ratio), length)
 
     def files(self) -> dict[str, str]:
         """The files the run reads, by the option that names them (``--indexmem_weights``, ``--head_scores``)."""

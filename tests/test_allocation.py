@@ -490,3 +490,16 @@ def test_a_malformed_head_score_file_fails_when_the_config_is_built(tmp_path, co
     with pytest.raises(ConfigError, match="--head_scores") as error:
         CompressionConfig(method="headkv", max_capacity_prompts=64, head_scores=str(path))
     assert fragment in str(error.value)
+
+
+def test_per_layer_ratios_give_each_layer_its_ratio_of_the_row_capped_by_the_run_budget():
+    query, key, value = random_qkv(heads=4, kv_heads=2, length=100, seed=5)
+    options = dict(method="snapkv", allocation="per_layer", layer_ratios=(0.2, 0.5, 0.9), max_capacity_prompts=60,
+                   window_size=8)
+    counts = [stored_counts(compress_kv(query, key, value, options, layer_idx=layer, num_layers=4))[0].tolist()
+              for layer in range(4)]
+    assert counts == [[60, 60], [50, 50], [10, 10], [60, 60]]  # 80 capped at 60; beyond the list: the budget
+    with pytest.raises(ConfigError, match="give --layer_ratios"):
+        CompressionConfig(method="snapkv", allocation="per_layer", max_capacity_prompts=60)
+    with pytest.raises(ConfigError, match="--layer_ratios must be fractions"):
+        CompressionConfig(method="snapkv", allocation="per_layer", layer_ratios=(1.5,), max_capacity_prompts=60)
