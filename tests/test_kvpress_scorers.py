@@ -16,7 +16,8 @@ from restkv.policies.pyramidkv import kvpress_pyramid_totals
 from test_policies import dense_attention
 from tiny_models import greedy, random_prompt, random_qkv, replace_for, rope_tables, tiny_model
 
-PORTED = ["keydiff", "lagkv", "cur", "noncausal_attn", "finch", "qfilter", "expected_attention", "leverage", "compactor"]
+PORTED = ["keydiff", "lagkv", "cur", "noncausal_attn", "finch", "qfilter", "expected_attention", "leverage", "compactor",
+          "capkv"]
 
 
 def scores_of(options, query, key, value, attention_mask=None, rotary=None):
@@ -218,7 +219,7 @@ def test_expected_attention_of_one_repeated_query_is_its_mean_logit_over_the_fut
     q = torch.randn(4, 16, generator=torch.Generator().manual_seed(5))
     cos, sin = rope_tables(torch.zeros(1, 1, 40 + 16, 16))
     query = rotated(q[None, :, None], cos[0, :40][None, None], sin[0, :40][None, None])  # [1, 4, 40, 16]
-    options = dict(method="expected_attention", max_capacity_prompts=10, ea_future_positions=16, ea_vnorm=False)
+    options = dict(method="expected_attention", max_capacity_prompts=10, future_positions=16, ea_vnorm=False)
     scores = scores_of(options, query, key, value, rotary=(cos[:, :40], sin[:, :40]))
     future = torch.stack([rotated(q, cos[0, t], sin[0, t]) for t in range(40, 56)])  # [16, 4, 16]
     for head in range(4):
@@ -249,6 +250,20 @@ def test_expected_attention_variance_raises_keys_along_the_queries_spread_and_vn
     torch.testing.assert_close(flat[0, :, 4:], (observed.mean() * key[0, :, 4:, 0] / 4).softmax(dim=-1))
     weighted = scores_of({**options, "ea_vnorm": True, "ea_epsilon": 0.5}, spread, key, value, rotary=still)
     torch.testing.assert_close(weighted[0, :, 4:], (scores[0, :, 4:] + 0.5) * value[0, :, 4:].norm(dim=-1))
+
+
+def test_capkv_without_temperature_scores_each_values_leverage_among_all_values():
+    """--cap_tau 0: every relevance weight is 1, so a token's score is ``v_i^T (I + (1 + eps) V^T V)^-1 v_i``
+    (the group's two query heads alike), whatever the queries; the sinks score above the rest."""
+    query, key, value = random_qkv(length=30, seed=9)
+    options = dict(method="capkv", max_capacity_prompts=10, cap_tau=0.0, cap_epsilon=0.5)
+    scores = scores_of(options, query, key, value, rotary=rope_tables(query))
+    for head in range(2):
+        values = value[0, head, 4:]
+        inverse = torch.linalg.inv(torch.eye(16) + 1.5 * values.T @ values)
+        torch.testing.assert_close(scores[0, head, 4:], torch.einsum("nd,de,ne->n", values, inverse, values),
+                                   rtol=1e-4, atol=1e-7)
+        assert bool((scores[0, head, :4] > scores[0, head, 4:].max()).all())
 
 
 def test_expected_attention_on_tensors_needs_the_rope_tables():
