@@ -263,6 +263,22 @@ def test_noncausal_default_scale_and_last_chunk_change_what_is_kept():
     assert (ours.sum(axis=-1) == data["n_kept"]).all() and not np.array_equal(ours, data["kept_mask"])
 
 
+def test_think_alone_zeroes_kvpress_thinks_channels_through_the_pipeline():
+    """ThinKPress on its own (no token dropped): a budget of the whole prompt, ThinK's 32-query
+    window; every layer's stored keys keep the channels kvpress keeps."""
+    from restkv.channel_pruning import PrunedKeyTokens
+
+    case = "think_k0.5"
+    zeroed = torch.from_numpy(fixture(case)["zeroed_key_channels"]).bool()
+    model = tiny_llama("sdpa")
+    with torch.no_grad(), restkv.compression(model, **case_options(case)):
+        cache = output_cache(model.model(input_ids=prompt(), use_cache=True))
+    for layer, compressed in enumerate(cache.layers):
+        (pruned,) = [segment for segment in compressed.segments() if isinstance(segment, PrunedKeyTokens)]
+        dropped = torch.ones(2, 32, dtype=torch.bool).scatter(1, pruned.channels[0], False)
+        assert torch.equal(dropped, zeroed[layer])
+
+
 def test_think_channels_are_kvpress_thinks_given_its_own_32_query_window():
     """restkv's --think scores key channels with the --window_size queries (64 here, SnapKV's window);
     kvpress' ThinKPress has its own window of 32. Fed those 32 queries, restkv's channel score zeroes
