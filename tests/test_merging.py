@@ -16,6 +16,7 @@ from tiny_models import (
     random_qkv,
     registered_methods,
     replace_for,
+    rope_tables,
     tiny_model,
 )
 
@@ -78,9 +79,9 @@ def test_merge_pivot_applies_to_any_scorer_after_selection():
     query, key, value = random_qkv(length=80, seed=3)
     for method in registered_methods(uniform=True, keeps_inputs=True, compresses_first_layer=True):
         base = compress_kv(query, key, value, dict(method=method, max_capacity_prompts=30, window_size=8),
-                           o_proj_weight=O_PROJ)
+                           o_proj_weight=O_PROJ, rotary=rope_tables(query))
         merged = compress_kv(query, key, value, dict(method=method, max_capacity_prompts=30, window_size=8,
-                                                     merge="pivot"), o_proj_weight=O_PROJ)
+                                                     merge="pivot"), o_proj_weight=O_PROJ, rotary=rope_tables(query))
         assert torch.equal(base.indices, merged.indices)
         assert not torch.equal(base.keys, merged.keys) and not torch.equal(base.values, merged.values)
         evicted = torch.ones(1, 2, 80, dtype=torch.bool) & ~kept_mask(base.indices, 80)

@@ -28,8 +28,8 @@ from tiny_models import (
     random_prompt,
     random_qkv,
     registered_methods,
-    rope_tables,
     replace_for,
+    rope_tables,
     tiny_model,
 )
 
