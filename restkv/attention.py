@@ -258,8 +258,7 @@ def _compress_again(module, config, cache, layer: CompressedLayer, query, params
     window = config.run.window_size
     layer.remember_queries(query, window)  # the newest window's queries, across chunk boundaries
     if chunked_prompt(cache) is not None:  # a prompt's later chunk (its first was the prefill)
-        seen = [layer.tokens_seen - int(padding) for padding in layer.prompt_padding.tolist()]
-        budgets = chunk_budgets(config, cache, seen)
+        budgets = chunk_budgets(config, cache)
         queries = layer.recent_queries
     elif config.run.decode_budget is not None and _due(layer, config.run.decode_budget, config.run.decode_interval):
         budgets = [config.run.decode_budget] * query.shape[0]
@@ -299,8 +298,7 @@ def _plan_to_compress(module, config, cache, layer, query, attention_mask, param
     valid = key_validity(attention_mask, query.shape[0], query.shape[2], query.device, in_chunks)
     budgets, span = None, context_span(cache) if config.run.observation == "reconstruction" else None
     if in_chunks:  # a sliding-window layer keeps its window whole (the config checked the prompt's budget reaches it)
-        seen = valid.sum(dim=-1).tolist()
-        budgets = seen if params.sliding_window is not None else chunk_budgets(config, cache, [int(c) for c in seen])
+        budgets = valid.sum(dim=-1).tolist() if params.sliding_window is not None else chunk_budgets(config, cache)
     plan = plan_layer(config, valid, module.layer_idx, module.config.num_hidden_layers, params.sliding_window, budgets,
                       span)
     # A layer compressed again later (chunked prefill, decode budget) is held compressed from the start; ThinK

@@ -316,14 +316,12 @@ def _rank_chunk(cache, config, layers: dict[int, PendingLayer], contexts: dict[i
                 scores: dict[int, torch.Tensor]) -> None:
     """Rank the chunk each compressed layer of ``layers`` was appended beside what it kept, to the
     budget of every token its rows have seen (``restkv.recompress.rank_chunk``)."""
-    chunks, budgets = {}, None
+    chunks = {}
     for index, layer in layers.items():
         compressed = cache.layers[index]
-        seen = [compressed.tokens_seen - int(padding) for padding in compressed.prompt_padding.tolist()]
-        budgets = chunk_budgets(config, cache, seen)
         chunks[index] = ScoredChunk(compressed, scores[index], _outside_span(cache, layer, compressed.prompt_padding),
                                     layer.queries, layer.scaling, layer.softcap, layer.o_proj_weight)
-    rank_chunk(config, chunks, budgets, next(iter(layers.values())).plan.num_layers)
+    rank_chunk(config, chunks, chunk_budgets(config, cache), next(iter(layers.values())).plan.num_layers)
 
 
 def _outside_span(cache, layer: PendingLayer, padding: torch.Tensor) -> torch.Tensor:
@@ -338,14 +336,14 @@ def _outside_span(cache, layer: PendingLayer, padding: torch.Tensor) -> torch.Te
     return valid & ((local < span[0]) | (local >= span[1]))
 
 
-def chunk_budgets(config, cache, seen: list[int]) -> list[int]:
-    """Each row's budget at the end of a chunk of the prompt the cache is reading in chunks: the
-    whole prompt's (a ratio counts every token of the row's prompt, known before its first chunk,
-    so early chunks are not squeezed to a ratio of the ``seen[b]`` tokens they have seen). A row
-    whose budget the method cannot compress to is refused as a single pass refuses it."""
+def chunk_budgets(config, cache) -> list[int]:
+    """Each row's budget at the end of every chunk of the prompt the cache is reading in chunks:
+    the whole prompt's (a ratio counts every token of the row's prompt, known before its first
+    chunk, so early chunks are not squeezed to a ratio of the tokens they have seen). A row whose
+    budget the method cannot compress to is refused as a single pass refuses it."""
     policy, window = config.policy, config.run.window_size
     budgets = []
-    for count, total in zip(seen, chunked_prompt(cache)):
+    for total in chunked_prompt(cache):
         budget = config.budget_for(total)
         if budget < total:
             policy.check_row(config, total, budget, policy.protected_count(window, budget))
