@@ -32,8 +32,8 @@ chunk itself and the repetition; their scores read each head's sinks (its first 
 the chunk and the repetition (``observe_held_chunk``), so a chunk's tokens get the scores the
 single pass gives them when nothing was evicted before (the last chunk's exactly, in a test).
 Then ``restkv.recompress.rank_chunk`` ranks the kept tokens' stored scores beside the chunk's,
-to the budget of every token seen. Peak cache, per layer and KV head (model-wide: summed over
-them): ``budget + N + repetition``, where ``N`` is ``--prefill_chunk_size`` and ``repetition``
+to the whole prompt's budget (``chunk_budgets``). Peak cache, per layer and KV head (model-wide:
+summed over them): ``budget + N + repetition``, where ``N`` is ``--prefill_chunk_size`` and ``repetition``
 the instruction plus ``--reconstruction_chunk`` tokens; flat in the prompt's length.
 The scores a chunk's ranking compares are fixed once read; a window observation's, which
 change with every chunk's queries, are refused with chunked prefill when the allocation is
@@ -315,7 +315,7 @@ def _compress_pending(cache, pending: PendingPrefill) -> None:
 def _rank_chunk(cache, config, layers: dict[int, PendingLayer], contexts: dict[int, ScoringContext],
                 scores: dict[int, torch.Tensor]) -> None:
     """Rank the chunk each compressed layer of ``layers`` was appended beside what it kept, to the
-    budget of every token its rows have seen (``restkv.recompress.rank_chunk``)."""
+    whole prompt's budget (``restkv.recompress.rank_chunk``)."""
     chunks = {}
     for index, layer in layers.items():
         compressed = cache.layers[index]

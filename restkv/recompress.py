@@ -3,8 +3,8 @@
 ``--prefill_chunk_size N`` feeds the prompt in chunks of ``N`` tokens (the patched decoder
 forward splits it, ``restkv.attention.model_forward``); after every chunk each layer scores
 what it holds (the tokens it kept so far plus the new chunk) with the newest ``window_size``
-queries and evicts down to the budget of the tokens seen so far, so no layer ever holds more
-than ``budget + N`` entries. ``--decode_budget B`` does the same every ``--decode_interval K``
+queries and evicts down to the whole prompt's budget (``restkv.deferred.chunk_budgets``), so no
+layer ever holds more than ``budget + N`` entries. ``--decode_budget B`` does the same every ``--decode_interval K``
 generated tokens with the queries of the newest ``window_size`` tokens, keeping every layer at
 most ``B + K`` entries however long the generation.
 
