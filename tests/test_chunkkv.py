@@ -5,10 +5,8 @@ import pytest
 import torch
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.cache import cache_report
-from restkv.compat import output_cache
 from restkv.context import ScoringContext, plan_layer, valid_from_mask
-from tiny_models import greedy, random_prompt, random_qkv, replace_for, tiny_model
+from tiny_models import assert_model_compresses, random_qkv
 
 
 def test_chunkkv_keeps_the_window_and_the_best_whole_chunks_the_budget_holds():
@@ -42,8 +40,5 @@ def test_chunkkv_refuses_budgets_that_differ_by_head_and_positional_methods():
                                    dict(residual=True, residual_no_validation=True, residual_fixed_ratio=0.25),
                                    dict(prefill_chunk_size=32), dict(method="expected_attention")])
 def test_chunkkv_compresses_a_model_with_the_other_parts(extra):
-    model = tiny_model("llama")
-    replace_for("llama")(**{"method": "snapkv", "max_capacity_prompts": 30, "window_size": 8, "chunkkv": True,
-                            "chunkkv_length": 8, **extra})
-    cache = output_cache(greedy(model, random_prompt(1, 90), new_tokens=3))
-    assert all(report.compressed for report in cache_report(cache))
+    assert_model_compresses({"method": "snapkv", "max_capacity_prompts": 30, "window_size": 8, "chunkkv": True,
+                             "chunkkv_length": 8, **extra})

@@ -5,10 +5,8 @@ import pytest
 import torch
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.cache import cache_report
-from restkv.compat import output_cache
 from restkv.context import ScoringContext, plan_layer, valid_from_mask
-from tiny_models import greedy, random_prompt, random_qkv, replace_for, tiny_model
+from tiny_models import assert_model_compresses, random_qkv
 
 O_PROJ = torch.randn(40, 4 * 16, generator=torch.Generator().manual_seed(2))
 
@@ -81,8 +79,5 @@ def test_critical_needs_the_output_projection_and_a_scorer():
                                    dict(quant_method="kivi", nbits=4), dict(method="kvzip"),
                                    dict(prefill_chunk_size=32)])
 def test_critical_compresses_a_model_with_the_other_parts(extra):
-    model = tiny_model("llama")
-    replace_for("llama")(**{"method": "snapkv", "max_capacity_prompts": 24, "window_size": 8, "critical": True,
-                            **extra})
-    cache = output_cache(greedy(model, random_prompt(1, 70), new_tokens=3))
-    assert all(report.compressed for report in cache_report(cache))
+    assert_model_compresses({"method": "snapkv", "max_capacity_prompts": 24, "window_size": 8, "critical": True,
+                             **extra}, length=70)

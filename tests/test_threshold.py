@@ -4,10 +4,8 @@ import pytest
 import torch
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.cache import cache_report
-from restkv.compat import output_cache
 from restkv.context import ScoringContext, plan_layer, valid_from_mask
-from tiny_models import greedy, random_prompt, random_qkv, replace_for, tiny_model
+from tiny_models import assert_model_compresses, random_qkv
 
 
 @pytest.mark.parametrize("budget", [90, 30])
@@ -37,8 +35,5 @@ def test_dms_needs_a_threshold_and_a_scorer():
 @pytest.mark.parametrize("extra", [dict(), dict(method="kvzip", dms_threshold=0.01), dict(allocation="adakv"),
                                    dict(prefill_chunk_size=32), dict(quant_method="kivi", nbits=4)])
 def test_dms_compresses_a_model_with_the_other_parts(extra):
-    model = tiny_model("llama")
-    replace_for("llama")(**{"method": "snapkv", "max_capacity_prompts": 40, "window_size": 8, "dms": True,
-                            "dms_threshold": 0.05, **extra})
-    cache = output_cache(greedy(model, random_prompt(1, 90), new_tokens=3))
-    assert all(report.compressed for report in cache_report(cache))
+    assert_model_compresses({"method": "snapkv", "max_capacity_prompts": 40, "window_size": 8, "dms": True,
+                             "dms_threshold": 0.05, **extra})

@@ -129,6 +129,18 @@ def rope_tables(query: torch.Tensor, attention_mask: torch.Tensor | None = None,
     return angles.cos().float(), angles.sin().float()
 
 
+def assert_model_compresses(options: dict, length: int = 90, new_tokens: int = 3) -> None:
+    """The tiny Llama patched with ``options`` generates after a prompt of ``length`` tokens, every
+    layer of its cache compressed (what a part's composition matrix checks)."""
+    from restkv.cache import cache_report
+    from restkv.compat import output_cache
+
+    model = tiny_model("llama")
+    replace_for("llama")(**options)
+    cache = output_cache(greedy(model, random_prompt(1, length), new_tokens=new_tokens))
+    assert all(report.compressed for report in cache_report(cache))
+
+
 def greedy(model, input_ids, attention_mask=None, new_tokens=5):
     """Greedy generation of exactly ``new_tokens`` tokens (never stopping early on EOS, so rows
     stay comparable), returning the sequences, the per-step logits and the cache."""
