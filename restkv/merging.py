@@ -3,6 +3,9 @@
 * ``pivot_merge`` (``--merge pivot``, LOOK-M style, ALGORITHMS.md 4.7): every evicted token
   is averaged into the kept token whose key is most similar (cosine); keys and values
   move together. The ``PivotMerge`` part applies it after any scorer's selection.
+* ``similarity_merge`` (``--merge similarity``, kvpress' MergingPress): every evicted value is
+  folded into the kept token whose key is most similar, weighted by that cosine and its share of
+  the two values' norms; keys are untouched.
 * ``cam_merge`` (CaM paper semantics, 4.6): each evicted value is spread over the next
   ``m`` kept values with a probability given by its attention relative to theirs; keys are
   untouched.
@@ -24,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from restkv.context import ScoringContext
-from restkv.options import Options, register
+from restkv.options import Options, option, register
 
 #: query positions per block when matching evicted keys to pivots (bounds the similarity matrix)
 PIVOT_BLOCK = 1024
@@ -79,17 +82,9 @@ def pivot_merge(
     """
     if not bool(evicted.any()):
         return keys, values
-    slot_valid = columns >= 0
-    kept_directions = F.normalize(keys.float(), dim=-1)
-    length = key.shape[2]
-    pivots = torch.empty(evicted.shape, dtype=torch.long, device=key.device)
-    for start in range(0, length, PIVOT_BLOCK):
-        block = slice(start, min(start + PIVOT_BLOCK, length))
-        similarity = torch.matmul(F.normalize(key[:, :, block].float(), dim=-1), kept_directions.transpose(-1, -2))
-        similarity = similarity.masked_fill(~slot_valid[:, :, None, :], float("-inf"))
-        pivots[:, :, block] = similarity.argmax(dim=-1)
+    pivots, _ = nearest_kept(key, columns, keys)
     weight = evicted.float()
-    counts = torch.zeros(slot_valid.shape, dtype=torch.float32, device=key.device).scatter_add_(2, pivots, weight)
+    counts = torch.zeros(columns.shape, dtype=torch.float32, device=key.device).scatter_add_(2, pivots, weight)
 
     def merged(kept: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         index = pivots[..., None].expand(*pivots.shape, full.shape[-1])
@@ -99,6 +94,68 @@ def pivot_merge(
         return ((kept.float() * (1.0 + n / 2.0) + sums / 2.0) / (1.0 + n)).to(kept.dtype)
 
     return merged(keys, key), merged(values, value)
+
+
+def nearest_kept(key: torch.Tensor, columns: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every token of ``key`` ``[B, H_kv, N, d]``: the slot of the kept key (``keys`` ``[B, H_kv,
+    K, d]`` at ``columns``, -1 unused) most cosine-similar to it (ties: the first slot, the lowest
+    position), and that cosine; each ``[B, H_kv, N]``, in blocks of ``PIVOT_BLOCK`` tokens."""
+    slot_valid = columns >= 0
+    kept_directions = F.normalize(keys.float(), dim=-1)
+    length = key.shape[2]
+    slots = torch.empty(key.shape[:3], dtype=torch.long, device=key.device)
+    best = torch.empty(key.shape[:3], dtype=torch.float32, device=key.device)
+    for start in range(0, length, PIVOT_BLOCK):
+        block = slice(start, min(start + PIVOT_BLOCK, length))
+        similarity = torch.matmul(F.normalize(key[:, :, block].float(), dim=-1), kept_directions.transpose(-1, -2))
+        similarity = similarity.masked_fill(~slot_valid[:, :, None, :], float("-inf"))
+        best[:, :, block], slots[:, :, block] = similarity.max(dim=-1)
+    return slots, best
+
+
+@register("merge")
+@dataclass(frozen=True)
+class SimilarityMerge(Options):
+    """``--merge similarity``: kvpress' MergingPress after any scorer's selection (values only)."""
+
+    name = "similarity"
+
+    merge_similarity_threshold: float = option(
+        0.0, "--merge similarity: an evicted token merges only into a kept key at least this cosine-similar")
+    merge_fraction: float = option(1.0, "--merge similarity: the share of the mergeable evicted tokens (the most "
+                                        "similar) that merge", minimum=0, maximum=1)
+
+    def merge(
+        self, ctx: ScoringContext, columns: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        evicted = evicted_mask(ctx.visible, columns)
+        return keys, similarity_merge(ctx.key, ctx.value, evicted, columns, keys, values,
+                                      self.merge_similarity_threshold, self.merge_fraction)
+
+
+def similarity_merge(key: torch.Tensor, value: torch.Tensor, evicted: torch.Tensor, columns: torch.Tensor,
+                     keys: torch.Tensor, values: torch.Tensor, threshold: float = 0.0,
+                     fraction: float = 1.0) -> torch.Tensor:
+    """MergingPress: each evicted value folds into the kept token whose key is most cosine-similar,
+    with weight ``w_e = max(cos, 0) ||v_e|| / (||v_e|| + ||v_r|| + 1e-6)`` when the cosine reaches
+    ``threshold`` (and is among the top ``fraction`` of the head's mergeable ones), then
+    ``v_r <- (v_r + sum_e w_e v_e) / (1 + sum_e w_e)``; keys stay. Returns the merged kept values."""
+    slots, best = nearest_kept(key, columns, keys)
+    mergeable = evicted & (best >= threshold)
+    if fraction < 1.0:
+        ranked = best.masked_fill(~mergeable, float("-inf"))
+        wanted = (mergeable.sum(dim=-1, keepdim=True) * fraction).ceil().long()
+        order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
+                                                .expand_as(order))
+        mergeable = mergeable & (rank < wanted)
+    kept_norms = values.float().norm(dim=-1).gather(2, slots)
+    evicted_norms = value.float().norm(dim=-1)
+    weight = best.clamp(min=0) * mergeable.float() * evicted_norms / (evicted_norms + kept_norms + 1e-6)
+    sums = torch.zeros(values.shape, dtype=torch.float32, device=values.device)
+    sums.scatter_add_(2, slots[..., None].expand(*slots.shape, value.shape[-1]), value.float() * weight[..., None])
+    totals = torch.zeros(columns.shape, dtype=torch.float32, device=values.device).scatter_add_(2, slots, weight)
+    return ((values.float() + sums) / (1.0 + totals[..., None])).to(values.dtype)
 
 
 def cam_merge(

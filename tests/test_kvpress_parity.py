@@ -263,6 +263,22 @@ def test_noncausal_default_scale_and_last_chunk_change_what_is_kept():
     assert (ours.sum(axis=-1) == data["n_kept"]).all() and not np.array_equal(ours, data["kept_mask"])
 
 
+def test_similarity_merge_stores_the_values_kvpress_merging_press_stores():
+    """MergingPress of Knorm: every kept token's value, merged, equals kvpress' at the same position."""
+    case = "merging_knorm_r0.5"
+    data = fixture(case)
+    model = tiny_llama("sdpa")
+    with torch.no_grad(), restkv.compression(model, **case_options(case)):
+        cache = output_cache(model.model(input_ids=prompt(), use_cache=True))
+    for layer, compressed in enumerate(cache.layers):
+        _, values, columns = compressed.kept_tokens()
+        for head in range(2):
+            order = data[f"order_L{layer}"][head].tolist()
+            theirs = torch.from_numpy(data[f"merged_values_L{layer}"][head])
+            ours = values[0, head][torch.tensor([columns[0, head].tolist().index(p) for p in order])]
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
 def test_think_alone_zeroes_kvpress_thinks_channels_through_the_pipeline():
     """ThinKPress on its own (no token dropped): a budget of the whole prompt, ThinK's 32-query
     window; every layer's stored keys keep the channels kvpress keeps."""

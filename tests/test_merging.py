@@ -1,4 +1,5 @@
-"""Merging evicted tokens: LOOK-M pivot merge (--merge pivot, any scorer) and CaM (paper and
+"""Merging evicted tokens: LOOK-M pivot merge (--merge pivot, any scorer), kvpress' MergingPress
+(--merge similarity) and CaM (paper and
 reference modes), against the ALGORITHMS.md section 6 oracles; exactness and batch invariance."""
 
 import math
@@ -270,3 +271,21 @@ def test_each_row_of_a_left_padded_batch_equals_its_single_row_run(family, backe
     model = tiny_model(family, backend)
     replace_for(family)(max_capacity_prompts=24, window_size=8, **MERGE_CONFIGS[name])
     assert_rows_match_single_row_runs(model, [90, 64, 41])
+
+
+def test_similarity_merge_folds_each_evicted_value_into_its_most_similar_kept_key_by_cosine_and_norm_share():
+    """kvpress' MergingPress: w_e = max(cos, 0) |v_e| / (|v_e| + |v_r| + 1e-6), v_r <- (v_r + sum w v_e) / (1 + sum w);
+    an evicted key pointing away from every kept one (cos < 0) merges with weight 0; keys stay."""
+    from restkv.merging import similarity_merge
+
+    key = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, -0.2]])[None, None]
+    value = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 4.0], [9.0, 9.0]])[None, None]
+    columns = torch.tensor([[[0, 1]]])
+    evicted = torch.tensor([[[False, False, True, True]]])
+    merged = similarity_merge(key, value, evicted, columns, key[:, :, :2], value[:, :, :2])
+    cosine = 1 / math.sqrt(2)  # token 2 is as close to both; the first kept slot wins the tie
+    weight = cosine * 5.0 / (5.0 + 1.0 + 1e-6)
+    torch.testing.assert_close(merged[0, 0, 0], (torch.tensor([1.0, 0.0]) + weight * torch.tensor([3.0, 4.0])) / (1 + weight))
+    torch.testing.assert_close(merged[0, 0, 1], torch.tensor([0.0, 2.0]))
+    none = similarity_merge(key, value, evicted, columns, key[:, :, :2], value[:, :, :2], threshold=0.9)
+    torch.testing.assert_close(none, value[:, :, :2])
