@@ -2,11 +2,12 @@
 
 Importing the package registers every part of a compression run (the methods in
 ``restkv.policies``, the allocations, the merge, the residual cache, key-channel pruning,
-CriticalKV's rescoring, ChunkKV's chunks, threshold eviction and the quantisers), so configs can name them.
+CriticalKV's rescoring, ChunkKV's chunks, threshold eviction, independent chunks and the quantisers), so configs can name them.
 """
 
 from restkv import (  # noqa: F401  (they register their parts)
-    allocation, channel_pruning, chunkkv, critical, merging, policies, quantization, residual, threshold,
+    allocation, channel_pruning, chunkkv, critical, independent_chunks, merging, policies, quantization, residual,
+    threshold,
 )
 from restkv.compress import CompressedKV, compress_kv
 from restkv.config import CompressionConfig, ConfigError

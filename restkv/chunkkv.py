@@ -44,7 +44,7 @@ class ChunkSelection(Options):
             raise ConfigError(f"--chunkkv keeps the same chunks in every head; --allocation {config.run.allocation} "
                               "gives the heads different budgets")
 
-    def rescore(self, ctx, scores: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rescore(self, config, ctx, scores: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores that rank the chosen chunks first (each token its chunk's score), and each head's
         count: the protected tokens and the chosen chunks."""
         length = scores.shape[-1]

@@ -46,10 +46,10 @@ class Summariser(Protocol):
 
 @runtime_checkable
 class Rescorer(Protocol):
-    """A part that reweights the scores once each head's count is known, and may lower the count
-    (CriticalKV, ChunkKV): it returns both."""
+    """A part that reweights the scores once each head's count is known, and may change the count
+    (CriticalKV, ChunkKV, threshold eviction, independent chunks): it returns both."""
 
-    def rescore(self, ctx: ScoringContext, scores: torch.Tensor,
+    def rescore(self, config: CompressionConfig, ctx: ScoringContext, scores: torch.Tensor,
                 keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -114,7 +114,7 @@ def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch
         keep = config.allocator.allocate(ctx, scores)
     for part in config.parts:
         if isinstance(part, Rescorer):
-            scores, keep = part.rescore(ctx, scores, keep)
+            scores, keep = part.rescore(config, ctx, scores, keep)
     memos = []
     for part in summarisers(config):
         reservation = part.reserve(ctx, scores, keep, previous)

@@ -58,7 +58,7 @@ class CriticalRescoring(Options):
             raise ConfigError(f"--critical reweights a scorer's scores; --method {policy.name} "
                               f"{'evicts nothing' if not policy.evicts else 'keeps tokens by position'}")
 
-    def rescore(self, ctx, scores: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rescore(self, config, ctx, scores: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, H_kv, N]`` scores whose ranking keeps, per head, the first stage's tokens, then the
         rest by output-weighted score (``keep`` ``[B, H_kv]``: each head's count, protected included)."""
         first = (keep.float() * self.critical_first_stage).long() - ctx.protected.sum(dim=-1, keepdim=True)

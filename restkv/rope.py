@@ -32,6 +32,13 @@ def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return ((rotated * cos - rotate_half(rotated) * sin) / (cos.square() + sin.square())).to(x.dtype)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary_pos_emb`` of ``x`` ``[B, H, n, d]`` with ``cos``, ``sin`` ``[B, n, d]`` (in float32,
+    returned in ``x``'s dtype): ``unrotate``'s inverse."""
+    cos, sin, plain = cos.float().unsqueeze(1), sin.float().unsqueeze(1), x.float()
+    return (plain * cos + rotate_half(plain) * sin).to(x.dtype)
+
+
 def rotary_inverse(model, layer_idx: int) -> Unrotate:
     """``unrotate(x, positions)`` for layer ``layer_idx`` of ``model`` (a ``*ForCausalLM`` or
     its decoder): ``cos``/``sin`` from the model's rotary embedding at ``positions`` ``[B, n]``

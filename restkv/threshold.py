@@ -41,7 +41,7 @@ class ThresholdEviction(Options):
             raise ConfigError(f"--dms thresholds a scorer's scores; --method {policy.name} "
                               f"{'evicts nothing' if not policy.evicts else 'keeps tokens by position'}")
 
-    def rescore(self, ctx, scores: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rescore(self, config, ctx, scores: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The scores as they are; each head's count lowered to its protected tokens and the
         candidates that reach the threshold."""
         reaching = ((scores >= self.dms_threshold) & ctx.candidates[:, None]).sum(dim=-1)

@@ -245,6 +245,15 @@ def test_lagkv_default_keeps_the_sinks_and_the_newest_tokens_where_kvpress_drops
             assert ours[layer][head] == [0, 1, 2, 3] + list(range(196, 384))
 
 
+def test_chunk_press_default_scores_each_chunk_with_its_own_positions():
+    """kvpress' ChunkPress turns a SnapKV chunk's window queries to the prompt's last positions
+    (README §12); only --chunk_press_kvpress_rope reproduces it, the default keeps other tokens."""
+    data = fixture("chunkpress_snapkv_w16_c128_r0.5")
+    ours = as_mask(replay("chunkpress_snapkv_w16_c128_r0.5", chunk_press_kvpress_rope=False)[0],
+                   data["kept_mask"].shape)
+    assert (ours.sum(axis=-1) == data["n_kept"]).all() and int((ours != data["kept_mask"]).sum()) > 100
+
+
 def test_chunkkv_keeps_the_window_where_kvpress_counts_chunks_and_drops_part_of_it():
     """At ratio 0.8 kvpress keeps int(20 x 0.2) = 3 chunks, 3 of the 4 window chunks (44 tokens,
     README §12); restkv keeps the 64-token window and no chunk beside it (one more would take 84 of

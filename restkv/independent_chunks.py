@@ -1,0 +1,115 @@
+"""Independent chunks (kvpress' ChunkPress), the ``--chunk_press`` switch: each chunk of the prompt compressed alone.
+
+The prompt is cut into chunks of ``--chunk_press_length`` tokens (the row's first token opens the first, the last
+may be shorter); each chunk is scored by the method as if it were the whole prompt (its own
+keys, values and queries: a window scorer reads the chunk's last ``--window_size`` queries, a
+sink-keeping one keeps the chunk's first tokens) and keeps its share of the budget,
+``floor(n_chunk x budget / L)`` tokens per KV head (at least 1), so every part of a long prompt
+keeps the same density and no chunk's scores compete with another's; a chunk whose share does
+not exceed what the method protects in it (a short last chunk and the window) keeps its newest
+tokens. Scoring is per chunk, so the cost
+of an attention scorer falls from the prompt's length to the chunk's.
+
+It needs the prompt's own queries at its prefill: a deferring setting (reconstruction, a
+model-wide allocation), chunked prefill and decode budgets are refused in one line, as are
+head-adaptive allocations (each chunk's share is the same in every head).
+
+Where this differs from kvpress' ``ChunkPress``: kvpress hands the inner press the RoPE tables
+of the whole prompt, so a SnapKV chunk's recomputed window queries sit at the prompt's last
+positions (``../shared/golden_kvpress`` §12); here the queries keep their own positions.
+A chunk keeps ``max(1, int(n_chunk (1 - r)))`` tokens there, the same share for a ratio budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from restkv.context import ScoringContext, plan_layer
+from restkv.options import ConfigError, Options, option, register
+from restkv.rope import rotate, unrotate
+from restkv.selection import rank_keys, select_columns
+
+
+@register("switch")
+@dataclass(frozen=True)
+class IndependentChunks(Options):
+    """ChunkPress: each chunk of the prompt scored alone, keeping its share of the budget."""
+
+    name = "chunk_press"
+    switch_help = "kvpress' ChunkPress: score each --chunk_press_length-token chunk of the prompt alone, each keeping " \
+                  "its share of the budget"
+
+    chunk_press_length: int = option(1024, "--chunk_press: tokens per chunk scored alone", minimum=1)
+    chunk_press_kvpress_rope: bool = option(
+        False, "--chunk_press: turn each chunk's window queries to the prompt's last positions, as kvpress 0.5.5 "
+        "does by handing the inner press the whole prompt's RoPE tables (for parity)")
+
+    def check(self, config) -> None:
+        flags = config.deferring_flags() + config.rescoring_flags()
+        if flags:
+            raise ConfigError(f"--chunk_press scores each chunk with the prompt's own queries at its prefill; "
+                              f"{' and '.join(flags)} cannot give them")
+        if config.allocator.head_adaptive:
+            raise ConfigError(f"--chunk_press gives each chunk the same share in every head; --allocation "
+                              f"{config.run.allocation} gives the heads different budgets")
+        if not config.policy.evicts or config.policy.ranks_by_position:
+            raise ConfigError(f"--chunk_press ranks each chunk by a scorer's scores; --method {config.policy.name}"
+                              " does not score")
+
+    def rescore(self, config, ctx, scores: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores that rank each chunk's own choice first, and each head's count: the chunks' shares."""
+        length = scores.shape[-1]
+        ranked = torch.zeros_like(scores, dtype=torch.float32)
+        counts = keep.clone()
+        for row, visible in enumerate(ctx.plan.visible_counts.tolist()):
+            first, budget = length - visible, int(ctx.budgets[row])
+            total = 0
+            for start in range(first, length, self.chunk_press_length):
+                stop = min(start + self.chunk_press_length, length)
+                share = max(1, (stop - start) * budget // visible)
+                chosen = self.chunk_choice(config, ctx, row, slice(start, stop), share)
+                ranked[row, :, start:stop] = chosen.float()
+                total += share
+            counts[row] = min(total, visible)
+        return ranked, counts
+
+    def chunk_choice(self, config, ctx: ScoringContext, row: int, columns: slice, share: int) -> torch.Tensor:
+        """``[H_kv, n]`` bool: the ``share`` tokens per head the method keeps of row ``row``'s
+        chunk at ``columns``, scored as a prompt of its own."""
+        count, policy, window = columns.stop - columns.start, config.policy, config.run.window_size
+        if share < count and (share <= policy.protected_count(window, share) or not policy.compressible_to(window, share)):
+            # A chunk (the short last one) whose share does not exceed what the method protects keeps its newest tokens.
+            newest = torch.zeros(ctx.num_kv_heads, count, dtype=torch.bool, device=ctx.key.device)
+            newest[:, count - share :] = True
+            return newest
+        piece = lambda t: t[row : row + 1, :, columns]  # noqa: E731
+        valid = torch.ones(1, count, dtype=torch.bool, device=ctx.key.device)
+        plan = plan_layer(config, valid, ctx.layer_idx, ctx.num_layers, budgets=[share])
+        rotary = None if ctx.rotary is None else tuple(table[row : row + 1, columns] for table in ctx.rotary)
+        query = piece(ctx.query)
+        if self.chunk_press_kvpress_rope:
+            query = self.kvpress_window_queries(ctx, row, query, rotary, config.run.window_size)
+        chunk = ScoringContext.of(query, piece(ctx.key), piece(ctx.value), plan, ctx.scaling, ctx.softcap,
+                                  ctx.o_proj_weight, rotary=rotary)
+        if not plan.compress:
+            return torch.ones(chunk.key.shape[1:3], dtype=torch.bool, device=ctx.key.device)
+        selected = select_columns(rank_keys(config.policy.score(chunk), plan.visible, plan.protected, ctx.layer_idx),
+                                  torch.full((1, chunk.num_kv_heads), share, device=ctx.key.device))
+        chosen = torch.zeros(chunk.key.shape[:3], dtype=torch.bool, device=ctx.key.device)
+        return chosen.scatter_(2, selected.clamp(min=0).long(), selected >= 0)[0]
+
+    @staticmethod
+    def kvpress_window_queries(ctx: ScoringContext, row: int, query: torch.Tensor, rotary, window: int) -> torch.Tensor:
+        """``query`` ``[1, H, n, d]`` with its last ``window`` queries turned to the prompt's last
+        ``window`` positions (kvpress' ChunkPress with a scorer that recomputes them)."""
+        if ctx.rotary is None:
+            raise ValueError("--chunk_press_kvpress_rope turns queries to other positions: give compress_kv rotary=")
+        window = min(window, query.shape[2])
+        if window == 0:
+            return query
+        cos, sin = (table[:, -window:] for table in rotary)
+        last_cos, last_sin = (table[row : row + 1, -window:] for table in ctx.rotary)
+        turned = rotate(unrotate(query[:, :, -window:], cos, sin), last_cos, last_sin)
+        return torch.cat([query[:, :, :-window], turned], dim=2)

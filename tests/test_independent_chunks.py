@@ -1,0 +1,49 @@
+"""--chunk_press (kvpress' ChunkPress): each chunk of the prompt scored alone, keeping its share."""
+
+import pytest
+import torch
+
+from restkv import CompressionConfig, ConfigError, compress_kv
+from tiny_models import assert_model_compresses, random_qkv, rope_tables
+
+
+def test_each_chunk_keeps_its_share_of_its_own_best_keys():
+    """With l2norm (score -||k||) each 30-token chunk keeps floor(n x 40 / 100) of its smallest keys."""
+    query, key, value = random_qkv(length=100, seed=41)
+    out = compress_kv(query, key, value, dict(method="l2norm", max_capacity_prompts=40, window_size=0,
+                                              l2norm_skip_layers=(), chunk_press=True, chunk_press_length=30))
+    norms = key[0].norm(dim=-1)
+    for head in range(2):
+        expected = set()
+        for start, share in zip(range(0, 100, 30), (12, 12, 12, 4)):
+            chunk = norms[head, start : start + 30]
+            expected |= {start + int(i) for i in torch.argsort(chunk, stable=True)[:share]}
+        assert set(i for i in out.indices[0, head].tolist() if i >= 0) == expected
+
+
+def test_a_window_scorer_reads_each_chunks_own_last_queries():
+    """SnapKV in 50-token chunks keeps each chunk's last --window_size tokens (its own window)."""
+    query, key, value = random_qkv(length=100, seed=42)
+    out = compress_kv(query, key, value, dict(method="snapkv", max_capacity_prompts=40, window_size=6,
+                                              chunk_press=True, chunk_press_length=50), rotary=rope_tables(query))
+    for head in range(2):
+        kept = set(i for i in out.indices[0, head].tolist() if i >= 0)
+        assert len(kept) == 40 and set(range(44, 50)) <= kept and set(range(94, 100)) <= kept
+
+
+@pytest.mark.parametrize("options, fragment", [
+    (dict(prefill_chunk_size=64), "--prefill_chunk_size"), (dict(method="kvzip"), "--observation reconstruction"),
+    (dict(allocation="adakv"), "--allocation adakv gives the heads different budgets"),
+])
+def test_chunk_press_refuses_what_cannot_score_a_chunk_at_its_prefill(options, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        CompressionConfig(**{"method": "snapkv", "max_capacity_prompts": 40, "window_size": 8, "chunk_press": True,
+                             **options})
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(method="cur"), dict(residual=True, residual_no_validation=True,
+                                                                      residual_fixed_ratio=0.25),
+                                   dict(quant_method="kivi", nbits=4), dict(method="expected_attention")])
+def test_chunk_press_compresses_a_model_with_the_other_parts(extra):
+    assert_model_compresses({"method": "snapkv", "max_capacity_prompts": 30, "window_size": 8, "chunk_press": True,
+                             "chunk_press_length": 40, **extra})
