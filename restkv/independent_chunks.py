@@ -12,7 +12,10 @@ of an attention scorer falls from the prompt's length to the chunk's.
 
 It needs the prompt's own queries at its prefill: a deferring setting (reconstruction, a
 model-wide allocation), chunked prefill and decode budgets are refused in one line, as are
-head-adaptive allocations (each chunk's share is the same in every head).
+head-adaptive allocations (each chunk's share is the same in every head). With
+``--chunk_press_global`` the chunks are not scored alone: each keeps its share by the method's
+scores of the whole prompt (FinchPress' ``chunk_length``), which composes with deferring
+settings too.
 
 Where this differs from kvpress' ``ChunkPress``: kvpress hands the inner press the RoPE tables
 of the whole prompt, so a SnapKV chunk's recomputed window queries sit at the prompt's last
@@ -42,12 +45,15 @@ class IndependentChunks(Options):
                   "its share of the budget"
 
     chunk_press_length: int = option(1024, "--chunk_press: tokens per chunk scored alone", minimum=1)
+    chunk_press_global: bool = option(
+        False, "--chunk_press: choose each chunk's share by the method's scores of the whole prompt (Finch's "
+        "chunk_length) instead of scoring each chunk alone")
     chunk_press_kvpress_rope: bool = option(
         False, "--chunk_press: turn each chunk's window queries to the prompt's last positions, as kvpress 0.5.5 "
         "does by handing the inner press the whole prompt's RoPE tables (for parity)")
 
     def check(self, config) -> None:
-        flags = config.deferring_flags() + config.rescoring_flags()
+        flags = config.rescoring_flags() + ([] if self.chunk_press_global else config.deferring_flags())
         if flags:
             raise ConfigError(f"--chunk_press scores each chunk with the prompt's own queries at its prefill; "
                               f"{' and '.join(flags)} cannot give them")
@@ -69,11 +75,23 @@ class IndependentChunks(Options):
             for start in range(first, length, self.chunk_press_length):
                 stop = min(start + self.chunk_press_length, length)
                 share = max(1, (stop - start) * budget // visible)
-                chosen = self.chunk_choice(config, ctx, row, slice(start, stop), share)
+                chosen = (self.global_choice(ctx, scores, row, slice(start, stop), share) if self.chunk_press_global
+                          else self.chunk_choice(config, ctx, row, slice(start, stop), share))
                 ranked[row, :, start:stop] = chosen.float()
                 total += share
             counts[row] = min(total, visible)
         return ranked, counts
+
+    @staticmethod
+    def global_choice(ctx: ScoringContext, scores: torch.Tensor, row: int, columns: slice, share: int) -> torch.Tensor:
+        """``[H_kv, n]`` bool: the chunk's protected tokens and its best-scored others (by the whole
+        prompt's ``scores``), ``share`` per head in all."""
+        protected = ctx.protected[row, columns]
+        ranked = scores[row, :, columns].float().masked_fill(~ctx.candidates[row, columns], float("-inf"))
+        order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
+                                                .expand_as(order))
+        return protected[None] | (rank < share - int(protected.sum()))
 
     def chunk_choice(self, config, ctx: ScoringContext, row: int, columns: slice, share: int) -> torch.Tensor:
         """``[H_kv, n]`` bool: the ``share`` tokens per head the method keeps of row ``row``'s

@@ -47,3 +47,20 @@ def test_chunk_press_refuses_what_cannot_score_a_chunk_at_its_prefill(options, f
 def test_chunk_press_compresses_a_model_with_the_other_parts(extra):
     assert_model_compresses({"method": "snapkv", "max_capacity_prompts": 30, "window_size": 8, "chunk_press": True,
                              "chunk_press_length": 40, **extra})
+
+
+def test_global_scores_give_each_chunk_its_share_of_the_whole_prompts_ranking():
+    """--chunk_press_global (Finch's chunk_length): each chunk keeps, beside the window, its best tokens
+    by the scores of the whole prompt (one SnapKV window), floor(n x 40 / 100) per chunk in all."""
+    from restkv.context import ScoringContext, plan_layer, valid_from_mask
+
+    query, key, value = random_qkv(length=100, seed=43)
+    options = dict(method="snapkv", max_capacity_prompts=40, window_size=6)
+    config = CompressionConfig(**options)
+    ctx = ScoringContext.of(query, key, value, plan_layer(config, valid_from_mask(None, 1, 100, key.device)))
+    scores = config.policy.score(ctx)[0]
+    out = compress_kv(query, key, value, dict(options, chunk_press=True, chunk_press_length=60, chunk_press_global=True))
+    for head in range(2):
+        first = {int(i) for i in torch.argsort(scores[head, :60], descending=True, stable=True)[:24]}
+        second = {60 + int(i) for i in torch.argsort(scores[head, 60:94], descending=True, stable=True)[: 16 - 6]}
+        assert set(i for i in out.indices[0, head].tolist() if i >= 0) == first | second | set(range(94, 100))
