@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import ClassVar, NamedTuple
 
+import numpy as np
 import torch
 
 from restkv.config import kept_at_ratio
@@ -181,6 +182,66 @@ class PerLayerRatios(Allocation):
             return torch.clamp(available, max=shape.candidate_budget)
         kept = kept_at_ratio(shape.length, self.layer_ratios[layer.layer_idx])
         return torch.clamp(available, max=max(min(kept, shape.budget) - shape.window, 0))
+
+
+@register("allocation")
+@dataclass(frozen=True)
+class LUKVAllocation(Allocation):
+    """LU-KV's per-head budgets (arXiv 2602.08585) from a budget curve: ``--lukv_curve`` holds, for
+    each compression ratio 1%..99%, every layer's and KV head's prune ratio (``[99, layers, KV
+    heads]``, made offline by LU-KV's own tools). A row of ``L`` tokens with budget ``C`` reads the
+    curve's row for ``round(100 (1 - C / L))%``; head ``h`` keeps ``(1 - p_h) L`` tokens, rounded so
+    the layer keeps the rounded sum (largest remainders first), window and sinks included."""
+
+    name = "lukv"
+    head_adaptive = True
+
+    lukv_curve: str | None = option(
+        None, "LU-KV: .npy budget curve [99, layers, KV heads] of prune ratios (row r-1: ratio r%)", names_file=True)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lukv_curve, os.PathLike):
+            object.__setattr__(self, "lukv_curve", os.fspath(self.lukv_curve))
+        super().__post_init__()
+
+    def validate(self) -> None:
+        if self.lukv_curve is not None:
+            lukv_curve(self.lukv_curve)
+
+    def check(self, config) -> None:
+        if self.lukv_curve is None:
+            raise ConfigError("--allocation lukv reads each head's budget from a curve: give --lukv_curve FILE.npy")
+
+    def allocate(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
+        curve = lukv_curve(self.lukv_curve)
+        if curve.shape[1] <= ctx.layer_idx or curve.shape[2] != ctx.num_kv_heads:
+            raise ConfigError(f"--lukv_curve {self.lukv_curve!r} holds {curve.shape[1]} layers x {curve.shape[2]} KV "
+                              f"heads; layer {ctx.layer_idx} of this model has {ctx.num_kv_heads} KV heads")
+        protected = ctx.protected.sum(dim=-1)
+        rows = []
+        for row, (budget, length) in enumerate(zip(ctx.budgets.tolist(), ctx.plan.visible_counts.tolist())):
+            index = min(max(round(100 * (1 - budget / length)) - 1, 0), 98)
+            ideal = (1 - curve[index, ctx.layer_idx].clamp(0, 1)) * length
+            target = min(max(round(float(ideal.sum())), ctx.num_kv_heads), ctx.num_kv_heads * length)
+            counts = ideal.floor().long()
+            remainder = target - int(counts.sum())
+            if remainder > 0:
+                counts[torch.topk(ideal - counts, min(remainder, ctx.num_kv_heads)).indices] += 1
+            rows.append(counts.clamp(min=max(1, int(protected[row])), max=length))
+        return torch.stack(rows).to(ctx.budgets.device)
+
+
+@lru_cache(maxsize=8)
+def lukv_curve(path: str) -> torch.Tensor:
+    """``[99, layers, KV heads]`` float32 prune ratios of a LU-KV curve file (``ConfigError`` naming
+    ``--lukv_curve`` when it is not one)."""
+    try:
+        curve = torch.from_numpy(np.load(path, allow_pickle=False)).float()
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"--lukv_curve {path!r}: not a .npy array ({error})") from None
+    if curve.dim() != 3 or curve.shape[0] != 99:
+        raise ConfigError(f"--lukv_curve {path!r}: expected [99, layers, KV heads] prune ratios, got {list(curve.shape)}")
+    return curve
 
 
 @register("allocation")

@@ -503,3 +503,32 @@ def test_per_layer_ratios_give_each_layer_its_ratio_of_the_row_capped_by_the_run
         CompressionConfig(method="snapkv", allocation="per_layer", max_capacity_prompts=60)
     with pytest.raises(ConfigError, match="--layer_ratios must be fractions"):
         CompressionConfig(method="snapkv", allocation="per_layer", layer_ratios=(1.5,), max_capacity_prompts=60)
+
+
+def test_lukv_heads_keep_their_curve_share_with_the_layer_total_rounded_by_largest_remainders(tmp_path):
+    import numpy as np
+
+    curve = np.zeros((99, 3, 2), dtype=np.float32)
+    curve[59] = [[0.5, 0.7], [0.333, 0.867], [0.9, 0.9]]  # ratio 60%: prune ratios per layer and KV head
+    path = tmp_path / "curve.npy"
+    np.save(path, curve)
+    query, key, value = random_qkv(heads=4, kv_heads=2, length=100, seed=6)
+    options = dict(method="snapkv", allocation="lukv", lukv_curve=str(path), compression_ratio=0.6, window_size=4)
+    counts = [stored_counts(compress_kv(query, key, value, options, layer_idx=layer, num_layers=3))[0].tolist()
+              for layer in range(3)]
+    # 66.7 + 13.3 rounds to 80 in all: the larger remainder (.7) gets the extra token
+    assert counts == [[50, 30], [67, 13], [10, 10]]
+
+
+def test_lukv_curve_errors_name_the_flag(tmp_path):
+    import numpy as np
+
+    with pytest.raises(ConfigError, match="give --lukv_curve"):
+        CompressionConfig(method="snapkv", allocation="lukv", compression_ratio=0.5)
+    (tmp_path / "bad.npy").write_text("not numpy")
+    with pytest.raises(ConfigError, match="--lukv_curve .*not a .npy array"):
+        CompressionConfig(method="snapkv", allocation="lukv", lukv_curve=str(tmp_path / "bad.npy"), compression_ratio=0.5)
+    np.save(tmp_path / "flat.npy", np.zeros((10, 2), dtype=np.float32))
+    with pytest.raises(ConfigError, match=r"expected \[99, layers, KV heads\]"):
+        CompressionConfig(method="snapkv", allocation="lukv", lukv_curve=str(tmp_path / "flat.npy"),
+                          compression_ratio=0.5)
