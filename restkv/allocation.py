@@ -197,7 +197,8 @@ class LUKVAllocation(Allocation):
     head_adaptive = True
 
     lukv_curve: str | None = option(
-        None, "LU-KV: .npy budget curve [99, layers, KV heads] of prune ratios (row r - 1: ratio r percent)", names_file=True)
+        None, "LU-KV: .npy budget curve [99, layers, KV heads] of prune ratios (row r - 1: ratio r percent)",
+        names_file=True)
 
     def __post_init__(self) -> None:
         if isinstance(self.lukv_curve, os.PathLike):
