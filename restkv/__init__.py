@@ -1,8 +1,9 @@
 """restkv: KV cache compression for Hugging Face transformers models.
 
 Importing the package registers every part of a compression run (the methods in
-``restkv.policies``, the allocations, the merge, the residual cache, key-channel pruning,
-CriticalKV's rescoring, ChunkKV's chunks, threshold eviction, independent chunks and the quantisers), so configs can name them.
+``restkv.policies``, the allocations, the merges, the residual cache, key-channel pruning, the
+score switches of CriticalKV, ChunkKV, threshold eviction and independent chunks, and the
+quantisers), so configs can name them.
 """
 
 from restkv import (  # noqa: F401  (they register their parts)

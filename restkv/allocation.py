@@ -241,7 +241,8 @@ def lukv_curve(path: str) -> torch.Tensor:
     except (OSError, ValueError) as error:
         raise ConfigError(f"--lukv_curve {path!r}: not a .npy array ({error})") from None
     if curve.dim() != 3 or curve.shape[0] != 99:
-        raise ConfigError(f"--lukv_curve {path!r}: expected [99, layers, KV heads] prune ratios, got {list(curve.shape)}")
+        raise ConfigError(f"--lukv_curve {path!r}: expected [99, layers, KV heads] prune ratios, got "
+                          f"{list(curve.shape)}")
     return curve
 
 
