@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.options import ConfigError, Options, option, register
+from restkv.policies.base import require_ranking
 
 
 @register("switch")
@@ -36,10 +37,7 @@ class ChunkSelection(Options):
     chunkkv_length: int = option(20, "--chunkkv: tokens per chunk", minimum=1)
 
     def check(self, config) -> None:
-        policy = config.policy
-        if not policy.evicts or policy.ranks_by_position:
-            raise ConfigError(f"--chunkkv ranks chunks by a scorer's scores; --method {policy.name} "
-                              f"{'evicts nothing' if not policy.evicts else 'keeps tokens by position'}")
+        require_ranking("--chunkkv", config.policy)
         if config.allocator.head_adaptive:
             raise ConfigError(f"--chunkkv keeps the same chunks in every head; --allocation {config.run.allocation} "
                               "gives the heads different budgets")

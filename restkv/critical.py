@@ -32,6 +32,7 @@ import torch
 
 from restkv.output_space import output_weight
 from restkv.options import ConfigError, Options, option, register
+from restkv.policies.base import require_ranking
 
 
 @register("switch")
@@ -53,10 +54,7 @@ class CriticalRescoring(Options):
             raise ConfigError(f"--critical_first_stage must be a share in [0, 1]; got {self.critical_first_stage}")
 
     def check(self, config) -> None:
-        policy = config.policy
-        if not policy.evicts or policy.ranks_by_position:
-            raise ConfigError(f"--critical reweights a scorer's scores; --method {policy.name} "
-                              f"{'evicts nothing' if not policy.evicts else 'keeps tokens by position'}")
+        require_ranking("--critical", config.policy)
 
     def rescore(self, config, ctx, scores: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, H_kv, N]`` scores whose ranking keeps, per head, the first stage's tokens, then the

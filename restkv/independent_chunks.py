@@ -31,6 +31,7 @@ import torch
 
 from restkv.context import ScoringContext, plan_layer
 from restkv.options import ConfigError, Options, option, register
+from restkv.policies.base import require_ranking
 from restkv.rope import rotate, unrotate
 from restkv.selection import rank_keys, select_columns
 
@@ -60,9 +61,7 @@ class IndependentChunks(Options):
         if config.allocator.head_adaptive:
             raise ConfigError(f"--chunk_press gives each chunk the same share in every head; --allocation "
                               f"{config.run.allocation} gives the heads different budgets")
-        if not config.policy.evicts or config.policy.ranks_by_position:
-            raise ConfigError(f"--chunk_press ranks each chunk by a scorer's scores; --method {config.policy.name}"
-                              " does not score")
+        require_ranking("--chunk_press", config.policy)
 
     def rescore(self, config, ctx, scores: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores that rank each chunk's own choice first, and each head's count: the chunks' shares."""

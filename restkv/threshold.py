@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.options import ConfigError, Options, option, register
+from restkv.policies.base import require_ranking
 
 
 @register("switch")
@@ -36,10 +37,7 @@ class ThresholdEviction(Options):
     def check(self, config) -> None:
         if self.dms_threshold is None:
             raise ConfigError("--dms keeps the tokens whose score reaches a threshold: give --dms_threshold")
-        policy = config.policy
-        if not policy.evicts or policy.ranks_by_position:
-            raise ConfigError(f"--dms thresholds a scorer's scores; --method {policy.name} "
-                              f"{'evicts nothing' if not policy.evicts else 'keeps tokens by position'}")
+        require_ranking("--dms", config.policy)
 
     def rescore(self, config, ctx, scores: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The scores as they are; each head's count lowered to its protected tokens and the

@@ -154,6 +154,14 @@ class Policy(Options):
         return keys, values
 
 
+def require_ranking(flag: str, policy: Policy) -> None:
+    """Refuse (``ConfigError``) a part ``flag`` that works on a scorer's ranking for a method that
+    has none: it keeps every token, or keeps tokens by position."""
+    if not policy.evicts or policy.ranks_by_position:
+        raise ConfigError(f"{flag} works on a scorer's ranking; --method {policy.name} "
+                          f"{'evicts nothing' if not policy.evicts else 'keeps tokens by position'}")
+
+
 @dataclass(frozen=True)
 class GroupedScores(Policy):
     """A scorer whose per-query-head scores are reduced to one per KV head."""
