@@ -33,6 +33,7 @@ import torch
 from restkv.output_space import output_weight
 from restkv.options import ConfigError, Options, option, register
 from restkv.policies.base import require_ranking
+from restkv.selection import descending_ranks
 
 
 @register("switch")
@@ -62,10 +63,7 @@ class CriticalRescoring(Options):
         first = (keep.float() * self.critical_first_stage).long() - ctx.protected.sum(dim=-1, keepdim=True)
         candidates = ctx.candidates[:, None].expand_as(scores)
         ranked = scores.float().masked_fill(~candidates, float("-inf"))
-        order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
-                                                .expand_as(order))
-        chosen = rank < first.clamp(min=0)[..., None]
+        chosen = descending_ranks(ranked) < first.clamp(min=0)[..., None]
         weighted = (scores.float() + self.critical_epsilon) * output_l1_norms(ctx)
         return weighted.masked_fill(chosen, torch.finfo(weighted.dtype).max), keep  # finite: above every other
 

@@ -33,7 +33,7 @@ from restkv.context import ScoringContext, plan_layer
 from restkv.options import ConfigError, Options, option, register
 from restkv.policies.base import require_ranking
 from restkv.rope import rotate, unrotate
-from restkv.selection import rank_keys, select_columns
+from restkv.selection import descending_ranks, rank_keys, select_columns
 
 
 @register("switch")
@@ -87,10 +87,7 @@ class IndependentChunks(Options):
         prompt's ``scores``), ``share`` per head in all."""
         protected = ctx.protected[row, columns]
         ranked = scores[row, :, columns].float().masked_fill(~ctx.candidates[row, columns], float("-inf"))
-        order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
-                                                .expand_as(order))
-        return protected[None] | (rank < share - int(protected.sum()))
+        return protected[None] | (descending_ranks(ranked) < share - int(protected.sum()))
 
     def chunk_choice(self, config, ctx: ScoringContext, row: int, columns: slice, share: int) -> torch.Tensor:
         """``[H_kv, n]`` bool: the ``share`` tokens per head the method keeps of row ``row``'s

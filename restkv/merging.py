@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from restkv.context import ScoringContext
 from restkv.options import Options, option, register
+from restkv.selection import descending_ranks
 
 #: query positions per block when matching evicted keys to pivots (bounds the similarity matrix)
 PIVOT_BLOCK = 1024
@@ -145,10 +146,7 @@ def similarity_merge(key: torch.Tensor, value: torch.Tensor, evicted: torch.Tens
     if fraction < 1.0:
         ranked = best.masked_fill(~mergeable, float("-inf"))
         wanted = (mergeable.sum(dim=-1, keepdim=True) * fraction).ceil().long()
-        order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
-                                                .expand_as(order))
-        mergeable = mergeable & (rank < wanted)
+        mergeable = mergeable & (descending_ranks(ranked) < wanted)
     kept_norms = values.float().norm(dim=-1).gather(2, slots)
     evicted_norms = value.float().norm(dim=-1)
     weight = best.clamp(min=0) * mergeable.float() * evicted_norms / (evicted_norms + kept_norms + 1e-6)

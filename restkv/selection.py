@@ -57,6 +57,14 @@ def select_columns(ranked: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return columns.masked_fill(columns == length, -1)
 
 
+def descending_ranks(values: torch.Tensor) -> torch.Tensor:
+    """``values``' shape, long: each entry's place in a stable descending sort of its last
+    dimension (0: the largest; ties keep their order), so ``ranks < k`` marks each row's top ``k``."""
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    positions = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, positions)
+
+
 def gather_columns(tensor: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """Gather ``[B, H_kv, N, d]`` at ``[B, H_kv, K]`` column indices; -1 slots become zeros."""
     safe = columns.clamp(min=0)

@@ -180,6 +180,11 @@ class SinkOptions(Options):
 
     n_sink: int = option(4, "the first tokens, always kept (attention sinks)", minimum=0)
 
+    def sinks_among(self, ctx, row: int, count: int) -> int:
+        """How many of row ``row``'s sinks are among its last ``count`` tokens (the visible ones a
+        row-local scorer reads: all of them unless a sliding window hides the first)."""
+        return max(self.n_sink - (int(ctx.plan.lengths[row]) - count), 0)
+
 
 @dataclass(frozen=True)
 class KeepsSinks(SinkOptions):

@@ -53,11 +53,10 @@ class Compactor(SketchOptions, SinkOptions, NonCausalAttention):
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         keys = ctx.pre_rope_key
-        lengths = ctx.plan.lengths.tolist()
 
         def row_scores(row: int, columns: slice) -> torch.Tensor:
             count = columns.stop - columns.start
-            start = max(self.n_sink - (int(lengths[row]) - count), 0)  # the row's sinks among these tokens
+            start = self.sinks_among(ctx, row, count)
             stop = max(count - self.compactor_recent, start)
             middle = slice(columns.start + start, columns.start + stop)
             scores = torch.empty(ctx.num_kv_heads, count, dtype=torch.float32, device=ctx.key.device)

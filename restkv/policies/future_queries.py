@@ -52,11 +52,10 @@ class FutureQueries(KeepsSinks, GroupedScores):
         if ctx.query.shape[2] != ctx.key.shape[2]:
             raise ValueError(f"--method {self.name} reads every prompt query: give as many queries as keys")
         cos, sin = ctx.rotary
-        lengths = ctx.plan.lengths.tolist()
 
         def row_scores(row: int, columns: slice) -> torch.Tensor:
             count = columns.stop - columns.start
-            sinks = max(self.n_sink - (int(lengths[row]) - count), 0)  # the row's first tokens among these
+            sinks = self.sinks_among(ctx, row, count)
             row_cos, row_sin = cos[row, columns], sin[row, columns]
             queries = unrotate(ctx.query[row : row + 1, :, columns], row_cos[None], row_sin[None])[0].float()
             rotation = rotation_matrix(*following_rotation(row_cos, row_sin, self.future_positions)).float()
