@@ -2,7 +2,7 @@
 
 ``compress_layer(config, ctx)`` is the pipeline every compression runs (a compressing prefill,
 compression after the whole prefill, and recompression under chunked prefill and decode
-budgets): score → allocate → reserve → select → finalize → summarise → store. It returns a
+budgets): score → allocate → reserve → select → finalize → rewrite keys → summarise → store. It returns a
 ``LayerState``, the segments a ``restkv.cache.CompressedLayer`` is made of. Parts take part by
 what they do, never by their name:
 
@@ -10,6 +10,7 @@ what they do, never by their name:
   ``--residual``, MomentKV's ``--moments``) keeps a summary of the tokens it evicts: ``reserve``
   takes its token slots from the budgets (and may rescore), ``summarise`` returns its segments
   (summaries that join the softmax, output corrections applied after it) from the kept columns;
+* a part with ``rewrite_keys`` (``KeyRewriter``: ``--rerotate_keys``) rewrites the kept keys;
 * a part with ``choose_channels`` (``KeyPruner``: ThinK's ``--think``) stores the kept keys with
   fewer channels; one with ``quantize_keys`` (``--quant_method``) stores them as codes; both keep
   each head's ``exact_recent_tokens`` newest kept tokens whole, in the segment that takes appended tokens.
@@ -60,6 +61,13 @@ class KeyPruner(Protocol):
     def exact_recent_tokens(self, config: Any) -> int: ...
 
     def choose_channels(self, ctx: ScoringContext, keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor | None: ...
+
+
+@runtime_checkable
+class KeyRewriter(Protocol):
+    """A part that rewrites the kept keys once they are chosen (``--rerotate_keys``)."""
+
+    def rewrite_keys(self, ctx: ScoringContext, columns: torch.Tensor, keys: torch.Tensor) -> torch.Tensor: ...
 
 
 @runtime_checkable
@@ -124,6 +132,9 @@ def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch
     keys, values = policy.finalize(ctx, columns, gather_columns(ctx.key, columns), gather_columns(ctx.value, columns))
     if config.merger is not None:
         keys, values = config.merger.merge(ctx, columns, keys, values)
+    for part in config.parts:
+        if isinstance(part, KeyRewriter):
+            keys = part.rewrite_keys(ctx, columns, keys)
     made = [segment for part, memo in memos for segment in part.summarise(ctx, columns, memo)]
     kept, summaries = co_locate(store(config, ctx, keys, values, columns),
                                 [segment for segment in made if hasattr(segment, "join")])

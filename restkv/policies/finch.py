@@ -8,12 +8,12 @@ attention thinner, so its weights count for more), averaged over the window and 
 each query group (``--gqa_score_agg``); no pooling. The window itself is always kept.
 
 Where this differs from kvpress' ``FinchPress``: the window is ``--window_size`` tokens, not
-found from a delimiter token inserted between context and question; kvpress' defaults then
-compress chunk by chunk of the context (``chunk_length``) and re-rotate the kept keys to
-consecutive positions (``rerotate_keys``); neither is built yet, so kept keys stay at their
-positions. The normalising count is the number of the row's real tokens before the query
-(on a sliding-window layer, at most the window), which is kvpress' query position for an
-unpadded prompt.
+found from a delimiter token inserted between context and question. kvpress may compress chunk
+by chunk of the context (``chunk_length``: ``--chunk_press --chunk_press_global
+--chunk_press_length N`` here) and by default re-rotates the kept keys to consecutive positions
+(``--rerotate_keys`` here, off by default as for every method). The normalising
+count is the number of the row's real tokens before the query (on a sliding-window layer, at
+most the window), which is kvpress' query position for an unpadded prompt.
 """
 
 from __future__ import annotations
