@@ -2,13 +2,13 @@
 
 Importing the package registers every part of a compression run (the methods in
 ``restkv.policies``, the allocations, the merges, the residual cache, key-channel pruning, the
-score switches of CriticalKV, ChunkKV, threshold eviction and independent chunks, key re-rotation, and the
-quantisers), so configs can name them.
+score switches of CriticalKV, ChunkKV, threshold eviction, independent chunks and block-wise
+scoring, key re-rotation, and the quantisers), so configs can name them.
 """
 
 from restkv import (  # noqa: F401  (they register their parts)
-    allocation, channel_pruning, chunkkv, critical, independent_chunks, key_rerotation, merging, policies, quantization,
-    residual, threshold,
+    allocation, block_scoring, channel_pruning, chunkkv, critical, independent_chunks, key_rerotation, merging,
+    policies, quantization, residual, threshold,
 )
 from restkv.compress import CompressedKV, compress_kv
 from restkv.config import CompressionConfig, ConfigError

@@ -92,27 +92,12 @@ class IndependentChunks(Options):
     def chunk_choice(self, config, ctx: ScoringContext, row: int, columns: slice, share: int) -> torch.Tensor:
         """``[H_kv, n]`` bool: the ``share`` tokens per head the method keeps of row ``row``'s
         chunk at ``columns``, scored as a prompt of its own."""
-        count, policy, window = columns.stop - columns.start, config.policy, config.run.window_size
-        if share < count and (share <= policy.protected_count(window, share) or not policy.compressible_to(window, share)):
-            # A chunk (the short last one) whose share does not exceed what the method protects keeps its newest tokens.
-            newest = torch.zeros(ctx.num_kv_heads, count, dtype=torch.bool, device=ctx.key.device)
-            newest[:, count - share :] = True
-            return newest
         piece = lambda t: t[row : row + 1, :, columns]  # noqa: E731
-        valid = torch.ones(1, count, dtype=torch.bool, device=ctx.key.device)
-        plan = plan_layer(config, valid, ctx.layer_idx, ctx.num_layers, budgets=[share])
         rotary = None if ctx.rotary is None else tuple(table[row : row + 1, columns] for table in ctx.rotary)
         query = piece(ctx.query)
         if self.chunk_press_kvpress_rope:
             query = self.kvpress_window_queries(ctx, row, query, rotary, config.run.window_size)
-        chunk = ScoringContext.of(query, piece(ctx.key), piece(ctx.value), plan, ctx.scaling, ctx.softcap,
-                                  ctx.o_proj_weight, rotary=rotary)
-        if not plan.compress:
-            return torch.ones(chunk.key.shape[1:3], dtype=torch.bool, device=ctx.key.device)
-        selected = select_columns(rank_keys(config.policy.score(chunk), plan.visible, plan.protected, ctx.layer_idx),
-                                  torch.full((1, chunk.num_kv_heads), share, device=ctx.key.device))
-        chosen = torch.zeros(chunk.key.shape[:3], dtype=torch.bool, device=ctx.key.device)
-        return chosen.scatter_(2, selected.clamp(min=0).long(), selected >= 0)[0]
+        return choose_as_prompt(config, ctx, query, piece(ctx.key), piece(ctx.value), share, rotary)
 
     @staticmethod
     def kvpress_window_queries(ctx: ScoringContext, row: int, query: torch.Tensor, rotary, window: int) -> torch.Tensor:
@@ -127,3 +112,26 @@ class IndependentChunks(Options):
         last_cos, last_sin = (table[row : row + 1, -window:] for table in ctx.rotary)
         turned = rotate(unrotate(query[:, :, -window:], cos, sin), last_cos, last_sin)
         return torch.cat([query[:, :, :-window], turned], dim=2)
+
+
+def choose_as_prompt(config, ctx: ScoringContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     share: int, rotary=None) -> torch.Tensor:
+    """``[H_kv, n]`` bool: the ``share`` tokens per KV head the method keeps of a piece of layer
+    ``ctx``'s prompt (``query`` ``[1, H, n, d]``, ``key``/``value`` ``[1, H_kv, n, d]``, in position
+    order) scored as a prompt of its own: its last ``--window_size`` queries observe, its first
+    tokens are its sinks. A piece whose share does not exceed what the method protects in it
+    keeps its newest tokens."""
+    count, policy, window = key.shape[2], config.policy, config.run.window_size
+    if share < count and (share <= policy.protected_count(window, share) or not policy.compressible_to(window, share)):
+        newest = torch.zeros(key.shape[1], count, dtype=torch.bool, device=key.device)
+        newest[:, count - share :] = True
+        return newest
+    valid = torch.ones(1, count, dtype=torch.bool, device=key.device)
+    plan = plan_layer(config, valid, ctx.layer_idx, ctx.num_layers, budgets=[share])
+    piece = ScoringContext.of(query, key, value, plan, ctx.scaling, ctx.softcap, ctx.o_proj_weight, rotary=rotary)
+    if not plan.compress:
+        return torch.ones(key.shape[1:3], dtype=torch.bool, device=key.device)
+    selected = select_columns(rank_keys(policy.score(piece), plan.visible, plan.protected, ctx.layer_idx),
+                              torch.full((1, piece.num_kv_heads), share, device=key.device))
+    chosen = torch.zeros(key.shape[:3], dtype=torch.bool, device=key.device)
+    return chosen.scatter_(2, selected.clamp(min=0).long(), selected >= 0)[0]

@@ -254,6 +254,44 @@ def test_chunk_press_default_scores_each_chunk_with_its_own_positions():
     assert (ours.sum(axis=-1) == data["n_kept"]).all() and int((ours != data["kept_mask"]).sum()) > 100
 
 
+def test_block_press_first_block_scores_are_kvpress_once_its_window_queries_take_the_prompts_last_positions():
+    """kvpress' BlockPress(SnapKV) scores its first block (tokens 0-319) with window queries turned to
+    the whole prompt's last positions (README §12.5); turned so, restkv's first-block scores are
+    kvpress', with their own positions they differ, and so do the kept sets (later blocks also pool
+    along kvpress' top-k order and recompute queries from mixed hidden-state slices)."""
+    from restkv import block_scoring
+    from restkv.context import ScoringContext, plan_layer
+    from restkv.rope import rotate, unrotate
+
+    data, first_blocks = fixture("block_snapkv_r0.5"), {}
+    original = block_scoring.choose_as_prompt
+
+    def recording(config, ctx, query, key, value, share, rotary=None):
+        first_blocks.setdefault(ctx.layer_idx, (config, ctx, query, key, value))
+        return original(config, ctx, query, key, value, share, rotary)
+
+    options = dict(method="snapkv", compression_ratio=0.5, window_size=64, block_press=True, block_press_size=128)
+    model = tiny_llama("sdpa")
+    with torch.no_grad(), mock.patch.object(block_scoring, "choose_as_prompt", recording), \
+            restkv.compression(model, **options):
+        cache = output_cache(model.model(input_ids=prompt(), use_cache=True))
+    for layer, (config, ctx, query, key, value) in first_blocks.items():
+        assert query.shape[2] == 320 and torch.equal(key[0, :, :, 0], ctx.key[0, :, :320, 0])
+        cos, sin = ctx.rotary
+        turned = rotate(unrotate(query[:, :, -64:], cos[:, 256:320], sin[:, 256:320]), cos[:, -64:], sin[:, -64:])
+        scores = {}
+        for name, window in (("own", query[:, :, -64:]), ("kvpress", turned)):
+            plan = plan_layer(config, torch.ones(1, 320, dtype=torch.bool), layer, 4, budgets=[192])
+            piece = ScoringContext.of(torch.cat([query[:, :, :-64], window], dim=2), key, value, plan, ctx.scaling)
+            scores[name] = config.policy.score(piece)[0, :, :256] / 64
+        assert data["pos_inner_L%d_c0" % layer][:, :256].tolist() == [list(range(256))] * 2
+        theirs = torch.from_numpy(data["scores_inner_L%d_c0" % layer][:, :256])
+        torch.testing.assert_close(scores["kvpress"], theirs, rtol=1e-4, atol=1e-4 * float(theirs.abs().max()))
+        assert not torch.allclose(scores["own"], theirs, rtol=1e-2, atol=1e-2 * float(theirs.abs().max()))
+    ours = as_mask([layer.exact[0] for layer in kept_positions(cache)], data["kept_mask"].shape)
+    assert (ours.sum(axis=-1) == data["n_kept"]).all() and int((ours & ~data["kept_mask"].astype(bool)).sum()) > 100
+
+
 def test_chunkkv_keeps_the_window_where_kvpress_counts_chunks_and_drops_part_of_it():
     """At ratio 0.8 kvpress keeps int(20 x 0.2) = 3 chunks, 3 of the 4 window chunks (44 tokens,
     README §12); restkv keeps the 64-token window and no chunk beside it (one more would take 84 of
