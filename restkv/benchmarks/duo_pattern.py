@@ -1,0 +1,129 @@
+"""The DuoAttention pattern command: which KV heads read far back, from the model's own mean query and key.
+
+Writes the ``--duo_pattern`` file ``--method duo_attention`` reads, for any supported model,
+without downloads::
+
+    python -m restkv.benchmarks.duo_pattern --model_path smollm2-135m --out data/duo_patterns/smollm2-135m.json
+
+DuoAttention trains a gate per KV head; this is the training-free score kvpress computes when it
+has no trained pattern (``DuoAttentionPress(on_the_fly_scoring=True)``): over ``--num_texts``
+texts (the library's synthetic prose with facts, or ``--text_file``), each layer's mean query and
+mean key before RoPE (after the family's q/k norms) are repeated over ``--span`` positions and
+rotated there; a head's score is the area under the cumulative attention curve of the last
+query over those keys, averaged over its query group and the texts. A head whose RoPE makes the
+repeated query look far back scores high (retrieval); one that reads only its neighbours scores
+low (streaming). The file records ``--sink_size`` and ``--recent_size`` (kvpress' 128 and 256 for
+this score) for the run: ``--n_sink`` and ``--max_capacity_prompts`` of the sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from restkv.attention import project_qkv
+from restkv.benchmarks.errors import FlagError, command_line
+from restkv.rope import rotate, unrotate
+
+
+def mean_query_keys(model, input_ids: torch.Tensor, span: int) -> list[tuple[torch.Tensor, torch.Tensor, tuple]]:
+    """Per layer: the mean pre-RoPE query ``[H, d]`` and key ``[H_kv, d]`` over ``input_ids``'s tokens
+    and the layer's RoPE tables of its first ``span`` positions (read from the forward itself)."""
+    decoder = model.get_decoder()
+    found: dict[int, tuple] = {}
+
+    def record(module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        cos, sin = kwargs["position_embeddings"]
+        query, key, _ = project_qkv(module, hidden, (cos, sin))
+        found[module.layer_idx] = (unrotate(query, cos, sin)[0].float().mean(dim=1),
+                                   unrotate(key, cos, sin)[0].float().mean(dim=1),
+                                   (cos[:1, :span].float(), sin[:1, :span].float()))
+
+    hooks = [layer.self_attn.register_forward_pre_hook(record, with_kwargs=True) for layer in decoder.layers]
+    try:
+        with torch.no_grad():
+            decoder(input_ids=input_ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [found[index] for index in range(len(decoder.layers))]
+
+
+def head_scores_of(query: torch.Tensor, key: torch.Tensor, rotary: tuple, scaling: float) -> torch.Tensor:
+    """``[H_kv]`` the area under the last repeated query's cumulative attention over the repeated keys."""
+    span = rotary[0].shape[1]
+    queries = rotate(query[None, :, None].expand(-1, -1, span, -1), *rotary)[0, :, -1]  # [H, d]
+    keys = rotate(key[None, :, None].expand(-1, -1, span, -1), *rotary)[0]  # [H_kv, span, d]
+    groups = queries.shape[0] // keys.shape[0]
+    weights = torch.einsum("hd,hnd->hn", queries, keys.repeat_interleave(groups, dim=0)) * scaling
+    area = weights.softmax(dim=-1).cumsum(dim=-1).mean(dim=-1)
+    return area.view(keys.shape[0], groups).mean(dim=-1)
+
+
+def compute_pattern(model, texts: list[list[int]], span: int) -> torch.Tensor:
+    """``[L, H_kv]`` head scores averaged over ``texts``."""
+    layers = model.get_decoder().layers
+    total = None
+    for ids in tqdm(texts, desc="texts", unit="text", file=sys.stderr):
+        means = mean_query_keys(model, torch.tensor([ids], device=model.device), span)
+        scores = torch.stack([head_scores_of(query, key, rotary, layer.self_attn.scaling)
+                              for (query, key, rotary), layer in zip(means, layers)])
+        total = scores if total is None else total + scores
+    return total / len(texts)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m restkv.benchmarks.duo_pattern", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_path", required=True, help="embedded model name (smollm2-135m), folder or hub id")
+    parser.add_argument("--out", default=None, help="output JSON (default data/duo_patterns/<model>.json)")
+    parser.add_argument("--num_texts", type=int, default=20, help="texts the means are taken over")
+    parser.add_argument("--span", type=int, default=500, help="positions the mean query and key are repeated over "
+                                                              "(each text has at least this many tokens)")
+    parser.add_argument("--text_file", default=None, help="read the texts from this file instead of generating them")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated texts")
+    parser.add_argument("--sink_size", type=int, default=128, help="recorded: the sinks a streaming head keeps")
+    parser.add_argument("--recent_size", type=int, default=256, help="recorded: the newest tokens a streaming head keeps")
+    args = parser.parse_args(argv)
+    for flag in ("num_texts", "span", "sink_size", "recent_size"):
+        if getattr(args, flag) < (0 if flag == "sink_size" else 1):
+            raise FlagError(f"--{flag} must be at least {0 if flag == 'sink_size' else 1}; got {getattr(args, flag)}")
+    if args.span < 2:
+        raise FlagError(f"--span must be at least 2 positions; got {args.span}")
+    return args
+
+
+@command_line
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    from restkv.models import check_model_path, load_model, load_tokenizer, model_label, model_path_errors
+    from restkv.train_scorer import training_texts
+
+    check_model_path(args.model_path)
+    with model_path_errors(args.model_path):
+        model = load_model(args.model_path, attn_implementation="sdpa")
+        tokenizer = load_tokenizer(args.model_path)
+    try:
+        texts = training_texts(tokenizer, argparse.Namespace(text_file=args.text_file, seq_len=args.span,
+                                                             num_sequences=args.num_texts, held_out=0, seed=args.seed))
+    except ValueError as error:
+        raise FlagError(str(error).replace("--seq_len", "--span")) from None
+    scores = compute_pattern(model, texts, args.span)
+    out = Path(args.out or f"data/duo_patterns/{model_label(args.model_path)}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"sink_size": args.sink_size, "recent_size": args.recent_size,
+                               "head_scores": [[round(float(v), 6) for v in row] for row in scores],
+                               "made_with": " ".join(["python -m restkv.benchmarks.duo_pattern", *(argv or sys.argv[1:])])})
+                   + "\n")
+    print(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""DuoAttention (--method duo_attention): streaming heads keep sinks + recent tokens, retrieval heads
+everything, chosen from a pattern file that python -m restkv.benchmarks.duo_pattern computes."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import restkv
+from restkv import CompressionConfig, ConfigError, compress_kv
+from restkv.benchmarks.duo_pattern import head_scores_of, main
+from restkv.cache import kept_positions
+from restkv.compat import output_cache
+from restkv.policies.duo_attention import read_duo_pattern, streaming_heads
+from tiny_models import greedy, random_prompt, random_qkv, replace_for, tiny_model
+
+
+def write_pattern(path, scores, **sizes):
+    path.write_text(json.dumps({"head_scores": scores, **sizes}))
+    return str(path)
+
+
+def test_the_lowest_scored_share_of_the_models_heads_stream():
+    scores = np.array([[0.2, 0.9], [0.1, 0.5], [0.7, 0.3]])
+    assert streaming_heads(scores, 0.5).tolist() == [[True, False], [True, False], [False, True]]
+    assert not streaming_heads(scores, 0.0).any() and streaming_heads(scores, 1.0).all()
+
+
+def test_streaming_heads_keep_sinks_and_recent_tokens_and_retrieval_heads_everything(tmp_path):
+    pattern = write_pattern(tmp_path / "p.json", [[0.9, 0.1], [0.2, 0.8]])
+    query, key, value = random_qkv(length=100, seed=61)
+    options = dict(method="duo_attention", max_capacity_prompts=30, n_sink=6, duo_pattern=pattern,
+                   duo_streaming_ratio=0.5)
+    for layer, streaming in ((0, 1), (1, 0)):
+        out = compress_kv(query, key, value, options, layer_idx=layer, num_layers=2)
+        heads = [set(i for i in out.indices[0, head].tolist() if i >= 0) for head in range(2)]
+        assert heads[streaming] == set(range(6)) | set(range(76, 100))
+        assert heads[1 - streaming] == set(range(100))
+
+
+def test_the_pattern_file_is_checked_before_any_model_runs(tmp_path):
+    with pytest.raises(ConfigError, match="--allocation duo needs --duo_pattern"):
+        CompressionConfig(method="duo_attention", max_capacity_prompts=30)
+    with pytest.raises(ConfigError, match="--duo_pattern .* is not a file"):
+        CompressionConfig(method="duo_attention", max_capacity_prompts=30, duo_pattern=str(tmp_path / "none.json"))
+    (tmp_path / "bad.json").write_text(json.dumps({"scores": [1]}))
+    with pytest.raises(ConfigError, match="--duo_pattern: .*'head_scores'"):
+        CompressionConfig(method="duo_attention", max_capacity_prompts=30, duo_pattern=str(tmp_path / "bad.json"))
+    pattern = write_pattern(tmp_path / "p.json", [[0.9, 0.1]])
+    with pytest.raises(ConfigError, match="--allocation duo keeps each head's prefill count; --prefill_chunk_size"):
+        CompressionConfig(method="duo_attention", max_capacity_prompts=30, duo_pattern=pattern, prefill_chunk_size=64)
+    with pytest.raises(ConfigError, match="scores 1 layers x 2 KV heads; the model has 3 x 2"):
+        with restkv.compression(tiny_model("llama"), method="duo_attention", max_capacity_prompts=30,
+                                duo_pattern=pattern):
+            pass
+
+
+def test_duoattentions_own_tsv_pattern_is_read_and_clipped(tmp_path):
+    (tmp_path / "full_attention_heads.tsv").write_text("1.2\t0.3\n-0.1\t0.5\n")
+    assert read_duo_pattern(str(tmp_path / "full_attention_heads.tsv")).tolist() == [[1.0, 0.3], [0.0, 0.5]]
+
+
+def test_the_model_stores_each_heads_own_count(tmp_path):
+    model = tiny_model("llama")
+    pattern = write_pattern(tmp_path / "p.json", [[0.9, 0.1], [0.2, 0.8], [0.5, 0.6]])
+    replace_for("llama")(method="duo_attention", max_capacity_prompts=30, n_sink=4, duo_pattern=pattern)
+    cache = output_cache(greedy(model, random_prompt(1, 90), new_tokens=1))
+    counts = [[len(head) for head in layer.exact[0]] for layer in kept_positions(cache)]
+    assert counts == [[90, 30], [30, 90], [30, 90]]
+
+
+def test_head_score_is_the_area_under_the_cumulative_attention_curve():
+    """Without rotation every repeated key is the same: uniform attention, area (n + 1) / 2n."""
+    span = 10
+    rotary = (torch.ones(1, span, 8), torch.zeros(1, span, 8))
+    area = head_scores_of(torch.randn(4, 8), torch.randn(2, 8), rotary, 0.35)
+    torch.testing.assert_close(area, torch.full((2,), (span + 1) / (2 * span)))
+
+
+def test_the_pattern_command_writes_a_file_the_method_reads(tokenizer, tmp_path):
+    folder = tmp_path / "tiny"
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = main(["--model_path", str(folder), "--out", str(tmp_path / "duo.json"), "--num_texts", "2", "--span", "24"])
+    data = json.loads(out.read_text())
+    assert (data["sink_size"], data["recent_size"]) == (128, 256)
+    scores = read_duo_pattern(str(out))
+    assert scores.shape == (3, 2) and ((scores > 0) & (scores < 1)).all()
+    replace_for("llama")(method="duo_attention", max_capacity_prompts=20, duo_pattern=str(out))
+    cache = output_cache(greedy(model, random_prompt(1, 60), new_tokens=1))
+    assert sorted(len(head) for layer in kept_positions(cache) for head in layer.exact[0]) == [20, 20, 20, 60, 60, 60]
+
+
+def test_the_pattern_command_refuses_bad_flags():
+    with pytest.raises(SystemExit) as stop:
+        main(["--model_path", "smollm2-135m", "--span", "1"])
+    assert stop.value.code == "error: --span must be at least 2 positions; got 1"
+
+
+def test_the_shipped_smollm2_pattern_covers_every_kv_head():
+    from pathlib import Path
+
+    shipped = Path(__file__).resolve().parents[1] / "data" / "duo_patterns" / "smollm2-135m.json"
+    assert read_duo_pattern(str(shipped)).shape == (30, 3)
+    assert json.loads(shipped.read_text())["made_with"].startswith("python -m restkv.benchmarks.duo_pattern")
