@@ -64,7 +64,7 @@ from restkv.compress import compress_layer
 from restkv.context import LayerPlan, ScoringContext
 from restkv.context_span import context_span
 from restkv.observation import ReconstructionObservation, ReconstructionStats
-from restkv.reconstruction_prompt import reconstruction_prompt
+from restkv.reconstruction_prompt import NO_PROMPT, reconstruction_prompt
 from restkv.recompress import ScoredChunk, rank_chunk
 
 #: float32 attention weights (query heads x queries x scored keys) of one block of a reconstruction
@@ -236,7 +236,7 @@ def _reconstruct(model_forward: Callable, model, cache, pending: PendingPrefill)
     sink_end = max(start, getattr(config.policy, "n_sink", 0))
     size = config.run.reconstruction_chunk
     pieces = [(piece, min(piece + size, stop, real)) for piece in range(max(start, first), min(stop, real), size)]
-    prompt = reconstruction_prompt(model)
+    prompt = reconstruction_prompt(model) if config.policy.repeats_with_instruction else NO_PROMPT
     tokens = context[0, padding:]
     inputs = [torch.cat([prompt.before(tokens[max(start, piece - size) : piece] if piece > start else None).to(
         context.device), tokens[piece:last]]) for piece, last in pieces]

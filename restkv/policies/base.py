@@ -59,6 +59,9 @@ class Policy(Options):
     observes_queries: ClassVar[bool] = True
     #: the observation the method is defined with (``--observation`` overrides it)
     default_observation: ClassVar[str] = "window"
+    #: under ``--observation reconstruction``, the repetition follows the reconstruction prompt's
+    #: instruction (KVzip's); False: the bare context is repeated (KVCompose's replay)
+    repeats_with_instruction: ClassVar[bool] = True
     #: switches the method is defined with (``think`` = SnapKV with ``--think``, ``momentkv`` =
     #: SnapKV with ``--moments``)
     own_switches: ClassVar[tuple[str, ...]] = ()
