@@ -38,7 +38,7 @@ from restkv.compress import compress_layer, prunes_keys
 from restkv.config import CompressionConfig
 from restkv.context import LayerPlan, ScoringContext, plan_layer, valid_from_mask
 from restkv.context_span import context_span
-from restkv.deferred import (PendingLayer, chunk_budgets, chunked_prompt, defer_layer, finish_prefill, hidden_norms,
+from restkv.deferred import (PendingLayer, chunk_budgets, chunked_prompt, defer_layer, finish_prefill, query_weights,
                              observe_chunk, observe_held_chunk, pending_of, trailing_queries)
 from restkv.recompress import recompress
 
@@ -108,8 +108,8 @@ def restkv_attention_forward(
                               prompt=in_chunks)
         if pending is not None and pending.observing:  # a reconstruction piece of a chunked prompt
             waiting = pending.layers.get(self.layer_idx)
-            if waiting is not None and waiting.reconstructed:
-                observe_held_chunk(waiting, pending.repeating, query, layer, hidden_norms(waiting, hidden_states))
+            if waiting is not None and waiting.reconstructed and pending.folding:
+                observe_held_chunk(waiting, pending.repeating, query, layer, query_weights(waiting, hidden_states))
         elif in_chunks and config.compresses_after_prefill:  # the chunk waits for the model's (restkv.deferred)
             valid = key_validity(attention_mask, query.shape[0], query.shape[2], query.device, empty_rows=True)
             plan = plan_layer(config, valid, self.layer_idx, self.config.num_hidden_layers,
@@ -124,8 +124,8 @@ def restkv_attention_forward(
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
         output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
         waiting = pending.layers.get(self.layer_idx)
-        if waiting is not None and waiting.reconstructed:
-            observe_chunk(waiting, pending.repeating, query, key, hidden_norms(waiting, hidden_states))
+        if waiting is not None and waiting.reconstructed and pending.folding:
+            observe_chunk(waiting, pending.repeating, query, key, query_weights(waiting, hidden_states))
     elif (plan := _plan_to_compress(self, config, cache, layer, query, attention_mask, params)) is not None:
         if config.compresses_after_prefill:  # the layer waits for the whole prefill (restkv.deferred)
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)

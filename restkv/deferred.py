@@ -65,6 +65,7 @@ from restkv.context import LayerPlan, ScoringContext
 from restkv.context_span import context_span
 from restkv.observation import ReconstructionObservation, ReconstructionStats
 from restkv.reconstruction_prompt import NO_PROMPT, reconstruction_prompt
+from restkv.replay_gradients import replay_gradient_norms
 from restkv.recompress import ScoredChunk, rank_chunk
 
 #: float32 attention weights (query heads x queries x scored keys) of one block of a reconstruction
@@ -89,6 +90,8 @@ class PendingLayer:
     #: None: the cache holds the layer's whole prefill (``key``, ``value``); else the layer is already
     #: compressed and ``key``/``value`` are a later prompt chunk appended to it from this padded-batch column
     first_column: int | None = None
+    #: ``[1, q]`` the running reconstruction chunk's gradient norms (KVgrad), set before its scoring forward
+    gradient_norms: torch.Tensor | None = None
 
     @property
     def reconstructed(self) -> bool:
@@ -118,6 +121,8 @@ class PendingPrefill:
     context_ids: torch.Tensor | None = None
     layers: dict[int, PendingLayer] = field(default_factory=dict)
     repeating: RepeatedChunk | None = None
+    #: whether the running chunk's attention is folded into the statistics (not during KVgrad's gradient pass)
+    folding: bool = True
 
     @property
     def observing(self) -> bool:
@@ -147,12 +152,12 @@ def trailing_queries(config, query: torch.Tensor) -> torch.Tensor:
 
 
 def observe_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torch.Tensor, key: torch.Tensor,
-                  hidden_norms: torch.Tensor | None = None) -> None:
+                  weights_of_queries: torch.Tensor | None = None) -> None:
     """Fold a reconstruction chunk's queries ``[1, H, q, d]`` into the layer's statistics; ``key``
     ``[1, H_kv, T, d]`` holds the context and, last, the chunk's ``q`` repeated tokens (the cache's
     keys). Each block of queries reads the sinks, the context chunk and the repetition up to
     itself (causal), in blocks of at most ``RECONSTRUCTION_BLOCK_ELEMENTS`` weights.
-    ``hidden_norms`` ``[1, q]``: each query's weights are divided by it (KVzip+)."""
+    ``weights_of_queries`` ``[1, q]``: each query's attention is multiplied by it (``query_weights``)."""
     repeated = query.shape[2]
     columns = torch.cat([chunk.sinks, torch.arange(chunk.start, chunk.stop)]).to(key.device)
     scored = torch.cat([key.index_select(2, columns), key[:, :, key.shape[2] - repeated :]], dim=2)
@@ -162,13 +167,13 @@ def observe_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torc
         stop = min(start + block, repeated)
         weights = chunk_attention(query[:, :, start:stop], scored[:, :, : context + stop], pending_layer.scaling,
                                   pending_layer.softcap)
-        if hidden_norms is not None:
-            weights = weights / hidden_norms[:, None, start:stop, None]
+        if weights_of_queries is not None:
+            weights = weights * weights_of_queries[:, None, start:stop, None]
         pending_layer.stats.add(weights[..., sinks:context], chunk.start - chunk.offset, query[:, :, start:stop])
 
 
 def observe_held_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torch.Tensor, layer,
-                       hidden_norms: torch.Tensor | None = None) -> None:
+                       weights_of_queries: torch.Tensor | None = None) -> None:
     """``observe_chunk`` for a compressed layer holding a chunked prompt: its keys read as its
     sinks (each head's first kept tokens), then what was appended since its last compression (the
     prompt chunk and the repetition)."""
@@ -178,15 +183,21 @@ def observe_held_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query:
     if columns.shape[2] < sinks or not bool((columns[:, :, :sinks] == expected).all()):
         raise RuntimeError(f"layer {pending_layer.plan.layer_idx} no longer holds its {sinks} sinks")
     appended = layer.tail.appended_tokens()[0]
-    observe_chunk(pending_layer, chunk, query, torch.cat([keys[:, :, :sinks], appended], dim=2), hidden_norms)
+    observe_chunk(pending_layer, chunk, query, torch.cat([keys[:, :, :sinks], appended], dim=2), weights_of_queries)
 
 
-def hidden_norms(pending_layer: PendingLayer, hidden_states: torch.Tensor) -> torch.Tensor | None:
-    """``[1, q]`` the norms of a reconstruction chunk's hidden states (the attention's input) when the
-    layer's policy divides by them (KVzip+), else None."""
-    if not pending_layer.config.policy.divides_by_hidden_norm:
-        return None
-    return hidden_states.float().norm(dim=-1)
+def query_weights(pending_layer: PendingLayer, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    """``[1, q]`` what each of a reconstruction chunk's queries' attention is multiplied by, when the
+    layer's policy weights them: ``1 / ||h||`` of its hidden state (KVzip+) or its gradient norm
+    (KVgrad, ``restkv.replay_gradients``); else None."""
+    policy = pending_layer.config.policy
+    if policy.divides_by_hidden_norm:
+        return 1.0 / hidden_states.float().norm(dim=-1)
+    if policy.weights_by_gradient:
+        if pending_layer.gradient_norms is None:
+            raise RuntimeError(f"layer {pending_layer.plan.layer_idx}: the chunk's gradient norms were not computed")
+        return pending_layer.gradient_norms
+    return None
 
 
 def chunk_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
@@ -254,12 +265,29 @@ def _reconstruct(model_forward: Callable, model, cache, pending: PendingPrefill)
                 pending.repeating = _repeated(piece, last, padding, min(sink_end, piece), waiting.first_column)
                 positions = torch.arange(real, real + ids.shape[0], device=context.device)[None]
                 mask = torch.cat([seen, torch.ones(1, ids.shape[0], dtype=torch.long, device=context.device)], dim=-1)
-                model_forward(model, input_ids=ids[None], position_ids=positions, use_cache=True,
-                              attention_mask=mask, **with_cache(cache))
+                forward = dict(position_ids=positions, use_cache=True, attention_mask=mask, **with_cache(cache))
+                if config.policy.weights_by_gradient:
+                    _set_gradient_norms(model_forward, model, cache, pending, ids[None], forward, saved)
+                model_forward(model, input_ids=ids[None], **forward)
                 cache.layers[:] = [copy.copy(layer) for layer in saved]  # the repetition's K/V is dropped
     finally:
         pending.repeating = None
         cache.layers[:] = saved
+
+
+def _set_gradient_norms(model_forward: Callable, model, cache, pending: PendingPrefill, ids: torch.Tensor,
+                        forward: dict, saved: list) -> None:
+    """KVgrad: run the chunk ``ids`` once with autograd (nothing folded) and give each reconstructed
+    layer its queries' gradient norms; the cache is left as it was."""
+    pending.folding = False
+    try:
+        norms = replay_gradient_norms(model_forward, model, ids, **forward)
+    finally:
+        pending.folding = True
+        cache.layers[:] = [copy.copy(layer) for layer in saved]
+    for index, layer in pending.layers.items():
+        if layer.reconstructed:
+            layer.gradient_norms = norms[index]
 
 
 def _repeated(piece: int, last: int, padding: int, sinks: int, first_column: int | None) -> RepeatedChunk:

@@ -62,6 +62,9 @@ class Policy(Options):
     #: under ``--observation reconstruction``, the repetition follows the reconstruction prompt's
     #: instruction (KVzip's); False: the bare context is repeated (KVCompose's replay)
     repeats_with_instruction: ClassVar[bool] = True
+    #: under ``--observation reconstruction``, each reconstruction query's attention is weighted by
+    #: the gradient norm of the last hidden states at its attention output (KVgrad, ``restkv.replay_gradients``)
+    weights_by_gradient: ClassVar[bool] = False
     #: switches the method is defined with (``think`` = SnapKV with ``--think``, ``momentkv`` =
     #: SnapKV with ``--moments``)
     own_switches: ClassVar[tuple[str, ...]] = ()

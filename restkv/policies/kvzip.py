@@ -87,9 +87,14 @@ class KVzip(KeepsSinks, GroupedScores):
         super().check(config)
         self.check_sinks(config)
 
+    @property
+    def weighs_by_output(self) -> bool:
+        """Whether each token's largest attention is multiplied by ``||v W_o||_2`` (KVzip+, KVgrad)."""
+        return self.kvzip_plus
+
     def score(self, ctx: ScoringContext) -> torch.Tensor:
-        maximum = ctx.observation.maximum()  # [B, H, N]; KVzip+: of the attention divided by ||h||
-        if not self.kvzip_plus:
+        maximum = ctx.observation.maximum()  # [B, H, N]; KVzip+ (KVgrad): of the attention / ||h|| (x ||dPhi/da||)
+        if not self.weighs_by_output:
             return self.mark_sinks(ctx, self.reduce(ctx, maximum), SINK_SCORE)
         weighted = maximum * value_output_norms(ctx)
         return self.mark_sinks(ctx, self.reduce(ctx, weighted), torch.finfo(torch.float32).max)

@@ -1,0 +1,47 @@
+"""KVgrad (openreview.net/forum?id=cg1wTCJjjk): KVzip's reconstruction scores weighted by what the output needs.
+
+KVzip scores a cached token by the largest attention a reconstruction query gives it. KVgrad
+asks how much that attention matters for the model's output: a token's score is
+
+    max over reconstruction queries p and the query group of  A_{p,c} ||v_c W_o^h||_2 ||dPhi/da_p||_2
+
+where ``A_{p,c} ||v_c W_o^h||`` is what the token writes into the residual stream at ``p`` and
+``||dPhi/da_p||`` how sensitive ``Phi = sum_p ||h_p||^2`` (the last decoder layer's output over
+the repeated tokens) is to the attention output at ``p`` (``restkv.replay_gradients``: one
+backward pass per reconstruction chunk, the cached context held constant). Everything else is
+KVzip's: the reconstruction prompt and chunks (``--reconstruction_chunk``; KVgrad's reference
+runs 512), the first ``--n_sink`` tokens kept, one ranking across layers and KV heads
+(``--kvzip_layerwise``: per layer).
+
+As kvpress' ``KVgradPress``. Cost: each reconstruction chunk runs forward and backward, then
+forward again to fold the weighted attention (kvpress recomputes the attention instead), about
+three times KVzip's reconstruction. Runs under ``torch.no_grad()``, not ``torch.inference_mode()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from restkv.options import ConfigError, register
+from restkv.policies.kvzip import KVzip
+
+
+@register("method")
+@dataclass(frozen=True)
+class KVgrad(KVzip):
+    name = "kvgrad"
+    weights_by_gradient = True
+
+    def check(self, config) -> None:
+        super().check(config)
+        if self.kvzip_plus:
+            raise ConfigError("--kvzip_plus does not apply to --method kvgrad: it always weights by ||v W_o||, and "
+                              "its query weights are gradient norms, not 1 / ||h||")
+
+    @property
+    def divides_by_hidden_norm(self) -> bool:
+        return False
+
+    @property
+    def weighs_by_output(self) -> bool:
+        return True
