@@ -42,3 +42,28 @@ def test_chunkkv_refuses_budgets_that_differ_by_head_and_positional_methods():
 def test_chunkkv_compresses_a_model_with_the_other_parts(extra):
     assert_model_compresses({"method": "snapkv", "max_capacity_prompts": 30, "window_size": 8, "chunkkv": True,
                              "chunkkv_length": 8, **extra})
+
+
+def test_the_entropy_gate_keeps_a_spiky_chunks_best_tokens_and_spends_the_rest_on_more_chunks():
+    """Scores 1 everywhere but chunk 2 (one token 20, the rest 0.1: a high mean from one spike) and
+    chunks 5 and 0 (2 and 1.5, spread evenly); the last 2 tokens are protected. Budget 20 of 60 in
+    chunks of 6: chunk 2 keeps its 2 best tokens, chunk 5 and chunk 0 whole, then the best remaining
+    chunk (1: ties go to the earlier) gives the 4 tokens left: exactly 20 with the protected 2."""
+    from restkv.chunkkv import ChunkSelection
+
+    summed = torch.ones(60)
+    summed[12:18] = torch.tensor([20.0, 0.1, 0.3, 0.1, 0.1, 0.1])
+    summed[30:36], summed[0:6] = 2.0, 1.5
+    protected = torch.zeros(60, dtype=torch.bool)
+    protected[58:] = True
+    gate = ChunkSelection(chunkkv_length=6, chunkkv_entropy_gate=True, chunkkv_spiky_tokens=2)
+    chosen = gate.gated_tokens(summed, protected, torch.arange(60) // 6, 20)
+    assert set(chosen.nonzero().squeeze(-1).tolist()) == {12, 14} | set(range(30, 36)) | set(range(6)) | \
+        {6, 7, 8, 9}
+    assert not bool((chosen & protected).any())
+
+
+def test_the_entropy_gate_needs_fewer_spiky_tokens_than_a_chunk():
+    with pytest.raises(ConfigError, match="--chunkkv_spiky_tokens 10 must be below --chunkkv_length 10"):
+        CompressionConfig(method="snapkv", max_capacity_prompts=40, chunkkv=True, chunkkv_length=10,
+                          chunkkv_entropy_gate=True, chunkkv_spiky_tokens=10)
