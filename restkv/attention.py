@@ -38,8 +38,8 @@ from restkv.compress import compress_layer, prunes_keys
 from restkv.config import CompressionConfig
 from restkv.context import LayerPlan, ScoringContext, plan_layer, valid_from_mask
 from restkv.context_span import context_span
-from restkv.deferred import (PendingLayer, chunk_budgets, chunked_prompt, defer_layer, finish_prefill, query_weights,
-                             observe_chunk, observe_held_chunk, pending_of, trailing_queries)
+from restkv.deferred import (PendingLayer, chunk_budgets, chunked_prompt, defer_layer, finish_prefill, kept_hidden,
+                             observe_chunk, observe_held_chunk, pending_of, query_weights, trailing_queries)
 from restkv.recompress import recompress
 
 
@@ -116,7 +116,7 @@ def restkv_attention_forward(
                               budgets=valid.sum(dim=-1).tolist())
             defer_layer(cache, self.layer_idx, PendingLayer(
                 config, plan, key, value, trailing_queries(config, query), params.scaling, params.softcap,
-                self.o_proj.weight, position_embeddings, first_column=first,
+                self.o_proj.weight, position_embeddings, first_column=first, hidden=kept_hidden(config, hidden_states),
             ))
         elif config.rescores:
             _compress_again(self, config, cache, layer, query, params)
@@ -132,12 +132,12 @@ def restkv_attention_forward(
             output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
             defer_layer(cache, self.layer_idx, PendingLayer(
                 config, plan, key, value, trailing_queries(config, query), params.scaling, params.softcap,
-                self.o_proj.weight, position_embeddings,
+                self.o_proj.weight, position_embeddings, hidden=kept_hidden(config, hidden_states),
             ))
         else:
             output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
             ctx = ScoringContext.of(query, key, value, plan, params.scaling, params.softcap, self.o_proj.weight,
-                                    rotary=position_embeddings)
+                                    rotary=position_embeddings, hidden=hidden_states)
             cache.layers[self.layer_idx] = compressed = CompressedLayer.from_state(
                 compress_layer(config, ctx), query.shape[2], params.sliding_window, config, plan.padding)
             if config.rescores:

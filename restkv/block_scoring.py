@@ -54,9 +54,10 @@ class BlockScoring(Options):
         if config.allocator.head_adaptive:
             raise ConfigError(f"--block_press keeps each head's budget at every block; --allocation "
                               f"{config.run.allocation} gives the heads different budgets")
-        if config.policy.needs_rotary:
+        if config.policy.needs_rotary or config.policy.needs_hidden_states:
             raise ConfigError(f"--block_press scores each head's own held tokens, which are not consecutive; "
-                              f"--method {config.run.method} reads the RoPE tables of consecutive positions")
+                              f"--method {config.run.method} reads the RoPE tables or hidden states of the prompt's "
+                              "positions")
         require_ranking("--block_press", config.policy)
 
     def rescore(self, config, ctx, scores: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

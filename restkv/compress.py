@@ -287,6 +287,7 @@ def compress_kv(
     softcap: float | None = None,
     sliding_window: int | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    hidden_states: torch.Tensor | None = None,
 ) -> CompressedKV:
     """Compress one layer's prompt K/V with ``config``.
 
@@ -304,6 +305,8 @@ def compress_kv(
     sliding_window: for sliding-window layers, keys older than the window are invisible.
     rotary: the ``(cos, sin)`` ``[B, N, d]`` the keys were rotated with, for scorers that read the
         keys before RoPE or rotate to other positions (``learned_zip``, ``expected_attention``).
+    hidden_states: ``[B, N, D]`` the attention's input (after the layer's input norm), for scorers
+        of hidden states (``kvzap``).
 
     Returns
     -------
@@ -316,9 +319,12 @@ def compress_kv(
     if config.policy.needs_rotary and rotary is None:
         raise ValueError(f"--method {config.run.method} reads the RoPE tables the keys were rotated with: give "
                          "compress_kv the layer's rotary=(cos, sin)")
+    if config.policy.needs_hidden_states and hidden_states is None:
+        raise ValueError(f"--method {config.run.method} scores the attention's input: give compress_kv the layer's "
+                         "hidden_states [B, N, D]")
     plan = plan_layer(config, valid, layer_idx, num_layers, sliding_window)
     state = compress_layer(config, ScoringContext.of(query, key, value, plan, scaling, softcap, o_proj_weight,
-                                                     rotary=rotary))
+                                                     rotary=rotary, hidden=hidden_states))
     return public_view(state, plan.padding)
 
 

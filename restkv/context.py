@@ -161,6 +161,8 @@ class ScoringContext:
         (with ``positions``).
     rotary: the ``(cos, sin)`` ``[B, N, d]`` the keys were rotated with (the forward's position
         embeddings), for parts that read keys before RoPE (``pre_rope_key``); None where unknown.
+    hidden: ``[B, N, D]`` the attention's input (after the layer's input norm) at every key, for
+        scorers of hidden states (``Policy.needs_hidden_states``: KVzap); None where not kept.
     """
 
     query: torch.Tensor
@@ -174,6 +176,7 @@ class ScoringContext:
     positions: torch.Tensor | None = field(default=None, repr=False)
     prompt_padding: torch.Tensor | None = field(default=None, repr=False)
     rotary: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    hidden: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.observation is None:
@@ -182,9 +185,9 @@ class ScoringContext:
     @classmethod
     def of(cls, query, key, value, plan: LayerPlan, scaling: float | None = None, softcap=None,
            o_proj_weight=None, observation=None, positions=None, prompt_padding=None,
-           rotary=None) -> "ScoringContext":
+           rotary=None, hidden=None) -> "ScoringContext":
         return cls(query, key, value, plan, scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1]),
-                   softcap, o_proj_weight, observation, positions, prompt_padding, rotary)
+                   softcap, o_proj_weight, observation, positions, prompt_padding, rotary, hidden)
 
     @property
     def pre_rope_key(self) -> torch.Tensor | None:

@@ -92,6 +92,8 @@ class PendingLayer:
     first_column: int | None = None
     #: ``[1, q]`` the running reconstruction chunk's gradient norms (KVgrad), set before its scoring forward
     gradient_norms: torch.Tensor | None = None
+    #: ``[B, N, D]`` the attention's input, kept only for a policy that scores it (``kept_hidden``)
+    hidden: torch.Tensor | None = None
 
     @property
     def reconstructed(self) -> bool:
@@ -141,6 +143,11 @@ def defer_layer(cache, layer_idx: int, pending_layer: PendingLayer) -> None:
         pending = PendingPrefill()
         cache._restkv_pending = pending
     pending.layers[layer_idx] = pending_layer
+
+
+def kept_hidden(config, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    """The attention's input a deferred layer keeps: only for a policy that scores it (KVzap)."""
+    return hidden_states if config.policy.needs_hidden_states else None
 
 
 def trailing_queries(config, query: torch.Tensor) -> torch.Tensor:
@@ -409,4 +416,4 @@ def _scoring_context(cache, index: int, layer: PendingLayer) -> ScoringContext:
         positions = (layer.first_column + torch.arange(length, device=layer.key.device)).expand(batch, num_kv_heads, -1)
         padding = cache.layers[index].prompt_padding
     return ScoringContext.of(layer.queries, layer.key, layer.value, layer.plan, layer.scaling, layer.softcap,
-                             layer.o_proj_weight, observation, positions, padding, layer.rotary)
+                             layer.o_proj_weight, observation, positions, padding, layer.rotary, layer.hidden)

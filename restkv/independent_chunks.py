@@ -97,7 +97,8 @@ class IndependentChunks(Options):
         query = piece(ctx.query)
         if self.chunk_press_kvpress_rope:
             query = self.kvpress_window_queries(ctx, row, query, rotary, config.run.window_size)
-        return choose_as_prompt(config, ctx, query, piece(ctx.key), piece(ctx.value), share, rotary)
+        hidden = None if ctx.hidden is None else ctx.hidden[row : row + 1, columns]
+        return choose_as_prompt(config, ctx, query, piece(ctx.key), piece(ctx.value), share, rotary, hidden)
 
     @staticmethod
     def kvpress_window_queries(ctx: ScoringContext, row: int, query: torch.Tensor, rotary, window: int) -> torch.Tensor:
@@ -115,7 +116,7 @@ class IndependentChunks(Options):
 
 
 def choose_as_prompt(config, ctx: ScoringContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     share: int, rotary=None) -> torch.Tensor:
+                     share: int, rotary=None, hidden=None) -> torch.Tensor:
     """``[H_kv, n]`` bool: the ``share`` tokens per KV head the method keeps of a piece of layer
     ``ctx``'s prompt (``query`` ``[1, H, n, d]``, ``key``/``value`` ``[1, H_kv, n, d]``, in position
     order) scored as a prompt of its own: its last ``--window_size`` queries observe, its first
@@ -128,7 +129,8 @@ def choose_as_prompt(config, ctx: ScoringContext, query: torch.Tensor, key: torc
         return newest
     valid = torch.ones(1, count, dtype=torch.bool, device=key.device)
     plan = plan_layer(config, valid, ctx.layer_idx, ctx.num_layers, budgets=[share])
-    piece = ScoringContext.of(query, key, value, plan, ctx.scaling, ctx.softcap, ctx.o_proj_weight, rotary=rotary)
+    piece = ScoringContext.of(query, key, value, plan, ctx.scaling, ctx.softcap, ctx.o_proj_weight, rotary=rotary,
+                              hidden=hidden)
     if not plan.compress:
         return torch.ones(key.shape[1:3], dtype=torch.bool, device=key.device)
     selected = select_columns(rank_keys(policy.score(piece), plan.visible, plan.protected, ctx.layer_idx),

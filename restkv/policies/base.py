@@ -78,6 +78,9 @@ class Policy(Options):
     #: reads the RoPE tables the keys were rotated with (``ScoringContext.rotary``): keys or queries
     #: before RoPE, or rotations to other positions; ``compress_kv`` needs its ``rotary`` then
     needs_rotary: ClassVar[bool] = False
+    #: reads the attention's input at every key (``ScoringContext.hidden``: KVzap); ``compress_kv``
+    #: needs its ``hidden_states`` then, and held tokens (chunked prefill, decode budgets) cannot give them
+    needs_hidden_states: ClassVar[bool] = False
 
     @property
     def divides_by_hidden_norm(self) -> bool:

@@ -1,0 +1,106 @@
+"""KVzap (arXiv 2601.07891): KVzip's scores predicted from the hidden states.
+
+KVzip's reconstruction costs a second pass over the context; KVzap trains, per layer, a small
+surrogate that reads the attention's input at each token (the hidden state after the layer's
+input norm) and predicts the token's KVzip score for every KV head: a linear map, or a two-layer
+GELU MLP. Scoring is then one small product per layer, in prefill (and, in the paper, decoding).
+The recent ``--window_size`` tokens are kept as for every restkv scorer (``--window_size 0``:
+none, as kvpress' ``KVzapPress``); KVzap is meant to run with threshold eviction
+(``--dms --dms_threshold T``: keep what the surrogate scores above ``T``).
+
+``--kvzap_weights FILE``: a safetensors file with kvpress' ``KVzapModel`` layout, one module per
+layer: ``layers.{l}.weight`` ``[H_kv, D]`` and ``layers.{l}.bias`` (linear), or
+``layers.{l}.0.weight`` ``[hidden, D]``, ``layers.{l}.0.bias``, ``layers.{l}.2.weight``
+``[H_kv, hidden]``, ``layers.{l}.2.bias`` (MLP). NVIDIA publishes trained surrogates on the Hub
+(``nvidia/KVzap-{linear,mlp}-<model>``); this library does not download: point the flag at a
+local copy of their ``model.safetensors``. No surrogate ships for the embedded model.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from restkv.context import ScoringContext
+from restkv.options import ConfigError, option, register
+from restkv.policies.base import Policy
+
+
+@register("method")
+@dataclass(frozen=True)
+class KVzap(Policy):
+    name = "kvzap"
+    observes_queries = False
+    needs_hidden_states = True
+
+    kvzap_weights: str | None = option(
+        None, "KVzap: safetensors file of the per-layer surrogates (kvpress' KVzapModel: layers.{l}.weight/bias, or "
+        "layers.{l}.0.* and layers.{l}.2.* for the MLP)", names_file=True)
+
+    def validate(self) -> None:
+        if self.kvzap_weights is not None:
+            surrogates_of(self.kvzap_weights)
+
+    def check(self, config) -> None:
+        super().check(config)
+        if self.kvzap_weights is None:
+            raise ConfigError("--method kvzap needs --kvzap_weights FILE (per-layer surrogates in kvpress' KVzapModel "
+                              "layout, e.g. a local copy of nvidia/KVzap-mlp-<model>'s model.safetensors)")
+        flags = config.rescoring_flags()
+        if flags:
+            raise ConfigError(f"--method kvzap scores the hidden states of the prompt's tokens; {' and '.join(flags)} "
+                              "compress tokens whose hidden states are no longer kept")
+
+    def check_model(self, config, model) -> None:
+        layers = surrogates_of(self.kvzap_weights)
+        if len(layers) != model.num_layers or layers[0][-1][0].shape[0] != model.num_kv_heads:
+            raise ConfigError(f"--kvzap_weights {self.kvzap_weights} holds {len(layers)} surrogates of "
+                              f"{layers[0][-1][0].shape[0]} KV heads; the model has {model.num_layers} layers of "
+                              f"{model.num_kv_heads}")
+
+    def score(self, ctx: ScoringContext) -> torch.Tensor:
+        layers = surrogates_of(self.kvzap_weights)
+        if ctx.layer_idx >= len(layers):
+            raise ConfigError(f"--kvzap_weights {self.kvzap_weights} holds {len(layers)} surrogates; layer "
+                              f"{ctx.layer_idx} has none")
+        output = ctx.hidden.float()
+        for index, (weight, bias) in enumerate(layers[ctx.layer_idx]):
+            if index:
+                output = torch.nn.functional.gelu(output)
+            output = torch.nn.functional.linear(output, weight.to(output.device), bias.to(output.device))
+        if output.shape[-1] != ctx.num_kv_heads:
+            raise ConfigError(f"--kvzap_weights {self.kvzap_weights}: layer {ctx.layer_idx} predicts "
+                              f"{output.shape[-1]} KV heads; the model has {ctx.num_kv_heads}")
+        return output.transpose(1, 2)  # [B, H_kv, N]
+
+
+def surrogates_of(path: str) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per layer, the ``(weight, bias)`` of each linear map of its surrogate (1: linear, 2: MLP)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--kvzap_weights {path!r} is not a file")
+    return _read_surrogates(os.path.abspath(path), os.path.getmtime(path))
+
+
+@functools.lru_cache(maxsize=4)
+def _read_surrogates(path: str, modified: float) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError) as error:
+        raise ConfigError(f"--kvzap_weights {path!r} cannot be read as safetensors: {error}") from None
+    layers = []
+    while True:
+        prefix = f"layers.{len(layers)}."
+        names = [f"{prefix}weight"] if f"{prefix}weight" in tensors else [f"{prefix}0.weight", f"{prefix}2.weight"]
+        if not all(name in tensors and name.replace("weight", "bias") in tensors for name in names):
+            break
+        layers.append([(tensors[name].float(), tensors[name.replace("weight", "bias")].float()) for name in names])
+    if not layers or len(layers) * 2 < sum(name.endswith("weight") for name in tensors):
+        raise ConfigError(f"--kvzap_weights {path!r} holds no KVzapModel layers (layers.{{l}}.weight and .bias, or "
+                          "layers.{l}.0.* and layers.{l}.2.*)")
+    return layers

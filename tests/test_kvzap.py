@@ -1,0 +1,89 @@
+"""KVzap (--method kvzap): per-layer surrogates of the hidden states score each KV head's tokens."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from restkv import CompressionConfig, ConfigError, compress_kv
+from restkv.cache import kept_positions
+from restkv.compat import output_cache
+from tiny_models import assert_model_compresses, greedy, random_prompt, random_qkv, replace_for, tiny_model
+
+
+def surrogate_file(path, layers=3, hidden=64, kv_heads=2, mlp=True, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(layers):
+        if mlp:
+            tensors[f"layers.{layer}.0.weight"] = torch.randn(16, hidden, generator=generator)
+            tensors[f"layers.{layer}.0.bias"] = torch.randn(16, generator=generator)
+            tensors[f"layers.{layer}.2.weight"] = torch.randn(kv_heads, 16, generator=generator)
+            tensors[f"layers.{layer}.2.bias"] = torch.randn(kv_heads, generator=generator)
+        else:
+            tensors[f"layers.{layer}.weight"] = torch.randn(kv_heads, hidden, generator=generator)
+            tensors[f"layers.{layer}.bias"] = torch.randn(kv_heads, generator=generator)
+    save_file(tensors, str(path))
+    return str(path), tensors
+
+
+@pytest.mark.parametrize("mlp", [True, False])
+def test_each_heads_score_is_its_surrogates_output_at_the_token(tmp_path, mlp):
+    path, tensors = surrogate_file(tmp_path / "kvzap.safetensors", hidden=24, mlp=mlp)
+    query, key, value = random_qkv(length=50, seed=81)
+    hidden = torch.randn(1, 50, 24, generator=torch.Generator().manual_seed(2))
+    out = compress_kv(query, key, value, dict(method="kvzap", max_capacity_prompts=20, window_size=0,
+                                              kvzap_weights=path), layer_idx=1, num_layers=3, hidden_states=hidden)
+    if mlp:
+        inner = torch.nn.functional.gelu(hidden[0] @ tensors["layers.1.0.weight"].T + tensors["layers.1.0.bias"])
+        scores = inner @ tensors["layers.1.2.weight"].T + tensors["layers.1.2.bias"]
+    else:
+        scores = hidden[0] @ tensors["layers.1.weight"].T + tensors["layers.1.bias"]
+    for head in range(2):
+        assert set(out.indices[0, head].tolist()) == set(scores[:, head].topk(20).indices.tolist())
+
+
+def test_kvzap_needs_its_weights_and_the_hidden_states(tmp_path):
+    with pytest.raises(ConfigError, match="--method kvzap needs --kvzap_weights FILE"):
+        CompressionConfig(method="kvzap", max_capacity_prompts=20, window_size=0)
+    with pytest.raises(ConfigError, match="--kvzap_weights .* is not a file"):
+        CompressionConfig(method="kvzap", max_capacity_prompts=20, window_size=4, kvzap_weights=str(tmp_path / "none"))
+    save_file({"q_filters": torch.zeros(2, 2, 4)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ConfigError, match="holds no KVzapModel layers"):
+        CompressionConfig(method="kvzap", max_capacity_prompts=20, window_size=4, kvzap_weights=str(tmp_path / "other.safetensors"))
+    path, _ = surrogate_file(tmp_path / "kvzap.safetensors")
+    with pytest.raises(ConfigError, match="--method kvzap scores the hidden states .* --decode_budget"):
+        CompressionConfig(method="kvzap", max_capacity_prompts=20, window_size=4, kvzap_weights=path, decode_budget=64)
+    with pytest.raises(ConfigError, match="--block_press .* hidden states"):
+        CompressionConfig(method="kvzap", max_capacity_prompts=20, window_size=4, kvzap_weights=path, block_press=True)
+    query, key, value = random_qkv(length=50)
+    with pytest.raises(ValueError, match="give compress_kv the layer's hidden_states"):
+        compress_kv(query, key, value, dict(method="kvzap", max_capacity_prompts=20, window_size=4, kvzap_weights=path))
+
+
+def test_the_model_scores_the_attentions_input(tmp_path):
+    """The kept set of each layer is the top of the surrogate over the normed input of its attention."""
+    path, _ = surrogate_file(tmp_path / "kvzap.safetensors")
+    model = tiny_model("llama")
+    inputs = {}
+
+    def record(module, args, kwargs):
+        inputs.setdefault(module.layer_idx, kwargs["hidden_states"])
+
+    hooks = [layer.self_attn.register_forward_pre_hook(record, with_kwargs=True) for layer in model.model.layers]
+    replace_for("llama")(method="kvzap", max_capacity_prompts=20, window_size=4, kvzap_weights=path)
+    cache = output_cache(greedy(model, random_prompt(1, 50), new_tokens=1))
+    for hook in hooks:
+        hook.remove()
+    config = CompressionConfig(method="kvzap", max_capacity_prompts=20, window_size=4, kvzap_weights=path)
+    for layer, kept in enumerate(kept_positions(cache)):
+        query, key, value = (torch.zeros(1, 4, 50, 16), torch.zeros(1, 2, 50, 16), torch.zeros(1, 2, 50, 16))
+        alone = compress_kv(query, key, value, config, layer_idx=layer, num_layers=3, hidden_states=inputs[layer])
+        assert kept.exact[0] == [sorted(head.tolist()) for head in alone.indices[0]]
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(allocation="adakv"), dict(dms=True, dms_threshold=0.0),
+                                   dict(chunk_press=True, chunk_press_length=30), dict(allocation="model_ranked")])
+def test_kvzap_compresses_a_model_with_the_other_parts(tmp_path, extra):
+    path, _ = surrogate_file(tmp_path / "kvzap.safetensors")
+    assert_model_compresses({"method": "kvzap", "max_capacity_prompts": 30, "window_size": 8, "kvzap_weights": path,
+                             **extra})
