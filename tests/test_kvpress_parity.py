@@ -212,6 +212,19 @@ def test_finch_input_is_the_prompt_whose_question_window_is_the_cases_window():
     assert window == CASES["finch_r0.5"]["window_size"] == CASES["finch_norerotate_r0.8"]["window_size"]
 
 
+def test_the_query_stats_command_computes_the_statistics_kvpress_collected():
+    """ExpectedAttentionStats of the fixtures' Llama on calib_ids.npy (first 4 queries left out, n - 1)."""
+    from safetensors.torch import load_file
+
+    from restkv.benchmarks.query_stats import collect_query_stats
+
+    ids = np.load(FIXTURES / "calib_ids.npy").tolist()
+    mean, cov = collect_query_stats(tiny_llama("sdpa"), [ids], n_sink=4)
+    reference = load_file(str(FIXTURES / "ea_stats_llama.safetensors"))
+    torch.testing.assert_close(mean, reference["query_mean"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cov, reference["query_cov"], rtol=1e-4, atol=1e-5)
+
+
 # ---------------------------------------------------------------- where restkv's default differs
 def test_pyramid_default_gives_the_last_layer_candidates_where_kvpress_keeps_only_its_window():
     """kvpress spreads the whole budget, window included, over its pyramid (README §12.1); restkv

@@ -26,33 +26,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from restkv.attention import project_qkv
 from restkv.benchmarks.errors import FlagError, command_line
-from restkv.rope import rotate, unrotate
-
-
-def mean_query_keys(model, input_ids: torch.Tensor, span: int) -> list[tuple[torch.Tensor, torch.Tensor, tuple]]:
-    """Per layer: the mean pre-RoPE query ``[H, d]`` and key ``[H_kv, d]`` over ``input_ids``'s tokens
-    and the layer's RoPE tables of its first ``span`` positions (read from the forward itself)."""
-    decoder = model.get_decoder()
-    found: dict[int, tuple] = {}
-
-    def record(module, args, kwargs):
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        cos, sin = kwargs["position_embeddings"]
-        query, key, _ = project_qkv(module, hidden, (cos, sin))
-        found[module.layer_idx] = (unrotate(query, cos, sin)[0].float().mean(dim=1),
-                                   unrotate(key, cos, sin)[0].float().mean(dim=1),
-                                   (cos[:1, :span].float(), sin[:1, :span].float()))
-
-    hooks = [layer.self_attn.register_forward_pre_hook(record, with_kwargs=True) for layer in decoder.layers]
-    try:
-        with torch.no_grad():
-            decoder(input_ids=input_ids)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return [found[index] for index in range(len(decoder.layers))]
+from restkv.benchmarks.projections import pre_rope_projections
+from restkv.rope import rotate
 
 
 def head_scores_of(query: torch.Tensor, key: torch.Tensor, rotary: tuple, scaling: float) -> torch.Tensor:
@@ -71,9 +47,10 @@ def compute_pattern(model, texts: list[list[int]], span: int) -> torch.Tensor:
     layers = model.get_decoder().layers
     total = None
     for ids in tqdm(texts, desc="texts", unit="text", file=sys.stderr):
-        means = mean_query_keys(model, torch.tensor([ids], device=model.device), span)
-        scores = torch.stack([head_scores_of(query, key, rotary, layer.self_attn.scaling)
-                              for (query, key, rotary), layer in zip(means, layers)])
+        projections = pre_rope_projections(model, torch.tensor([ids], device=model.device))
+        scores = torch.stack([head_scores_of(seen.query.mean(dim=1), seen.key.mean(dim=1),
+                                             tuple(table[:, :span] for table in seen.rotary), layer.self_attn.scaling)
+                              for seen, layer in zip(projections, layers)])
         total = scores if total is None else total + scores
     return total / len(texts)
 

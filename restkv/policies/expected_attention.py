@@ -8,6 +8,10 @@ future rotation ``R``, the expected softmax numerator of key ``k`` is
 over the row's tokens after the sinks, averaged over the query group (``--gqa_score_agg``)
 and, with ``--ea_vnorm``, multiplied by ``(score + --ea_epsilon) * ||v||`` (what the token adds
 to the output, not only how much it is read). ``--no-ea_covariance`` drops the second-order term.
+``--ea_stats FILE`` takes ``mu`` and ``S`` of each layer and query head from offline statistics
+instead of the prompt (kvpress' ExpectedAttentionStatsPress; ``python -m
+restkv.benchmarks.query_stats`` computes them for any model): a safetensors file holding
+``query_mean`` ``[L, H, d]`` and ``query_cov`` ``[L, H, d, d]`` of pre-RoPE queries.
 
 Where this differs from kvpress' ``ExpectedAttentionPress``: the statistics are those of each
 row's own tokens (kvpress' cover every column of the batch, the same for batch size 1);
@@ -19,12 +23,14 @@ not modelled.
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
 
 from restkv.context import ScoringContext
-from restkv.options import option, register
+from restkv.options import ConfigError, option, register
 from restkv.policies.future_queries import FutureQueries
 
 
@@ -37,6 +43,21 @@ class ExpectedAttention(FutureQueries):
     ea_vnorm: bool = option(True, "Expected Attention: weight each score by its value's norm")
     ea_epsilon: float = option(0.0, "Expected Attention: added to each score before the value-norm weighting",
                                minimum=0)
+    ea_stats: str | None = option(
+        None, "Expected Attention: safetensors file of pre-RoPE query statistics (query_mean [L, H, d], query_cov "
+        "[L, H, d, d]; python -m restkv.benchmarks.query_stats) used instead of the prompt's queries", names_file=True)
+
+    def validate(self) -> None:
+        if self.ea_stats is not None:
+            query_stats_of(self.ea_stats)
+
+    def check_model(self, config, model) -> None:
+        if self.ea_stats is not None:
+            mean = query_stats_of(self.ea_stats)[0]
+            if tuple(mean.shape) != (model.num_layers, model.num_heads, model.head_dim):
+                raise ConfigError(f"--ea_stats {self.ea_stats} holds statistics {list(mean.shape)}; the model needs "
+                                  f"[{model.num_layers}, {model.num_heads}, {model.head_dim}]: compute them with "
+                                  "python -m restkv.benchmarks.query_stats")
 
     def future_scores(self, ctx, queries, keys, values, rotation):
         scores = self.expected_attention(ctx, queries, keys, rotation)
@@ -46,13 +67,48 @@ class ExpectedAttention(FutureQueries):
                            rotation: torch.Tensor) -> torch.Tensor:
         """``[H_kv, n]`` the normalised expected attention of ``keys`` ``[H_kv, n, d]`` (post-RoPE)
         under future queries distributed as ``queries`` ``[H, n, d]`` (pre-RoPE), turned by ``rotation``."""
-        mean = queries.mean(dim=1)  # [H, d]
+        mean, spread = self.statistics(ctx, queries)  # [H, d], [H, d, d]
         groups = queries.shape[0] // keys.shape[0]
         keys = keys.repeat_interleave(groups, dim=0)  # [H, n, d]
         logits = ctx.scaling * keys @ (mean @ rotation.T)[:, :, None]
         if self.ea_covariance:
-            centred = queries - mean[:, None]
-            covariance = rotation @ (centred.transpose(1, 2) @ centred / queries.shape[1]) @ rotation.T
+            covariance = rotation @ spread @ rotation.T
             logits = logits + ctx.scaling**2 / 2 * ((keys @ covariance) * keys).sum(dim=-1, keepdim=True)
         weights = logits.squeeze(-1).softmax(dim=-1)  # [H, n]
         return ctx.reduce_groups(weights[None], self.gqa_score_agg)[0]
+
+    def statistics(self, ctx: ScoringContext, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The future queries' pre-RoPE mean ``[H, d]`` and covariance ``[H, d, d]``: the prompt's
+        (``queries`` ``[H, n, d]``, covariance divided by ``n``) or the ``--ea_stats`` file's."""
+        if self.ea_stats is not None:
+            mean, cov = query_stats_of(self.ea_stats)
+            if ctx.layer_idx >= mean.shape[0] or mean.shape[1:] != queries.shape[::2]:
+                raise ConfigError(f"--ea_stats {self.ea_stats} holds statistics {list(mean.shape)}; layer "
+                                  f"{ctx.layer_idx} has {queries.shape[0]} query heads of dimension {queries.shape[2]}")
+            return mean[ctx.layer_idx].to(queries.device), cov[ctx.layer_idx].to(queries.device)
+        mean = queries.mean(dim=1)
+        centred = queries - mean[:, None]
+        return mean, centred.transpose(1, 2) @ centred / queries.shape[1]
+
+
+def query_stats_of(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(query_mean, query_cov)`` of the statistics file ``path``, float32 (read once while unchanged)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--ea_stats {path!r} is not a file")
+    return _read_stats(os.path.abspath(path), os.path.getmtime(path))
+
+
+@functools.lru_cache(maxsize=4)
+def _read_stats(path: str, modified: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError) as error:
+        raise ConfigError(f"--ea_stats {path!r} cannot be read as safetensors: {error}") from None
+    mean, cov = tensors.get("query_mean"), tensors.get("query_cov")
+    if mean is None or cov is None or mean.dim() != 3 or tuple(cov.shape) != (*mean.shape, mean.shape[-1]) \
+            or not bool(torch.isfinite(mean).all() and torch.isfinite(cov).all()):
+        raise ConfigError(f"--ea_stats {path!r} must hold finite query_mean [L, H, d] and query_cov [L, H, d, d]")
+    return mean.float(), cov.float()

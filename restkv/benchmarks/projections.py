@@ -1,0 +1,48 @@
+"""Each layer's queries and keys before RoPE, read from a forward of the model itself.
+
+Offline statistics of a model's attention (DuoAttention's head pattern, Expected Attention's
+query statistics) need the queries and keys as the attention computes them, before their
+rotation: a forward pre-hook on every attention module reads its input and RoPE tables, the
+family's own projections and q/k norms give the rotated queries and keys
+(``restkv.attention.project_qkv``), and ``restkv.rope.unrotate`` takes the rotation off.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from restkv.attention import project_qkv
+from restkv.rope import unrotate
+
+
+class Projections(NamedTuple):
+    """One layer's pre-RoPE ``query`` ``[H, n, d]`` and ``key`` ``[H_kv, n, d]`` (float32), and the
+    ``(cos, sin)`` ``[1, n, d]`` the forward rotated them with."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    rotary: tuple[torch.Tensor, torch.Tensor]
+
+
+def pre_rope_projections(model, input_ids: torch.Tensor) -> list[Projections]:
+    """Per layer, the pre-RoPE projections of ``input_ids`` ``[1, n]`` (one forward, no cache)."""
+    decoder = model.get_decoder()
+    found: dict[int, Projections] = {}
+
+    def record(module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        cos, sin = kwargs["position_embeddings"]
+        query, key, _ = project_qkv(module, hidden, (cos, sin))
+        found[module.layer_idx] = Projections(unrotate(query, cos, sin)[0].float(), unrotate(key, cos, sin)[0].float(),
+                                              (cos[:1].float(), sin[:1].float()))
+
+    hooks = [layer.self_attn.register_forward_pre_hook(record, with_kwargs=True) for layer in decoder.layers]
+    try:
+        with torch.no_grad():
+            decoder(input_ids=input_ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [found[index] for index in range(len(decoder.layers))]

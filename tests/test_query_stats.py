@@ -1,0 +1,59 @@
+"""The query statistics command and --ea_stats: Expected Attention with offline query statistics."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import restkv
+from restkv import CompressionConfig, ConfigError, compress_kv
+from restkv.benchmarks.query_stats import main
+from restkv.cache import kept_positions
+from restkv.compat import output_cache
+from tiny_models import greedy, random_prompt, random_qkv, replace_for, rope_tables, tiny_model
+
+
+def test_statistics_equal_to_the_prompts_own_keep_what_the_prompt_keeps(tmp_path):
+    """The prompt's pre-RoPE queries after the sinks, divided by n as Expected Attention does."""
+    from restkv.rope import unrotate
+
+    query, key, value = random_qkv(length=60, seed=91)
+    rotary = rope_tables(query)
+    plain = unrotate(query, *rotary)[0, :, 4:].float()
+    mean = plain.mean(dim=1)
+    cov = (plain - mean[:, None]).transpose(1, 2) @ (plain - mean[:, None]) / plain.shape[1]
+    save_file({"query_mean": mean[None].contiguous(), "query_cov": cov[None].contiguous()}, str(tmp_path / "s.st"))
+    options = dict(method="expected_attention", max_capacity_prompts=20, window_size=0)
+    own = compress_kv(query, key, value, options, rotary=rotary)
+    offline = compress_kv(query, key, value, dict(options, ea_stats=str(tmp_path / "s.st")), rotary=rotary)
+    assert torch.equal(own.indices, offline.indices)
+
+
+def test_bad_statistics_files_are_refused_with_the_flag(tmp_path):
+    with pytest.raises(ConfigError, match="--ea_stats .* is not a file"):
+        CompressionConfig(method="expected_attention", max_capacity_prompts=20, ea_stats=str(tmp_path / "none"))
+    save_file({"query_mean": torch.zeros(2, 4, 16)}, str(tmp_path / "half.st"))
+    with pytest.raises(ConfigError, match="must hold finite query_mean"):
+        CompressionConfig(method="expected_attention", max_capacity_prompts=20, ea_stats=str(tmp_path / "half.st"))
+    save_file({"query_mean": torch.zeros(2, 4, 16), "query_cov": torch.zeros(2, 4, 16, 16)}, str(tmp_path / "s.st"))
+    with pytest.raises(ConfigError, match=r"holds statistics \[2, 4, 16\]; the model needs \[3, 4, 16\]"):
+        with restkv.compression(tiny_model("llama"), method="expected_attention", max_capacity_prompts=20,
+                                window_size=4, ea_stats=str(tmp_path / "s.st")):
+            pass
+
+
+def test_the_command_writes_statistics_expected_attention_reads(tokenizer, tmp_path):
+    folder = tmp_path / "tiny"
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = main(["--model_path", str(folder), "--out", str(tmp_path / "stats.safetensors"), "--num_texts", "2",
+                "--text_length", "40"])
+    replace_for("llama")(method="expected_attention", max_capacity_prompts=20, ea_stats=str(out), window_size=4)
+    cache = output_cache(greedy(model, random_prompt(1, 60), new_tokens=1))
+    assert all(len(head) == 20 for layer in kept_positions(cache) for head in layer.exact[0])
+
+
+def test_the_command_refuses_bad_flags():
+    with pytest.raises(SystemExit) as stop:
+        main(["--model_path", "smollm2-135m", "--text_length", "10", "--n_sink", "9"])
+    assert stop.value.code == "error: --n_sink 9 leaves fewer than 2 queries of a 10-token text"
