@@ -30,9 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.independent_chunks import choose_as_prompt
+from restkv.independent_chunks import check_pieces_scored_at_prefill, choose_as_prompt
 from restkv.options import ConfigError, Options, option, register
-from restkv.policies.base import require_ranking
 
 
 @register("switch")
@@ -47,18 +46,11 @@ class BlockScoring(Options):
     block_press_size: int = option(128, "--block_press: tokens per block", minimum=1)
 
     def check(self, config) -> None:
-        flags = config.rescoring_flags() + config.deferring_flags()
-        if flags:
-            raise ConfigError(f"--block_press scores each block with the prompt's own queries at its prefill; "
-                              f"{' and '.join(flags)} cannot give them")
-        if config.allocator.head_adaptive:
-            raise ConfigError(f"--block_press keeps each head's budget at every block; --allocation "
-                              f"{config.run.allocation} gives the heads different budgets")
+        check_pieces_scored_at_prefill(config, "--block_press", "each block", "keeps each head's budget at every block")
         if config.policy.needs_rotary or config.policy.needs_hidden_states:
             raise ConfigError(f"--block_press scores each head's own held tokens, which are not consecutive; "
                               f"--method {config.run.method} reads the RoPE tables or hidden states of the prompt's "
                               "positions")
-        require_ranking("--block_press", config.policy)
 
     def rescore(self, config, ctx, scores: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores that rank each head's last block choice first; the counts as allocated."""

@@ -54,14 +54,8 @@ class IndependentChunks(Options):
         "does by handing the inner press the whole prompt's RoPE tables (for parity)")
 
     def check(self, config) -> None:
-        flags = config.rescoring_flags() + ([] if self.chunk_press_global else config.deferring_flags())
-        if flags:
-            raise ConfigError(f"--chunk_press scores each chunk with the prompt's own queries at its prefill; "
-                              f"{' and '.join(flags)} cannot give them")
-        if config.allocator.head_adaptive:
-            raise ConfigError(f"--chunk_press gives each chunk the same share in every head; --allocation "
-                              f"{config.run.allocation} gives the heads different budgets")
-        require_ranking("--chunk_press", config.policy)
+        check_pieces_scored_at_prefill(config, "--chunk_press", "each chunk", "gives each chunk the same share in "
+                                       "every head", deferring=not self.chunk_press_global)
 
     def rescore(self, config, ctx, scores: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores that rank each chunk's own choice first, and each head's count: the chunks' shares."""
@@ -113,6 +107,20 @@ class IndependentChunks(Options):
         last_cos, last_sin = (table[row : row + 1, -window:] for table in ctx.rotary)
         turned = rotate(unrotate(query[:, :, -window:], cos, sin), last_cos, last_sin)
         return torch.cat([query[:, :, :-window], turned], dim=2)
+
+
+def check_pieces_scored_at_prefill(config, flag: str, pieces: str, uniform: str, deferring: bool = True) -> None:
+    """Refuse (one line naming ``flag``) what a part that scores ``pieces`` of the prompt as prompts
+    of their own cannot have: settings that deny it the prompt's queries at its prefill (chunked
+    prefill, decode budgets, and unless ``deferring`` is False reconstruction and model-wide
+    allocations), head-adaptive budgets (the part ``uniform``), a method with no ranking."""
+    flags = config.rescoring_flags() + (config.deferring_flags() if deferring else [])
+    if flags:
+        raise ConfigError(f"{flag} scores {pieces} with the prompt's own queries at its prefill; "
+                          f"{' and '.join(flags)} cannot give them")
+    if config.allocator.head_adaptive:
+        raise ConfigError(f"{flag} {uniform}; --allocation {config.run.allocation} gives the heads different budgets")
+    require_ranking(flag, config.policy)
 
 
 def choose_as_prompt(config, ctx: ScoringContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from restkv.benchmarks.errors import FlagError, command_line
-from restkv.benchmarks.projections import pre_rope_projections
+from restkv.benchmarks.projections import model_and_texts, pre_rope_projections
 from restkv.rope import rotate
 
 
@@ -79,18 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 @command_line
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
-    from restkv.models import check_model_path, load_model, load_tokenizer, model_label, model_path_errors
-    from restkv.train_scorer import training_texts
+    from restkv.models import model_label
 
-    check_model_path(args.model_path)
-    with model_path_errors(args.model_path):
-        model = load_model(args.model_path, attn_implementation="sdpa")
-        tokenizer = load_tokenizer(args.model_path)
-    try:
-        texts = training_texts(tokenizer, argparse.Namespace(text_file=args.text_file, seq_len=args.span,
-                                                             num_sequences=args.num_texts, held_out=0, seed=args.seed))
-    except ValueError as error:
-        raise FlagError(str(error).replace("--seq_len", "--span")) from None
+    model, texts = model_and_texts(args, args.span, "--span")
     scores = compute_pattern(model, texts, args.span)
     out = Path(args.out or f"data/duo_patterns/{model_label(args.model_path)}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ family's own projections and q/k norms give the rotated queries and keys
 
 from __future__ import annotations
 
+import argparse
 from typing import NamedTuple
 
 import torch
@@ -46,3 +47,23 @@ def pre_rope_projections(model, input_ids: torch.Tensor) -> list[Projections]:
         for hook in hooks:
             hook.remove()
     return [found[index] for index in range(len(decoder.layers))]
+
+
+def model_and_texts(args: argparse.Namespace, length: int, length_flag: str):
+    """``(model, texts)`` of an offline-statistics command: the ``--model_path`` model (sdpa) and
+    ``--num_texts`` token lists of ``length`` tokens (the library's prose with facts, seeded by
+    ``--seed``, or cut from ``--text_file``); a bad path or file is a one-line error."""
+    from restkv.benchmarks.errors import FlagError
+    from restkv.models import check_model_path, load_model, load_tokenizer, model_path_errors
+    from restkv.train_scorer import training_texts
+
+    check_model_path(args.model_path)
+    with model_path_errors(args.model_path):
+        model = load_model(args.model_path, attn_implementation="sdpa")
+        tokenizer = load_tokenizer(args.model_path)
+    try:
+        texts = training_texts(tokenizer, argparse.Namespace(text_file=args.text_file, seq_len=length,
+                                                             num_sequences=args.num_texts, held_out=0, seed=args.seed))
+    except ValueError as error:
+        raise FlagError(str(error).replace("--seq_len", length_flag)) from None
+    return model, texts

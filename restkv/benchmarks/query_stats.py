@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from restkv.benchmarks.errors import FlagError, command_line
-from restkv.benchmarks.projections import pre_rope_projections
+from restkv.benchmarks.projections import model_and_texts, pre_rope_projections
 
 
 def collect_query_stats(model, texts: list[list[int]], n_sink: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,18 +66,9 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     from safetensors.torch import save_file
 
-    from restkv.models import check_model_path, load_model, load_tokenizer, model_label, model_path_errors
-    from restkv.train_scorer import training_texts
+    from restkv.models import model_label
 
-    check_model_path(args.model_path)
-    with model_path_errors(args.model_path):
-        model = load_model(args.model_path, attn_implementation="sdpa")
-        tokenizer = load_tokenizer(args.model_path)
-    try:
-        texts = training_texts(tokenizer, argparse.Namespace(text_file=args.text_file, seq_len=args.text_length,
-                                                             num_sequences=args.num_texts, held_out=0, seed=args.seed))
-    except ValueError as error:
-        raise FlagError(str(error).replace("--seq_len", "--text_length")) from None
+    model, texts = model_and_texts(args, args.text_length, "--text_length")
     mean, cov = collect_query_stats(model, texts, args.n_sink)
     out = Path(args.out or f"data/query_stats/{model_label(args.model_path)}.safetensors")
     out.parent.mkdir(parents=True, exist_ok=True)

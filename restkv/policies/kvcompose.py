@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.allocation import Allocation
+from restkv.allocation import ModelRanked
 from restkv.context import ScoringContext
 from restkv.options import option, register
 from restkv.policies.base import GroupedScores
@@ -60,21 +60,15 @@ class KVCompose(GroupedScores):
 
 @register("allocation")
 @dataclass(frozen=True)
-class KVComposeAllocation(Allocation):
+class KVComposeAllocation(ModelRanked):
     """KVCompose's: layer budgets from one ranking of the layers' composite scores (structured), or
     head budgets from one ranking of every head's sorted scores (unstructured)."""
 
     name = "kvcompose"
-    head_adaptive = True
-    model_wide = True
 
     kvcompose_unstructured: bool = option(
         False, "KVCompose: give each (layer, KV head) its own count from one model-wide ranking of every head's "
         "sorted scores, instead of one count per layer (structured)")
-
-    def allocate(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
-        """A single layer keeps its budget (the model of one layer)."""
-        return self.allocate_model({ctx.layer_idx: ctx}, {ctx.layer_idx: scores})[ctx.layer_idx]
 
     def allocate_model(self, contexts, scores):
         layers = sorted(contexts)
