@@ -1,0 +1,126 @@
+"""Fast KVzip (Kim, Han and Yun, 2026, arXiv 2601.17668): KVzip's ranking from a trained gate per layer.
+
+KVzip scores the cache by having the model repeat the context; Fast KVzip trains, per layer, a
+small gate on the attention's input that predicts those scores at prefill cost: each KV head
+projects a token's hidden state to a 16-dim key and each of its query group to a 16-dim query
+(RMS-normed), and compares the token with ``S`` learned sink keys: the score is
+``1 / (1 + sum_s exp(q.k_s / 4 - q.k / 4 - b))``, averaged over the group (how much a query
+would read the token rather than the sinks). The first ``--n_sink`` tokens and the newest
+``--window_size`` are kept (Fast KVzip's window is ``int(0.02 N)``: pass it), and one ranking
+across layers and KV heads spreads the model's budget, as KVzip does (``--kvzip_layerwise``:
+per layer).
+
+``--fastkvzip_gates FILE``: the trained gates, as the authors release them
+(``Jang-Hyun/Fast-KVzip`` on the Hub: a ``.pt`` whose ``"module"`` is one state dict per layer,
+read with ``weights_only``), or a safetensors file of ``gate{l}.<parameter>`` tensors. No gate
+ships for the embedded model; the hub is not reached.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from restkv.context import ScoringContext
+from restkv.options import ConfigError, option, register
+from restkv.policies.base import KeepsSinks, Policy
+
+GATE_PARAMETERS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "q_norm.weight", "k_norm.weight", "k_base", "b")
+
+
+@register("method")
+@dataclass(frozen=True)
+class FastKVzip(KeepsSinks, Policy):
+    name = "fastkvzip"
+    allocation = "model_ranked"
+    observes_queries = False
+    needs_hidden_states = True
+
+    fastkvzip_gates: str | None = option(
+        None, "Fast KVzip: the trained gates (the authors' .pt of per-layer state dicts, or safetensors of "
+        "gate{l}.<parameter>)", names_file=True)
+    kvzip_layerwise: bool = option(False, "KVzip: rank the KV heads of each layer apart (every layer keeps the same "
+                                          "total) instead of one ranking across all layers")
+
+    def own_allocation(self) -> str:
+        return "layer_ranked" if self.kvzip_layerwise else "model_ranked"
+
+    def validate(self) -> None:
+        if self.fastkvzip_gates is not None:
+            gates_of(self.fastkvzip_gates)
+
+    def check(self, config) -> None:
+        super().check(config)
+        self.check_sinks(config)
+        if self.fastkvzip_gates is None:
+            raise ConfigError("--method fastkvzip needs --fastkvzip_gates FILE (the authors' trained gates for the "
+                              "model, e.g. a local copy from Jang-Hyun/Fast-KVzip)")
+        flags = config.rescoring_flags()
+        if flags:
+            raise ConfigError(f"--method fastkvzip scores the hidden states of the prompt's tokens; "
+                              f"{' and '.join(flags)} compress tokens whose hidden states are no longer kept")
+
+    def check_model(self, config, model) -> None:
+        gates = gates_of(self.fastkvzip_gates)
+        if len(gates) != model.num_layers or gates[0]["b"].shape[0] != model.num_kv_heads:
+            raise ConfigError(f"--fastkvzip_gates {self.fastkvzip_gates} holds {len(gates)} gates of "
+                              f"{gates[0]['b'].shape[0]} KV heads; the model has {model.num_layers} layers of "
+                              f"{model.num_kv_heads}")
+
+    def score(self, ctx: ScoringContext) -> torch.Tensor:
+        gates = gates_of(self.fastkvzip_gates)
+        if ctx.layer_idx >= len(gates):
+            raise ConfigError(f"--fastkvzip_gates {self.fastkvzip_gates} holds {len(gates)} gates; layer "
+                              f"{ctx.layer_idx} has none")
+        scores = gate_scores({name: t.to(ctx.key.device) for name, t in gates[ctx.layer_idx].items()},
+                             ctx.hidden.float())
+        return self.mark_sinks(ctx, scores, 1.0)  # a gate score lies below 1
+
+
+def gate_scores(gate: dict[str, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+    """``[B, H_kv, N]`` a Fast KVzip gate's scores of the hidden states ``[B, N, D]``."""
+    heads, _, groups = gate["b"].shape
+    width = gate["q_norm.weight"].shape[0]
+
+    def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + 1e-6)
+
+    batch, length, _ = hidden.shape
+    queries = rms(torch.nn.functional.linear(hidden, gate["q_proj.weight"], gate["q_proj.bias"])
+                  .view(batch, length, heads, groups, width), gate["q_norm.weight"])
+    keys = rms((hidden @ gate["k_proj.weight"].T).view(batch, length, heads, width), gate["k_norm.weight"])
+    scale = math.sqrt(width)
+    own = torch.einsum("bnhw,bnhgw->bhng", keys, queries) / scale + gate["b"][None, :, 0, None, :]  # [B, H, N, G]
+    sinks = torch.einsum("hsw,bnhgw->bhnsg", gate["k_base"][:, 0], queries) / scale  # [B, H, N, S, G]
+    score = 1.0 / (1.0 + (sinks - own[:, :, :, None, :]).exp().sum(dim=3))
+    return score.mean(dim=-1)
+
+
+def gates_of(path: str) -> list[dict[str, torch.Tensor]]:
+    """Per layer, the gate's parameters (float32), read once while the file is unchanged."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--fastkvzip_gates {path!r} is not a file")
+    return _read_gates(os.path.abspath(path), os.path.getmtime(path))
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gates(path: str, modified: float) -> list[dict[str, torch.Tensor]]:
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            tensors = load_file(path)
+            count = len({name.split(".", 1)[0] for name in tensors if name.startswith("gate")})
+            layers = [{name: tensors.get(f"gate{layer}.{name}") for name in GATE_PARAMETERS} for layer in range(count)]
+        else:
+            layers = torch.load(path, map_location="cpu", weights_only=True)["module"]
+    except Exception as error:  # any unreadable file is the flag's error
+        raise ConfigError(f"--fastkvzip_gates {path!r} cannot be read: {error}") from None
+    if not layers or any(not isinstance(layer, dict) or any(layer.get(name) is None for name in GATE_PARAMETERS)
+                         for layer in layers):
+        raise ConfigError(f"--fastkvzip_gates {path!r} must hold, per layer, {', '.join(GATE_PARAMETERS)}")
+    return [{name: layer[name].float() for name in GATE_PARAMETERS} for layer in layers]
