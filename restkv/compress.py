@@ -2,9 +2,13 @@
 
 ``compress_layer(config, ctx)`` is the pipeline every compression runs (a compressing prefill,
 compression after the whole prefill, and recompression under chunked prefill and decode
-budgets): score → allocate → reserve → select → finalize → rewrite keys → summarise → store. It returns a
-``LayerState``, the segments a ``restkv.cache.CompressedLayer`` is made of. Parts take part by
-what they do, never by their name:
+budgets): score → allocate → rescore → reserve → select → finalize → rewrite keys → summarise →
+store. It returns a ``LayerState``, the segments a ``restkv.cache.CompressedLayer`` is made of.
+Parts take part by what they do, never by their name:
+
+* a part with ``rescore`` (``Rescorer``: ``--critical``, ``--chunkkv``, ``--dms``,
+  ``--chunk_press``, ``--block_press``) reweights the scores once the counts are known, and may
+  change the counts;
 
 * a part with ``reserve`` and ``summarise`` (``Summariser``: the policy itself, ResKV's
   ``--residual``, MomentKV's ``--moments``) keeps a summary of the tokens it evicts: ``reserve``

@@ -34,6 +34,8 @@ def test_gradient_weights_change_what_kvzip_plus_keeps():
 def test_kvgrad_refuses_kvzip_plus_and_inference_mode():
     with pytest.raises(ConfigError, match="--kvzip_plus does not apply to --method kvgrad"):
         CompressionConfig(method="kvgrad", max_capacity_prompts=20, kvzip_plus=True)
+    with pytest.raises(ConfigError, match="--method kvgrad differentiates .* --prefill_chunk_size 64"):
+        CompressionConfig(method="kvgrad", max_capacity_prompts=20, prefill_chunk_size=64)
     model = tiny_model("llama")
     replace_for("llama")(method="kvgrad", max_capacity_prompts=20)
     with pytest.raises(RuntimeError, match="run it under torch.no_grad\\(\\), not torch.inference_mode"):

@@ -10,8 +10,10 @@ restkv must keep, and the number of kept entries it then swaps for others of ``k
 must be exactly the fixture's count. Raw scores are compared too (relative tolerance 1e-4, float32), as the
 policy's ``score(ctx)`` returned them during the run.
 
-Cases not listed here need pipeline parts restkv does not have yet (wrappers, re-rotation,
-RoPE-aware scorers); docs of each policy say where it departs from kvpress and why.
+Three cases are not in the table: ``chunkkv_snapkv_r0.8`` and ``block_snapkv_r0.5`` differ by
+design (tests below show the documented reasons), and ``restorekv_stub_r0.5`` exercises only
+RestoreKV's budget matching around learned restore tokens and a LoRA adapter the fixtures
+replaced by no-ops. Docs of each policy say where it departs from kvpress and why.
 """
 
 from __future__ import annotations

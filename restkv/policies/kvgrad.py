@@ -34,6 +34,9 @@ class KVgrad(KVzip):
 
     def check(self, config) -> None:
         super().check(config)
+        if config.run.prefill_chunk_size is not None:
+            raise ConfigError(f"--method kvgrad differentiates the reconstruction through the uncompressed prefill; "
+                              f"--prefill_chunk_size {config.run.prefill_chunk_size} compresses it chunk by chunk")
         if self.kvzip_plus:
             raise ConfigError("--kvzip_plus does not apply to --method kvgrad: it always weights by ||v W_o||, and "
                               "its query weights are gradient norms, not 1 / ||h||")
