@@ -117,13 +117,18 @@ class Policy(Options):
         return True
 
     def check(self, config: "CompressionConfig") -> None:
-        """A fixed budget must exceed the protected tokens (ratio budgets are checked per row)."""
+        """A fixed budget must exceed the protected tokens (ratio budgets are checked per row); a
+        scorer of hidden states cannot score held tokens again."""
         budget = config.run.max_capacity_prompts
         if self.evicts and budget is not None and self.protected_count(config.run.window_size, budget) >= budget:
             raise ConfigError(
                 f"--window_size {config.run.window_size} must be smaller than --max_capacity_prompts {budget} "
                 f"(the budget includes the window) for --method {self.name}"
             )
+        if self.needs_hidden_states and config.rescores:
+            flags = config.rescoring_flags()
+            raise ConfigError(f"--method {self.name} scores the hidden states of the prompt's tokens; "
+                              f"{' and '.join(flags)} compress tokens whose hidden states are no longer kept")
 
     def compressible_to(self, window_size: int, budget: int) -> bool:
         """Whether a row can be compressed to ``budget`` tokens: more than it always keeps."""
@@ -265,4 +270,19 @@ class PooledScores(GroupedScores):
         if self.pooling == "adaptive":
             return adaptive_pool(ctx, scores, self.scale, self.kernel_size)
         return ctx.pool(scores, self.pooling, self.kernel_size)
+
+
+def check_weights_fit(flag: str, path: str, what: str, layers: int, heads: int, model) -> None:
+    """Refuse (naming ``flag``) a weights file of ``layers`` ``what`` of ``heads`` KV heads each for a
+    model (``ModelShape``) of another shape."""
+    if (layers, heads) != (model.num_layers, model.num_kv_heads):
+        raise ConfigError(f"{flag} {path} holds {layers} {what} of {heads} KV heads; the model has "
+                          f"{model.num_layers} layers of {model.num_kv_heads}")
+
+
+def layer_weights(flag: str, path: str, what: str, per_layer: list, layer_idx: int):
+    """The entry of ``per_layer`` for layer ``layer_idx``, or a one-line error naming ``flag``."""
+    if layer_idx >= len(per_layer):
+        raise ConfigError(f"{flag} {path} holds {len(per_layer)} {what}; layer {layer_idx} has none")
+    return per_layer[layer_idx]
 

@@ -27,7 +27,7 @@ import torch
 
 from restkv.context import ScoringContext
 from restkv.options import ConfigError, option, register
-from restkv.policies.base import KeepsSinks, Policy
+from restkv.policies.base import KeepsSinks, Policy, check_weights_fit, layer_weights
 
 GATE_PARAMETERS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "q_norm.weight", "k_norm.weight", "k_base", "b")
 
@@ -59,25 +59,15 @@ class FastKVzip(KeepsSinks, Policy):
         if self.fastkvzip_gates is None:
             raise ConfigError("--method fastkvzip needs --fastkvzip_gates FILE (the authors' trained gates for the "
                               "model, e.g. a local copy from Jang-Hyun/Fast-KVzip)")
-        flags = config.rescoring_flags()
-        if flags:
-            raise ConfigError(f"--method fastkvzip scores the hidden states of the prompt's tokens; "
-                              f"{' and '.join(flags)} compress tokens whose hidden states are no longer kept")
 
     def check_model(self, config, model) -> None:
         gates = gates_of(self.fastkvzip_gates)
-        if len(gates) != model.num_layers or gates[0]["b"].shape[0] != model.num_kv_heads:
-            raise ConfigError(f"--fastkvzip_gates {self.fastkvzip_gates} holds {len(gates)} gates of "
-                              f"{gates[0]['b'].shape[0]} KV heads; the model has {model.num_layers} layers of "
-                              f"{model.num_kv_heads}")
+        check_weights_fit("--fastkvzip_gates", self.fastkvzip_gates, "gates", len(gates), gates[0]["b"].shape[0], model)
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
-        gates = gates_of(self.fastkvzip_gates)
-        if ctx.layer_idx >= len(gates):
-            raise ConfigError(f"--fastkvzip_gates {self.fastkvzip_gates} holds {len(gates)} gates; layer "
-                              f"{ctx.layer_idx} has none")
-        scores = gate_scores({name: t.to(ctx.key.device) for name, t in gates[ctx.layer_idx].items()},
-                             ctx.hidden.float())
+        gate = layer_weights("--fastkvzip_gates", self.fastkvzip_gates, "gates", gates_of(self.fastkvzip_gates),
+                             ctx.layer_idx)
+        scores = gate_scores({name: t.to(ctx.key.device) for name, t in gate.items()}, ctx.hidden.float())
         return self.mark_sinks(ctx, scores, 1.0)  # a gate score lies below 1
 
 

@@ -26,7 +26,7 @@ import torch
 
 from restkv.context import ScoringContext
 from restkv.options import ConfigError, option, register
-from restkv.policies.base import Policy
+from restkv.policies.base import Policy, check_weights_fit, layer_weights
 
 
 @register("method")
@@ -49,25 +49,17 @@ class KVzap(Policy):
         if self.kvzap_weights is None:
             raise ConfigError("--method kvzap needs --kvzap_weights FILE (per-layer surrogates in kvpress' KVzapModel "
                               "layout, e.g. a local copy of nvidia/KVzap-mlp-<model>'s model.safetensors)")
-        flags = config.rescoring_flags()
-        if flags:
-            raise ConfigError(f"--method kvzap scores the hidden states of the prompt's tokens; {' and '.join(flags)} "
-                              "compress tokens whose hidden states are no longer kept")
 
     def check_model(self, config, model) -> None:
         layers = surrogates_of(self.kvzap_weights)
-        if len(layers) != model.num_layers or layers[0][-1][0].shape[0] != model.num_kv_heads:
-            raise ConfigError(f"--kvzap_weights {self.kvzap_weights} holds {len(layers)} surrogates of "
-                              f"{layers[0][-1][0].shape[0]} KV heads; the model has {model.num_layers} layers of "
-                              f"{model.num_kv_heads}")
+        check_weights_fit("--kvzap_weights", self.kvzap_weights, "surrogates", len(layers), layers[0][-1][0].shape[0],
+                          model)
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
-        layers = surrogates_of(self.kvzap_weights)
-        if ctx.layer_idx >= len(layers):
-            raise ConfigError(f"--kvzap_weights {self.kvzap_weights} holds {len(layers)} surrogates; layer "
-                              f"{ctx.layer_idx} has none")
+        surrogate = layer_weights("--kvzap_weights", self.kvzap_weights, "surrogates", surrogates_of(self.kvzap_weights),
+                                  ctx.layer_idx)
         output = ctx.hidden.float()
-        for index, (weight, bias) in enumerate(layers[ctx.layer_idx]):
+        for index, (weight, bias) in enumerate(surrogate):
             if index:
                 output = torch.nn.functional.gelu(output)
             output = torch.nn.functional.linear(output, weight.to(output.device), bias.to(output.device))
