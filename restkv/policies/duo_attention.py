@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 import torch
@@ -34,6 +33,7 @@ import torch
 from restkv.allocation import Allocation
 from restkv.options import ConfigError, option, register
 from restkv.policies.streamingllm import StreamingLLM
+from restkv.weights_file import read_file_once
 
 
 @register("method")
@@ -43,8 +43,7 @@ class DuoAttention(StreamingLLM):
     allocation = "duo"
 
 
-@lru_cache(maxsize=16)
-def _read_pattern(path: str, modified: float) -> tuple[tuple[float, ...], ...]:
+def _read_pattern(path: str) -> tuple[tuple[float, ...], ...]:
     if path.endswith(".tsv"):
         table = np.loadtxt(path, dtype=float, delimiter="\t", ndmin=2)
     else:
@@ -60,7 +59,7 @@ def _read_pattern(path: str, modified: float) -> tuple[tuple[float, ...], ...]:
 
 def read_duo_pattern(path: str) -> np.ndarray:
     """``[L, H_kv]`` the pattern file's head scores, clipped to [0, 1]."""
-    return np.array(_read_pattern(os.path.abspath(path), os.path.getmtime(path)))
+    return np.array(read_file_once(path, "--duo_pattern", _read_pattern))
 
 
 def streaming_heads(scores: np.ndarray, ratio: float) -> np.ndarray:

@@ -23,8 +23,6 @@ not modelled.
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +30,7 @@ import torch
 from restkv.context import ScoringContext
 from restkv.options import ConfigError, option, register
 from restkv.policies.future_queries import FutureQueries
+from restkv.weights_file import load_safetensors, read_file_once
 
 
 @register("method")
@@ -93,20 +92,11 @@ class ExpectedAttention(FutureQueries):
 
 def query_stats_of(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(query_mean, query_cov)`` of the statistics file ``path``, float32 (read once while unchanged)."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"--ea_stats {path!r} is not a file")
-    return _read_stats(os.path.abspath(path), os.path.getmtime(path))
+    return read_file_once(path, "--ea_stats", _read_stats)
 
 
-@functools.lru_cache(maxsize=4)
-def _read_stats(path: str, modified: float) -> tuple[torch.Tensor, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        tensors = load_file(path)
-    except (SafetensorError, OSError) as error:
-        raise ConfigError(f"--ea_stats {path!r} cannot be read as safetensors: {error}") from None
+def _read_stats(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    tensors = load_safetensors(path, "--ea_stats")
     mean, cov = tensors.get("query_mean"), tensors.get("query_cov")
     if mean is None or cov is None or mean.dim() != 3 or tuple(cov.shape) != (*mean.shape, mean.shape[-1]) \
             or not bool(torch.isfinite(mean).all() and torch.isfinite(cov).all()):

@@ -18,9 +18,7 @@ ships for the embedded model; the hub is not reached.
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +26,7 @@ import torch
 from restkv.context import ScoringContext
 from restkv.options import ConfigError, option, register
 from restkv.policies.base import KeepsSinks, Policy, check_weights_fit, layer_weights
+from restkv.weights_file import read_file_once
 
 GATE_PARAMETERS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "q_norm.weight", "k_norm.weight", "k_base", "b")
 
@@ -92,13 +91,10 @@ def gate_scores(gate: dict[str, torch.Tensor], hidden: torch.Tensor) -> torch.Te
 
 def gates_of(path: str) -> list[dict[str, torch.Tensor]]:
     """Per layer, the gate's parameters (float32), read once while the file is unchanged."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"--fastkvzip_gates {path!r} is not a file")
-    return _read_gates(os.path.abspath(path), os.path.getmtime(path))
+    return read_file_once(path, "--fastkvzip_gates", _read_gates)
 
 
-@functools.lru_cache(maxsize=4)
-def _read_gates(path: str, modified: float) -> list[dict[str, torch.Tensor]]:
+def _read_gates(path: str) -> list[dict[str, torch.Tensor]]:
     try:
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file

@@ -18,8 +18,6 @@ local copy of their ``model.safetensors``. No surrogate ships for the embedded m
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +25,7 @@ import torch
 from restkv.context import ScoringContext
 from restkv.options import ConfigError, option, register
 from restkv.policies.base import Policy, check_weights_fit, layer_weights
+from restkv.weights_file import load_safetensors, read_file_once
 
 
 @register("method")
@@ -71,20 +70,11 @@ class KVzap(Policy):
 
 def surrogates_of(path: str) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Per layer, the ``(weight, bias)`` of each linear map of its surrogate (1: linear, 2: MLP)."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"--kvzap_weights {path!r} is not a file")
-    return _read_surrogates(os.path.abspath(path), os.path.getmtime(path))
+    return read_file_once(path, "--kvzap_weights", _read_surrogates)
 
 
-@functools.lru_cache(maxsize=4)
-def _read_surrogates(path: str, modified: float) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        tensors = load_file(path)
-    except (SafetensorError, OSError) as error:
-        raise ConfigError(f"--kvzap_weights {path!r} cannot be read as safetensors: {error}") from None
+def _read_surrogates(path: str) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    tensors = load_safetensors(path, "--kvzap_weights")
     layers = []
     while True:
         prefix = f"layers.{len(layers)}."

@@ -14,8 +14,6 @@ restkv scorer (kvpress protects none: ``--window_size 0`` reproduces it).
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +21,7 @@ import torch
 from restkv.context import ScoringContext
 from restkv.options import ConfigError, option, register
 from restkv.policies.base import Policy
+from restkv.weights_file import load_safetensors, read_file_once
 
 
 @register("method")
@@ -58,20 +57,11 @@ class QFilter(Policy):
 
 def filters_of(path: str) -> torch.Tensor:
     """The ``q_filters`` tensor of ``path`` as float32 (read once while the file is unchanged)."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"--qfilter_file {path!r} is not a file")
-    return _read_filters(os.path.abspath(path), os.path.getmtime(path))
+    return read_file_once(path, "--qfilter_file", _read_filters)
 
 
-@functools.lru_cache(maxsize=4)
-def _read_filters(path: str, modified: float) -> torch.Tensor:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        tensors = load_file(path)
-    except (SafetensorError, OSError) as error:
-        raise ConfigError(f"--qfilter_file {path!r} cannot be read as safetensors: {error}") from None
+def _read_filters(path: str) -> torch.Tensor:
+    tensors = load_safetensors(path, "--qfilter_file")
     filters = tensors.get("q_filters")
     if filters is None or filters.dim() != 3 or not bool(torch.isfinite(filters).all()):
         raise ConfigError(f"--qfilter_file {path!r} must hold a finite tensor q_filters [layers, KV heads, head_dim]")
