@@ -1,4 +1,4 @@
-"""The one attention forward shared by Llama, Mistral, Qwen2, Gemma, Gemma2 and Gemma3.
+"""The one attention forward shared by Llama, Mistral, Qwen2, Qwen3, Granite, Gemma, Gemma2 and Gemma3.
 
 ``restkv_attention_forward`` replaces ``<Family>Attention.forward``. It projects q/k/v
 with the module's own layers (Qwen2's biases come with them), applies Gemma3's q/k norms
@@ -40,6 +40,7 @@ from restkv.context import LayerPlan, ScoringContext, plan_layer, valid_from_mas
 from restkv.context_span import context_span
 from restkv.deferred import (PendingLayer, chunk_budgets, chunked_prompt, defer_layer, finish_prefill, kept_hidden,
                              observe_chunk, observe_held_chunk, pending_of, query_weights, trailing_queries)
+from restkv.handles import cache_state, config_for, has_class_config
 from restkv.recompress import recompress
 
 
@@ -172,7 +173,7 @@ def model_forward(original: Callable) -> Callable:
 def _prefill_chunk(decoder, args, kwargs) -> int | None:
     """``--prefill_chunk_size`` if this forward is a prefill longer than it, else None."""
     attention = getattr(decoder.layers[0], "self_attn", None) if len(decoder.layers) else None
-    if args or attention is None or not hasattr(type(attention), "_restkv_config"):
+    if args or attention is None or not has_class_config(type(attention)):
         return None
     chunk = module_config(attention).run.prefill_chunk_size
     tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
@@ -201,7 +202,7 @@ def _chunked_prefill(original: Callable, decoder, chunk: int, kwargs: dict):
         raise ValueError(f"--prefill_chunk_size {chunk}: output_attentions is not available under chunked prefill "
                          "(each chunk attends to a different cache); run the prompt in one piece to read them")
     rows = (mask.sum(dim=-1) if mask is not None else torch.full((tokens.shape[0],), tokens.shape[1])).tolist()
-    outputs, cache._restkv_chunked_prompt = [], rows
+    outputs, cache_state(cache).chunked_prompt = [], rows
     try:
         for start, stop in chunk_bounds(tokens.shape[1], chunk):
             piece = {name: tokens[:, start:stop], **with_cache(cache)}
@@ -215,7 +216,7 @@ def _chunked_prefill(original: Callable, decoder, chunk: int, kwargs: dict):
                 pending.context_ids = tokens[:, :stop] if name == "input_ids" else None
                 finish_prefill(original, decoder, cache)
     finally:
-        cache._restkv_chunked_prompt = None
+        cache_state(cache).chunked_prompt = None
     decode_budget = module_config(decoder.layers[0].self_attn).run.decode_budget
     for layer in cache.layers:  # what ranked the chunks: only a decode budget reads the newest queries again
         if isinstance(layer, CompressedLayer):
@@ -246,10 +247,7 @@ def _joined_chunks(outputs: list):
 def module_config(module: torch.nn.Module) -> CompressionConfig:
     """The config a patched attention module runs: its model's own (``configure``), if set
     since its class was last patched, else the class's (``replace_*``)."""
-    cls = type(module)
-    if module.__dict__.get("_restkv_model_patch") is cls._restkv_patch:
-        return module.__dict__["_restkv_model_config"]
-    return cls._restkv_config
+    return config_for(module)
 
 
 def _compress_again(module, config, cache, layer: CompressedLayer, query, params) -> None:

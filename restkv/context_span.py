@@ -13,7 +13,7 @@ the whole prompt is the context.
 
 from __future__ import annotations
 
-SPAN_ATTRIBUTE = "_restkv_context_span"
+from restkv.handles import cache_state
 
 
 def set_context_span(cache, span: tuple[int, int] | None) -> None:
@@ -24,9 +24,9 @@ def set_context_span(cache, span: tuple[int, int] | None) -> None:
     start, stop = (int(bound) for bound in span)
     if not 0 <= start < stop:
         raise ValueError(f"context_span {tuple(span)} must be (start, stop) with 0 <= start < stop")
-    setattr(cache, SPAN_ATTRIBUTE, (start, stop))
+    cache_state(cache).context_span = (start, stop)
 
 
 def context_span(cache) -> tuple[int, int] | None:
     """The span ``set_context_span`` gave ``cache``, or None."""
-    return getattr(cache, SPAN_ATTRIBUTE, None)
+    return cache_state(cache).context_span if cache is not None else None

@@ -63,6 +63,7 @@ from restkv.compat import with_cache
 from restkv.compress import compress_layer
 from restkv.context import LayerPlan, ScoringContext
 from restkv.context_span import context_span
+from restkv.handles import cache_state
 from restkv.observation import ReconstructionObservation, ReconstructionStats
 from restkv.reconstruction_prompt import NO_PROMPT, reconstruction_prompt
 from restkv.replay_gradients import replay_gradient_norms
@@ -133,7 +134,7 @@ class PendingPrefill:
 
 
 def pending_of(cache) -> PendingPrefill | None:
-    return getattr(cache, "_restkv_pending", None)
+    return cache_state(cache).pending if cache is not None else None
 
 
 def defer_layer(cache, layer_idx: int, pending_layer: PendingLayer) -> None:
@@ -141,7 +142,7 @@ def defer_layer(cache, layer_idx: int, pending_layer: PendingLayer) -> None:
     pending = pending_of(cache)
     if pending is None:
         pending = PendingPrefill()
-        cache._restkv_pending = pending
+        cache_state(cache).pending = pending
     pending.layers[layer_idx] = pending_layer
 
 
@@ -236,7 +237,7 @@ def finish_prefill(model_forward: Callable, model, cache) -> None:
             _reconstruct(model_forward, model, cache, pending)
         _compress_pending(cache, pending)
     finally:
-        del cache._restkv_pending
+        cache_state(cache).pending = None
 
 
 def _reconstruct(model_forward: Callable, model, cache, pending: PendingPrefill) -> None:
@@ -389,7 +390,7 @@ def chunk_budgets(config, cache) -> list[int]:
 def chunked_prompt(cache) -> list[int] | None:
     """Each row's real tokens in the prompt the cache is reading in chunks (``--prefill_chunk_size``),
     None outside a chunked prefill."""
-    return getattr(cache, "_restkv_chunked_prompt", None)
+    return cache_state(cache).chunked_prompt if cache is not None else None
 
 
 #: callbacks ``(ctx, scores)`` told every deferred layer's scores (``listening_to_scores``)

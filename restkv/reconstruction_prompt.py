@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from restkv.handles import model_state
+
 #: the instruction that starts the reconstruction prompt (KVzip's)
 RECONSTRUCTION_INSTRUCTION = "Repeat the previous context exactly."
 #: what precedes every later chunk, then the previous chunk's last ``PREVIOUS_TAIL`` tokens (KVzip's)
@@ -97,13 +99,14 @@ def set_reconstruction_prompt(model, tokenizer, instruction: str = RECONSTRUCTIO
 
     prompt = ReconstructionPrompt(ids(f"\n\n{instruction}"), ids(f"\n\n{continuation}"),
                                   ids(template_closing(tokenizer) if closing is None else closing))
-    _decoder(model)._restkv_reconstruction_prompt = prompt
+    model_state(_decoder(model)).reconstruction_prompt = prompt
     return prompt
 
 
 def reconstruction_prompt(decoder) -> ReconstructionPrompt:
     """The decoder model's reconstruction prompt (``NO_PROMPT``, with a warning, if none was set)."""
-    prompt = getattr(decoder, "_restkv_reconstruction_prompt", None)
+    state = model_state(decoder)
+    prompt = state.reconstruction_prompt
     if prompt is None:
         warnings.warn(
             "restkv: --observation reconstruction without a reconstruction prompt: the context is repeated with no "
@@ -111,7 +114,7 @@ def reconstruction_prompt(decoder) -> ReconstructionPrompt:
             UserWarning,
             stacklevel=4,
         )
-        prompt = decoder._restkv_reconstruction_prompt = NO_PROMPT
+        prompt = state.reconstruction_prompt = NO_PROMPT
     return prompt
 
 

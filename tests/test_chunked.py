@@ -8,7 +8,7 @@ import restkv
 
 from restkv import CompressionConfig, ConfigError
 from restkv.cache import CompressedLayer
-from restkv.compat import output_cache
+from restkv.compat import CACHE_ARGUMENT, output_cache
 from restkv.generation import prefill
 from tiny_models import (
     assert_patch_reproduces_unpatched,
@@ -54,7 +54,7 @@ def test_no_layer_ever_holds_more_than_budget_plus_chunk(method):
     held = []
 
     def record(module, args, kwargs, output):
-        layer = kwargs["cache"].layers[module.layer_idx]
+        layer = kwargs[CACHE_ARGUMENT].layers[module.layer_idx]
         # both KV heads, summary slots (MomentKV's entry and covariance) included
         held.append(int((layer.kept_columns >= 0).sum() + layer.summary_slots.sum()) + 2 * layer.tail_length)
 
@@ -115,7 +115,7 @@ def test_chunked_residual_layers_hold_at_most_budget_plus_chunk_and_decode():
     held = []
 
     def record(module, args, kwargs, output):
-        layer = kwargs["cache"].layers[module.layer_idx]
+        layer = kwargs[CACHE_ARGUMENT].layers[module.layer_idx]
         held.append(int((layer.held_counts + layer.summary_counts).max()))
 
     handle = model.model.layers[1].self_attn.register_forward_hook(record, with_kwargs=True)
@@ -201,7 +201,7 @@ def test_a_small_decode_budget_bounds_the_cache_and_keeps_positions_right():
     stored = []
 
     def record(module, args, kwargs, output):
-        layer = kwargs["cache"].layers[module.layer_idx]
+        layer = kwargs[CACHE_ARGUMENT].layers[module.layer_idx]
         stored.append((int(layer.kept_counts.max()) + layer.tail_length, layer.tokens_seen,
                        int(layer.kept_columns.max())))
 
@@ -269,7 +269,7 @@ def test_a_ratio_budget_is_the_whole_prompts_from_the_first_chunk():
     held = []
 
     def record(module, args, kwargs, output):
-        layer = kwargs["cache"].layers[module.layer_idx]
+        layer = kwargs[CACHE_ARGUMENT].layers[module.layer_idx]
         held.append((layer.tokens_seen, int(layer.held_counts.max())))
 
     handle = model.model.layers[1].self_attn.register_forward_hook(record, with_kwargs=True)
@@ -343,7 +343,7 @@ def test_residual_entries_are_charged_once_when_a_layer_is_compressed_again():
     held = []
 
     def record(module, args, kwargs, output):
-        layer = kwargs["cache"].layers[module.layer_idx]
+        layer = kwargs[CACHE_ARGUMENT].layers[module.layer_idx]
         if layer.tail_length == 0:  # just compressed
             held.append((layer.kept_counts + layer.summary_slots).tolist())
 

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from restkv.compat import CACHE_ARGUMENT
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.cache import CompressedLayer, cache_nbytes, cache_report, format_report
 from restkv.generation import prefill
@@ -366,7 +367,7 @@ def test_kivi_decoding_keeps_at_least_its_residual_exact():
     exact_window = []
 
     def record(module, args, kwargs, output):
-        layer = kwargs["cache"].layers[module.layer_idx]
+        layer = kwargs[CACHE_ARGUMENT].layers[module.layer_idx]
         exact_window.append(int(layer.tail.held_counts().min()))
 
     handle = model.model.layers[1].self_attn.register_forward_hook(record, with_kwargs=True)

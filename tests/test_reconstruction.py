@@ -10,6 +10,7 @@ import pytest
 import torch
 from tokenizers.processors import TemplateProcessing
 
+from restkv.compat import CACHE_ARGUMENT
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.cache import CompressedLayer, kept_positions
 from restkv.compress import compress_layer
@@ -17,6 +18,7 @@ from restkv.storage import joined_view
 from restkv.context import ScoringContext, plan_layer
 from restkv.benchmarks.prompts import encode_prompt
 from restkv.reconstruction_prompt import ReconstructionPrompt, set_reconstruction_prompt
+from restkv.handles import model_state
 from restkv.generation import answer_many, generate_after_context, prefill
 from restkv.observation import ReconstructionObservation, ReconstructionStats
 from restkv.scoring import window_attention
@@ -331,12 +333,12 @@ def test_a_context_span_keeps_the_template_around_it_and_only_the_context_is_rep
             repeated.append(hidden.shape[1])
 
     hook = model.model.layers[0].register_forward_pre_hook(count_repeated, with_kwargs=True)
-    model.model._restkv_reconstruction_prompt = ReconstructionPrompt(torch.tensor([5, 6]), torch.tensor([8]),
-                                                                     torch.tensor([7]))  # as set_reconstruction_prompt sets it
+    model_state(model.model).reconstruction_prompt = ReconstructionPrompt(
+        torch.tensor([5, 6]), torch.tensor([8]), torch.tensor([7]))  # as set_reconstruction_prompt sets it
     replace_for("llama")(method="kvzip", max_capacity_prompts=30, reconstruction_chunk=128)
     cache = prefill(model, prompt, context_span=(10, 80))
     hook.remove()
-    del model.model._restkv_reconstruction_prompt
+    model_state(model.model).reconstruction_prompt = None
     assert repeated == [3 + 70]  # the instruction and the span alone, in one chunk
     for layer in kept_positions(cache):
         for head in layer.exact[0]:
@@ -368,7 +370,7 @@ def test_each_chunk_repeats_against_the_context_alone_and_its_scores_come_in_bou
     whole = recorded_scores(lambda: prefill(model, context))
     held, blocks = [], []
     hook = model.model.layers[0].self_attn.register_forward_pre_hook(
-        lambda module, args, kwargs: held.append(kwargs["cache"].layers[0].get_seq_length()), with_kwargs=True)
+        lambda module, args, kwargs: held.append(kwargs[CACHE_ARGUMENT].layers[0].get_seq_length()), with_kwargs=True)
     original = deferred.chunk_attention
 
     def measured(query, key, *args, **kwargs):
@@ -455,7 +457,7 @@ def test_chunked_reconstruction_holds_at_most_budget_chunk_and_repetition_and_no
 
     def entries(module, args, kwargs, output):
         held.append(sum(int(layer.kept_counts.sum()) + 2 * layer.tail_length if isinstance(layer, CompressedLayer)
-                        else 2 * layer.get_seq_length() for layer in kwargs["cache"].layers))
+                        else 2 * layer.get_seq_length() for layer in kwargs[CACHE_ARGUMENT].layers))
 
     hooks = [layer.self_attn.register_forward_hook(entries, with_kwargs=True) for layer in model.model.layers]
     cache = prefill(model, random_prompt(1, 160))

@@ -1,0 +1,98 @@
+"""What restkv keeps about transformers objects it does not own, kept beside them, not on them.
+
+A cache's prefill state (layers waiting for the whole prefill, the rows of a chunked prompt,
+where the context lies) and a model's reconstruction prompt live in weak maps keyed by the
+object: no ``_restkv_*`` attribute lands on a transformers cache or model, and an entry goes
+when its object does. ``copy.copy`` of a cache does not carry its state (nothing copies a
+cache during a prefill).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from weakref import WeakKeyDictionary
+
+
+@dataclass
+class CacheState:
+    """One cache's prefill state."""
+
+    #: layers waiting for the whole prefill (``restkv.deferred.PendingPrefill``)
+    pending: Any = None
+    #: each row's real tokens while the cache reads a prompt in chunks (``--prefill_chunk_size``)
+    chunked_prompt: list[int] | None = None
+    #: where the context lies in the prompt (``restkv.context_span``)
+    context_span: tuple[int, int] | None = None
+
+
+@dataclass
+class ModelState:
+    """One decoder model's settings that outlive a prefill."""
+
+    #: the pieces of the reconstruction prompt (``restkv.reconstruction_prompt``)
+    reconstruction_prompt: Any = None
+
+
+_CACHES: WeakKeyDictionary = WeakKeyDictionary()
+_MODELS: WeakKeyDictionary = WeakKeyDictionary()
+
+
+def cache_state(cache) -> CacheState:
+    """``cache``'s state, created empty on first use."""
+    state = _CACHES.get(cache)
+    if state is None:
+        state = _CACHES[cache] = CacheState()
+    return state
+
+
+def model_state(model) -> ModelState:
+    """The decoder model's state, created empty on first use."""
+    state = _MODELS.get(model)
+    if state is None:
+        state = _MODELS[model] = ModelState()
+    return state
+
+
+# ---------------------------------------------------------------- which config a patched attention runs
+#: patched attention class -> (its family's config from ``replace_*``, a token of that patch)
+_CLASS_CONFIGS: dict[type, tuple[Any, object]] = {}
+#: attention module -> (its model's own config from ``configure``, the class's patch token then)
+_MODULE_CONFIGS: WeakKeyDictionary = WeakKeyDictionary()
+
+
+def set_class_config(cls: type, config) -> None:
+    """A new patch of ``cls``: per-model configs set before it no longer apply."""
+    _CLASS_CONFIGS[cls] = (config, object())
+
+
+def clear_class_config(cls: type) -> None:
+    _CLASS_CONFIGS.pop(cls, None)
+
+
+def has_class_config(cls: type) -> bool:
+    return cls in _CLASS_CONFIGS
+
+
+def module_config_entry(module):
+    """What ``set_module_config`` gave ``module`` (to restore it later), or None."""
+    return _MODULE_CONFIGS.get(module)
+
+
+def set_module_config(module, config, entry=None) -> None:
+    """Give ``module`` its own config, valid while its class's current patch lasts (or restore an
+    ``entry`` read before; ``config=None`` and no entry forgets it)."""
+    if entry is not None:
+        _MODULE_CONFIGS[module] = entry
+    elif config is None:
+        _MODULE_CONFIGS.pop(module, None)
+    else:
+        _MODULE_CONFIGS[module] = (config, _CLASS_CONFIGS[type(module)][1])
+
+
+def config_for(module):
+    """The config a patched attention module runs: its model's own, if set since its class was
+    last patched, else the class's."""
+    family_config, token = _CLASS_CONFIGS[type(module)]
+    own = _MODULE_CONFIGS.get(module)
+    return own[0] if own is not None and own[1] is token else family_config
