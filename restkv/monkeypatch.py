@@ -35,12 +35,15 @@ import torch
 from restkv.attention import LayerParams, model_forward, module_config, restkv_attention_forward
 from restkv.compat import CACHE_ARGUMENT, check_transformers_version
 from restkv.config import CompressionConfig, ConfigError, ModelShape
+from restkv.handles import clear_class_config, module_config_entry, set_class_config, set_module_config
 
 #: family -> attention classes it covers, as (module, class name)
 FAMILIES: dict[str, tuple[tuple[str, str], ...]] = {
     "llama": (("transformers.models.llama.modeling_llama", "LlamaAttention"),),
     "mistral": (("transformers.models.mistral.modeling_mistral", "MistralAttention"),),
     "qwen2": (("transformers.models.qwen2.modeling_qwen2", "Qwen2Attention"),),
+    "qwen3": (("transformers.models.qwen3.modeling_qwen3", "Qwen3Attention"),),
+    "granite": (("transformers.models.granite.modeling_granite", "GraniteAttention"),),
     "gemma": (
         ("transformers.models.gemma.modeling_gemma", "GemmaAttention"),
         ("transformers.models.gemma2.modeling_gemma2", "Gemma2Attention"),
@@ -54,6 +57,8 @@ MODEL_CLASSES: dict[str, tuple[tuple[str, str], ...]] = {
     "llama": (("transformers.models.llama.modeling_llama", "LlamaModel"),),
     "mistral": (("transformers.models.mistral.modeling_mistral", "MistralModel"),),
     "qwen2": (("transformers.models.qwen2.modeling_qwen2", "Qwen2Model"),),
+    "qwen3": (("transformers.models.qwen3.modeling_qwen3", "Qwen3Model"),),
+    "granite": (("transformers.models.granite.modeling_granite", "GraniteModel"),),
     "gemma": (
         ("transformers.models.gemma.modeling_gemma", "GemmaModel"),
         ("transformers.models.gemma2.modeling_gemma2", "Gemma2Model"),
@@ -66,6 +71,8 @@ MODEL_TYPES = {
     "llama": "llama",
     "mistral": "mistral",
     "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "granite": "granite",
     "gemma": "gemma",
     "gemma2": "gemma",
     "gemma3": "gemma",
@@ -103,8 +110,7 @@ def _replace(family: str, config: CompressionConfig) -> CompressionConfig:
         if cls not in _ORIGINAL_FORWARDS:
             _ORIGINAL_FORWARDS[cls] = cls.forward
             cls.forward = restkv_attention_forward
-        cls._restkv_config = config
-        cls._restkv_patch = object()  # a new patch: per-model configs set before no longer apply
+        set_class_config(cls, config)  # a new patch: per-model configs set before no longer apply
     for cls in _classes(MODEL_CLASSES, family):
         if cls not in _ORIGINAL_MODEL_FORWARDS:
             _ORIGINAL_MODEL_FORWARDS[cls] = cls.forward
@@ -143,25 +149,33 @@ def _refuse_batched_reconstruction(config: CompressionConfig, args: tuple, kwarg
                          "give input_ids of one row")
 
 
+def replace_family(family: str, method: str = "snapkv", **options: Any) -> CompressionConfig:
+    """Patch the attention of ``family`` (a key of ``FAMILIES``: the four below, ``qwen3``,
+    ``granite``). ``options`` are ``CompressionConfig`` options (the original release's flag
+    names: ``max_capacity_prompts``, ``window_size``, ``kernel_size``, ``pooling``, ...)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; restkv patches {', '.join(FAMILIES)}")
+    return _replace(family, CompressionConfig.from_options(method=method, **options))
+
+
 def replace_llama(method: str = "snapkv", **options: Any) -> CompressionConfig:
-    """Patch Llama attention. ``options`` are ``CompressionConfig`` options (the original release's
-    flag names: ``max_capacity_prompts``, ``window_size``, ``kernel_size``, ``pooling``, ...)."""
-    return _replace("llama", CompressionConfig.from_options(method=method, **options))
+    """Patch Llama attention (see ``replace_family``)."""
+    return replace_family("llama", method, **options)
 
 
 def replace_mistral(method: str = "snapkv", **options: Any) -> CompressionConfig:
     """Patch Mistral attention (see ``replace_llama``)."""
-    return _replace("mistral", CompressionConfig.from_options(method=method, **options))
+    return replace_family("mistral", method, **options)
 
 
 def replace_qwen2(method: str = "snapkv", **options: Any) -> CompressionConfig:
     """Patch Qwen2 attention (see ``replace_llama``)."""
-    return _replace("qwen2", CompressionConfig.from_options(method=method, **options))
+    return replace_family("qwen2", method, **options)
 
 
 def replace_gemma(method: str = "snapkv", **options: Any) -> CompressionConfig:
     """Patch Gemma, Gemma 2 and Gemma 3 (text) attention (see ``replace_llama``)."""
-    return _replace("gemma", CompressionConfig.from_options(method=method, **options))
+    return replace_family("gemma", method, **options)
 
 
 def family_of(model_or_config: Any) -> str:
@@ -228,20 +242,15 @@ def compression(model: torch.nn.Module, config: CompressionConfig | None = None,
     if patched_here:
         _replace(family, new)
     modules = _patched_attention_modules(model)
-    previous = [(module, module.__dict__.get("_restkv_model_config"), module.__dict__.get("_restkv_model_patch"))
-                for module in modules]
+    previous = [(module, module_config_entry(module)) for module in modules]
     _set_model_config(modules, new)
     try:
         yield new
     finally:
         if patched_here:
             unpatch(family)
-        for module, old_config, old_patch in previous:
-            if old_config is None:
-                module.__dict__.pop("_restkv_model_config", None)
-                module.__dict__.pop("_restkv_model_patch", None)
-            else:
-                module._restkv_model_config, module._restkv_model_patch = old_config, old_patch
+        for module, entry in previous:
+            set_module_config(module, None, entry)
 
 
 def config_of(model: torch.nn.Module) -> CompressionConfig:
@@ -266,8 +275,7 @@ def _set_model_config(modules: list[torch.nn.Module], config: CompressionConfig)
     it is checked against their model."""
     config.check_model(model_shape(modules))
     for module in modules:
-        module._restkv_model_config = config
-        module._restkv_model_patch = type(module)._restkv_patch
+        set_module_config(module, config)
 
 
 def _patched_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -285,7 +293,7 @@ def unpatch(family: str | None = None) -> None:
         for cls in _attention_classes(name):
             if cls in _ORIGINAL_FORWARDS:
                 cls.forward = _ORIGINAL_FORWARDS.pop(cls)
-                del cls._restkv_config, cls._restkv_patch
+                clear_class_config(cls)
         for cls in _classes(MODEL_CLASSES, name):
             if cls in _ORIGINAL_MODEL_FORWARDS:
                 cls.forward = _ORIGINAL_MODEL_FORWARDS.pop(cls)

@@ -1,13 +1,19 @@
 """Patching, per-model configuration, unpatching, unsupported models and versions."""
 
+import warnings
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from restkv.cache import CompressedLayer
-from restkv.compat import UnsupportedTransformersVersion, check_transformers_version, output_cache
+from restkv.compat import (CHECK_VARIABLE, NEWEST_TESTED, UnsupportedTransformersVersion, UntestedTransformersVersion,
+                           check_transformers_version, output_cache)
 from restkv.config import CompressionConfig, ConfigError
+from restkv.generation import prefill
+from restkv.handles import has_class_config, model_state
+from restkv.reconstruction_prompt import ReconstructionPrompt
 from restkv.monkeypatch import compression, config_of, configure, family_of, replace_for_model, replace_llama, unpatch
 from tiny_models import random_prompt, tiny_model
 
@@ -25,7 +31,7 @@ def test_unpatch_restores_bitwise_identical_outputs():
         unpatch()
         after = model(prompt).logits
     assert LlamaAttention.forward is original_forward
-    assert not hasattr(LlamaAttention, "_restkv_config")
+    assert not has_class_config(LlamaAttention) and not any(name.startswith("_restkv") for name in vars(LlamaAttention))
     assert torch.equal(before, after)
 
 
@@ -67,10 +73,29 @@ def test_unsupported_model_type_is_a_clear_error():
         replace_for_model(model, method="snapkv", max_capacity_prompts=16)
 
 
-@pytest.mark.parametrize("version", ["4.57.1", "5.40.0", "6.0.0"])
-def test_transformers_outside_the_tested_range_is_refused(version):
+@pytest.mark.parametrize("version", ["4.57.1", "5.21.1"])
+def test_transformers_older_than_supported_is_refused(version, monkeypatch):
+    monkeypatch.delenv(CHECK_VARIABLE, raising=False)
     with pytest.raises(UnsupportedTransformersVersion, match=f"found {version}.*pip install"):
         check_transformers_version(version)
+    monkeypatch.setenv(CHECK_VARIABLE, "warn")  # scripts/check_transformers.sh tries such a release
+    with pytest.warns(UntestedTransformersVersion, match=f"found {version}"):
+        check_transformers_version(version)
+
+
+@pytest.mark.parametrize("version", ["5.30.0", "6.0.0"])
+def test_transformers_newer_than_tested_runs_with_a_one_line_warning(version):
+    with pytest.warns(UntestedTransformersVersion) as warned:
+        check_transformers_version(version)
+    (warning,) = warned
+    assert "\n" not in str(warning.message) and f"check_transformers.sh {version}" in str(warning.message)
+
+
+def test_the_newest_tested_release_and_its_patch_releases_run_silently():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_transformers_version(str(NEWEST_TESTED))
+        check_transformers_version(f"{NEWEST_TESTED}.post1")
 
 
 def test_installed_transformers_is_supported():
@@ -144,7 +169,7 @@ def test_a_model_of_an_unpatched_family_warns_while_another_family_is_patched():
 
 
 def test_unpatching_an_unknown_family_names_the_known_ones():
-    with pytest.raises(ValueError, match="unknown family 'gpt2'; restkv patches llama, mistral, qwen2, gemma"):
+    with pytest.raises(ValueError, match="unknown family 'gpt2'; restkv patches llama, mistral, qwen2, qwen3, granite, gemma"):
         unpatch("gpt2")
 
 
@@ -227,3 +252,22 @@ def test_recompression_with_a_budget_that_keeps_the_sliding_windows_whole_runs()
                      decode_budget=40):
         out = model.generate(random_prompt(1, 150), max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
     assert output_cache(out).layers[1].tokens_seen == 155
+
+
+def test_no_restkv_attribute_lands_on_a_transformers_object():
+    """State rides beside the cache, the model and the classes (restkv.handles), not on them:
+    a chunked KVzip prefill with a context span and a per-model config leaves none behind."""
+    def restkv_names(obj) -> list[str]:
+        return [name for name in vars(obj) if "restkv" in name]
+
+    model = tiny_model("llama")
+    replace_llama(method="kvzip", max_capacity_prompts=24, prefill_chunk_size=32)
+    configure(model, max_capacity_prompts=20)
+    model_state(model.model).reconstruction_prompt = ReconstructionPrompt(torch.tensor([5]), torch.tensor([6]),
+                                                                           torch.tensor([7]))
+    cache = prefill(model, random_prompt(1, 70), context_span=(4, 60))
+    kept = torch.stack([layer.kept_counts.float() for layer in cache.layers])
+    assert kept.mean() == 20  # configure(model, ...) holds: KVzip spreads 20 per head over layers and heads
+    objects = [cache, model, model.model, *model.model.layers, *(layer.self_attn for layer in model.model.layers),
+               LlamaAttention, type(model.model)]
+    assert not [name for obj in objects for name in restkv_names(obj)]

