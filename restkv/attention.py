@@ -35,12 +35,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from restkv.cache import CompressedLayer, native_layer
 from restkv.compat import CACHE_ARGUMENT, output_cache, with_cache
 from restkv.compress import compress_layer, prunes_keys
-from restkv.config import CompressionConfig
 from restkv.context import LayerPlan, ScoringContext, plan_layer, valid_from_mask
 from restkv.context_span import context_span
 from restkv.deferred import (PendingLayer, chunk_budgets, chunked_prompt, defer_layer, finish_prefill, kept_hidden,
                              observe_chunk, observe_held_chunk, pending_of, query_weights, trailing_queries)
-from restkv.handles import cache_state, config_for, has_class_config
+from restkv.handles import cache_state, has_class_config, module_config
 from restkv.recompress import recompress
 
 
@@ -243,11 +242,6 @@ def _joined_chunks(outputs: list):
         output.hidden_states = tuple(torch.cat(layer, dim=1) for layer in zip(*(piece.hidden_states for piece in outputs)))
     return output
 
-
-def module_config(module: torch.nn.Module) -> CompressionConfig:
-    """The config a patched attention module runs: its model's own (``configure``), if set
-    since its class was last patched, else the class's (``replace_*``)."""
-    return config_for(module)
 
 
 def _compress_again(module, config, cache, layer: CompressedLayer, query, params) -> None:

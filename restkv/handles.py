@@ -75,24 +75,26 @@ def has_class_config(cls: type) -> bool:
 
 
 def module_config_entry(module):
-    """What ``set_module_config`` gave ``module`` (to restore it later), or None."""
+    """What ``set_module_config`` gave ``module`` (for ``restore_module_config``), or None."""
     return _MODULE_CONFIGS.get(module)
 
 
-def set_module_config(module, config, entry=None) -> None:
-    """Give ``module`` its own config, valid while its class's current patch lasts (or restore an
-    ``entry`` read before; ``config=None`` and no entry forgets it)."""
-    if entry is not None:
-        _MODULE_CONFIGS[module] = entry
-    elif config is None:
+def set_module_config(module, config) -> None:
+    """Give ``module`` its own config, valid while its class's current patch lasts."""
+    _MODULE_CONFIGS[module] = (config, _CLASS_CONFIGS[type(module)][1])
+
+
+def restore_module_config(module, entry) -> None:
+    """Put back what ``module_config_entry`` read (None: the module had no config of its own)."""
+    if entry is None:
         _MODULE_CONFIGS.pop(module, None)
     else:
-        _MODULE_CONFIGS[module] = (config, _CLASS_CONFIGS[type(module)][1])
+        _MODULE_CONFIGS[module] = entry
 
 
-def config_for(module):
-    """The config a patched attention module runs: its model's own, if set since its class was
-    last patched, else the class's."""
+def module_config(module):
+    """The config a patched attention module runs: its model's own (``configure``), if set since
+    its class was last patched, else the class's (``replace_*``)."""
     family_config, token = _CLASS_CONFIGS[type(module)]
     own = _MODULE_CONFIGS.get(module)
     return own[0] if own is not None and own[1] is token else family_config

@@ -32,10 +32,11 @@ from typing import Any, Iterator
 
 import torch
 
-from restkv.attention import LayerParams, model_forward, module_config, restkv_attention_forward
+from restkv.attention import LayerParams, model_forward, restkv_attention_forward
 from restkv.compat import CACHE_ARGUMENT, check_transformers_version
 from restkv.config import CompressionConfig, ConfigError, ModelShape
-from restkv.handles import clear_class_config, module_config_entry, set_class_config, set_module_config
+from restkv.handles import (clear_class_config, module_config, module_config_entry, restore_module_config,
+                            set_class_config, set_module_config)
 
 #: family -> attention classes it covers, as (module, class name)
 FAMILIES: dict[str, tuple[tuple[str, str], ...]] = {
@@ -153,8 +154,6 @@ def replace_family(family: str, method: str = "snapkv", **options: Any) -> Compr
     """Patch the attention of ``family`` (a key of ``FAMILIES``: the four below, ``qwen3``,
     ``granite``). ``options`` are ``CompressionConfig`` options (the original release's flag
     names: ``max_capacity_prompts``, ``window_size``, ``kernel_size``, ``pooling``, ...)."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; restkv patches {', '.join(FAMILIES)}")
     return _replace(family, CompressionConfig.from_options(method=method, **options))
 
 
@@ -250,7 +249,7 @@ def compression(model: torch.nn.Module, config: CompressionConfig | None = None,
         if patched_here:
             unpatch(family)
         for module, entry in previous:
-            set_module_config(module, None, entry)
+            restore_module_config(module, entry)
 
 
 def config_of(model: torch.nn.Module) -> CompressionConfig:

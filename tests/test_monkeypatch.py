@@ -13,8 +13,8 @@ from restkv.compat import (CHECK_VARIABLE, NEWEST_TESTED, UnsupportedTransformer
 from restkv.config import CompressionConfig, ConfigError
 from restkv.generation import prefill
 from restkv.handles import has_class_config, model_state
-from restkv.reconstruction_prompt import ReconstructionPrompt
 from restkv.monkeypatch import compression, config_of, configure, family_of, replace_for_model, replace_llama, unpatch
+from restkv.reconstruction_prompt import ReconstructionPrompt
 from tiny_models import random_prompt, tiny_model
 
 _ORIGINAL_LLAMA_FORWARD = LlamaAttention.forward
@@ -31,7 +31,8 @@ def test_unpatch_restores_bitwise_identical_outputs():
         unpatch()
         after = model(prompt).logits
     assert LlamaAttention.forward is original_forward
-    assert not has_class_config(LlamaAttention) and not any(name.startswith("_restkv") for name in vars(LlamaAttention))
+    assert not has_class_config(LlamaAttention)
+    assert not any(name.startswith("_restkv") for name in vars(LlamaAttention))
     assert torch.equal(before, after)
 
 
@@ -169,7 +170,8 @@ def test_a_model_of_an_unpatched_family_warns_while_another_family_is_patched():
 
 
 def test_unpatching_an_unknown_family_names_the_known_ones():
-    with pytest.raises(ValueError, match="unknown family 'gpt2'; restkv patches llama, mistral, qwen2, qwen3, granite, gemma"):
+    known = "llama, mistral, qwen2, qwen3, granite, gemma"
+    with pytest.raises(ValueError, match=f"unknown family 'gpt2'; restkv patches {known}"):
         unpatch("gpt2")
 
 

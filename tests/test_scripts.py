@@ -116,7 +116,8 @@ def _recording_checkout(tmp_path, name: str, version_line: str):
     (root / "scripts" / name).write_text((ROOT / "scripts" / name).read_text())
     log = tmp_path / "calls.log"
     fake = tmp_path / "python3"
-    fake.write_text('#!/usr/bin/env bash\necho "${RESTKV_TRANSFORMERS_CHECK:+$RESTKV_TRANSFORMERS_CHECK }$*" >> "$CALLS"\n'
+    fake.write_text('#!/usr/bin/env bash\n'
+                    'echo "${RESTKV_TRANSFORMERS_CHECK:+$RESTKV_TRANSFORMERS_CHECK }$*" >> "$CALLS"\n'
                     'if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; fi\n'
                     f'if [ "$1" = "-c" ]; then echo "{version_line}"; fi\n')
     fake.chmod(0o755)
