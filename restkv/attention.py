@@ -1,36 +1,45 @@
-"""The one attention forward shared by Llama, Mistral, Qwen2, Qwen3, Granite, Gemma, Gemma2 and Gemma3.
+"""restkv's attention, through transformers' own seams: the model's forward runs unchanged.
 
-``restkv_attention_forward`` replaces ``<Family>Attention.forward``. It projects q/k/v
-with the module's own layers (Qwen2's biases come with them), applies Gemma3's q/k norms
-when the module has them, RoPE with the family's own ``apply_rotary_pos_emb``, and then:
+Every decoder whose attention module calls ``cache.update(...)`` and then the function
+``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)`` chooses is served
+the same way; restkv re-implements no projection, norm or RoPE:
 
-* **Compressing prefill** (first forward into an empty cache layer whose plan,
-  ``restkv.context.plan_layer``, evicts something): the layer output comes from the model's
-  own attention implementation (eager, sdpa, flash_attention_2) over the full prompt,
-  exactly as unpatched; then ``restkv.compress.compress_layer`` selects what to keep and a
-  ``CompressedLayer`` built from that selection replaces the cache layer.
-* **Attention over the compressed segments** (decode steps, or a question chunk fed after a
-  context-only compression): the compressed layer attends over its own segments
-  (``CompressedLayer.attend``). Nothing is compressed again.
-* **Native path** otherwise (no cache, a budget at or above the prompt length, ``fullkv``,
-  layers a method skips): the cache is updated and attention runs exactly as unpatched.
+* ``recording_forward`` wraps a patched attention class's ``forward``: it notes the step
+  (the cache layer as it was before this forward, the hidden states, the rotary tables) and
+  calls the original forward.
+* ``install_dispatchers`` registers restkv's dispatcher under the names ``eager``, ``sdpa``,
+  ``flash_attention_2`` (and the other kernels transformers has) with ``AttentionInterface``.
+  A module with no step noted (an unpatched family, a model outside restkv) goes straight to
+  the function the name meant before; a noted step goes to ``restkv_attention``, which gets the
+  module's post-RoPE queries, keys and values and the model's own kernel for the native parts:
 
-Gemma's scaling (``query_pre_attn_scalar``) and Gemma2's logit soft-capping are read from
-the module. Sliding-window layers (Gemma2/3, Mistral with ``sliding_window``) already hold
-at most ``sliding_window - 1`` prompt tokens, so they stay uncompressed unless the budget
-is smaller than that; when compressed, only tokens inside the window compete, and kept
-tokens leave the window as generation proceeds.
+  * **Compressing prefill** (the first forward into an empty cache layer whose plan,
+    ``restkv.context.plan_layer``, evicts something): the output comes from the model's own
+    kernel over the full prompt, exactly as unpatched; then ``restkv.compress.compress_layer``
+    selects what to keep and a ``CompressedLayer`` built from it replaces the cache layer.
+  * **Attention over the compressed segments** (decode steps, a prompt's later chunks, a
+    question fed after a context-only compression): ``CompressedLayer.update`` leaves the new
+    tokens to restkv (``reader_appends``) and ``CompressedLayer.attend`` appends them and
+    attends over every segment in one softmax.
+  * **Native** otherwise (a budget at or above the prompt, ``fullkv``, layers a method skips).
+
+Scaling, soft-capping and sliding windows are what the module hands its kernel. Sliding-window
+layers (Gemma 2/3, Mistral with ``sliding_window``) already hold at most ``sliding_window - 1``
+prompt tokens, so they stay uncompressed unless the budget is smaller than that; when
+compressed, only tokens inside the window compete, and kept tokens leave the window as
+generation proceeds.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from restkv.cache import CompressedLayer, native_layer
 from restkv.compat import CACHE_ARGUMENT, output_cache, with_cache
@@ -45,111 +54,209 @@ from restkv.recompress import recompress
 
 @dataclass(frozen=True)
 class LayerParams:
-    """The attention parameters of one layer, read from the module (family extras included)."""
+    """The attention parameters of one layer: what the module hands its kernel, else its own attributes."""
 
     scaling: float
     softcap: float | None
     sliding_window: int | None
 
     @classmethod
-    def of(cls, module: torch.nn.Module) -> "LayerParams":
-        if hasattr(module, "sliding_window"):
+    def of(cls, module: torch.nn.Module, kernel_kwargs: dict | None = None) -> "LayerParams":
+        kernel_kwargs = kernel_kwargs or {}
+        if "sliding_window" in kernel_kwargs:
+            window = kernel_kwargs["sliding_window"]
+        elif hasattr(module, "sliding_window"):
             window = module.sliding_window
         else:  # Mistral applies config.sliding_window to every layer
             window = getattr(module.config, "sliding_window", None)
-        return cls(module.scaling, getattr(module, "attn_logit_softcapping", None), window)
-
-    def attention_kwargs(self, module: torch.nn.Module) -> dict:
-        """The extra arguments this family passes to its attention interface."""
-        kwargs = {}
-        if hasattr(module, "sliding_window") or getattr(module.config, "sliding_window", None) is not None:
-            kwargs["sliding_window"] = self.sliding_window
-        if hasattr(module, "attn_logit_softcapping") and self.softcap is not None:
-            kwargs["softcap"] = self.softcap
-        return kwargs
+        softcap = kernel_kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None))
+        return cls(kernel_kwargs.get("scaling", module.scaling), softcap, window)
 
 
-def project_qkv(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings):
-    """Post-RoPE ``query [B, H, N, d]`` and ``key``, ``value [B, H_kv, N, d]`` of an attention module,
-    with the family's extras (Gemma 3 q/k norms) and its own ``apply_rotary_pos_emb``."""
-    family = sys.modules[type(module).__module__]
-    hidden_shape = (*hidden_states.shape[:-1], -1, module.head_dim)
-    query = module.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    key = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    value = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    if hasattr(module, "q_norm"):
-        query, key = module.q_norm(query), module.k_norm(key)
-    query, key = family.apply_rotary_pos_emb(query, key, *position_embeddings)
-    return query, key, value
+# ---------------------------------------------------------------- the step a patched module is running
+@dataclass
+class Step:
+    """What ``restkv_attention`` needs beyond the kernel's arguments, noted as the module's forward starts."""
+
+    cache: Cache | None
+    #: the cache layer as it was before this forward (None without a cache)
+    layer: Any
+    #: the layer held no token before this forward: a prefill
+    prefill: bool
+    hidden_states: torch.Tensor
+    position_embeddings: Any
 
 
-def restkv_attention_forward(
-    self: torch.nn.Module,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    attention_mask: torch.Tensor | None = None,
-    cache: Cache | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Drop-in ``forward`` for the attention modules of every supported family."""
-    if cache is None:
-        cache = kwargs.pop("past_key_values", None)
-    input_shape = hidden_states.shape[:-1]
-    query, key, value = project_qkv(self, hidden_states, position_embeddings)
+#: attention module -> the step its forward is running (only while it runs)
+_STEPS: dict[torch.nn.Module, Step] = {}
+#: attention module -> what ``attention_inputs`` captures (only while it runs)
+_CAPTURES: dict[torch.nn.Module, list] = {}
 
-    params = LayerParams.of(self)
-    config = module_config(self)
-    layer = _cache_layer(cache, self.layer_idx)
-    pending = pending_of(cache)
+
+def recording_forward(original: Callable) -> Callable:
+    """A patched attention class's ``forward``: ``original`` with its step noted for the dispatcher."""
+    signature = inspect.signature(original)
+
+    def forward(self, *args, **kwargs):
+        arguments = kwargs if len(args) <= 1 else signature.bind_partial(self, *args, **kwargs).arguments
+        hidden_states = arguments["hidden_states"] if "hidden_states" in arguments else args[0]
+        cache = arguments.get(CACHE_ARGUMENT, arguments.get("past_key_values"))
+        layer = _cache_layer(cache, self.layer_idx)
+        if isinstance(layer, CompressedLayer) and layer.tokens_seen == 0:  # reset: a new prompt starts native
+            cache.layers[self.layer_idx] = layer = native_layer(LayerParams.of(self).sliding_window)
+        reads_segments = isinstance(layer, CompressedLayer)
+        if reads_segments and self.config._attn_implementation not in _NATIVE_KERNELS:
+            raise ValueError(f"restkv reads compressed layers under the {', '.join(DISPATCHED_KERNELS)} attention "
+                             f"implementations; this model uses {self.config._attn_implementation!r}")
+        _STEPS[self] = Step(cache, layer, layer is not None and layer.get_seq_length() == 0, hidden_states,
+                            arguments.get("position_embeddings"))
+        if reads_segments:
+            layer.reader_appends = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            del _STEPS[self]
+            if reads_segments:
+                layer.reader_appends = False
+
+    forward.__wrapped__ = original
+    return forward
+
+
+# ---------------------------------------------------------------- the registered dispatcher
+#: the kernel names restkv's dispatcher is registered under, where transformers has them
+DISPATCHED_KERNELS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+#: kernel name -> the function it named before restkv registered (None: eager, the module's own default)
+_NATIVE_KERNELS: dict[str, Callable | None] = {}
+#: attention class -> its family's eager function
+_FAMILY_EAGER: dict[type, Callable] = {}
+
+
+def install_dispatchers() -> None:
+    """Register restkv's dispatcher under every kernel name (idempotent)."""
+    if _NATIVE_KERNELS:
+        return
+    registered = AttentionInterface._global_mapping
+    for name in DISPATCHED_KERNELS:
+        if name == "eager" or name in registered:
+            _NATIVE_KERNELS[name] = registered.get(name)
+            AttentionInterface.register(name, _dispatcher(name))
+
+
+def remove_dispatchers() -> None:
+    """Give every kernel name back its own function."""
+    registered = AttentionInterface._global_mapping
+    for name, native in _NATIVE_KERNELS.items():
+        if native is None:
+            registered.pop(name, None)
+        else:
+            AttentionInterface.register(name, native)
+    _NATIVE_KERNELS.clear()
+
+
+def native_kernel(name: str, module: torch.nn.Module) -> Callable:
+    """The function ``name`` meant for ``module`` before restkv registered: eager is the family's own."""
+    native = _NATIVE_KERNELS.get(name) if _NATIVE_KERNELS else ALL_ATTENTION_FUNCTIONS.get(name)
+    if native is not None:
+        return native
+    cls = type(module)
+    if cls not in _FAMILY_EAGER:
+        eager = getattr(sys.modules[cls.__module__], "eager_attention_forward", None)
+        if eager is None:
+            raise ValueError(f"restkv: {cls.__name__} has no eager_attention_forward; use attn_implementation='sdpa'")
+        _FAMILY_EAGER[cls] = eager
+    return _FAMILY_EAGER[cls]
+
+
+def _dispatcher(name: str) -> Callable:
+    def dispatch(module, query, key, value, attention_mask, **kwargs):
+        native = native_kernel(name, module)
+        captured = _CAPTURES.get(module)
+        if captured is not None:
+            captured.extend((query, key, value))
+            raise _Captured
+        step = _STEPS.get(module)
+        if step is None:
+            return native(module, query, key, value, attention_mask, **kwargs)
+        return restkv_attention(module, step, native, query, key, value, attention_mask, kwargs)
+
+    dispatch.__name__ = dispatch.__qualname__ = f"restkv_{name}"
+    return dispatch
+
+
+class _Captured(Exception):
+    """Ends a module's forward once its kernel's inputs are captured (``attention_inputs``)."""
+
+
+def attention_inputs(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings):
+    """Post-RoPE ``query [B, H, N, d]``, ``key``, ``value [B, H_kv, N, d]`` of an attention module, as its
+    own forward hands them to its kernel (its projections, norms and RoPE with ``position_embeddings``);
+    no cache, nothing after the kernel runs."""
+    installed_here = not _NATIVE_KERNELS
+    install_dispatchers()
+    captured = _CAPTURES[module] = []
+    try:
+        # forward, not __call__: the module's hooks (a caller's own capture) stay out of it
+        module.forward(hidden_states=hidden_states, position_embeddings=position_embeddings, attention_mask=None)
+    except _Captured:
+        pass
+    finally:
+        del _CAPTURES[module]
+        if installed_here:
+            remove_dispatchers()
+    if not captured:
+        raise ValueError(f"restkv: {type(module).__name__} does not call an attention function of the registry")
+    return tuple(captured)
+
+
+# ---------------------------------------------------------------- restkv's attention
+def restkv_attention(module, step: Step, native: Callable, query, key, value, attention_mask, kwargs: dict):
+    """The kernel call of a patched module: ``query [B, H, q, d]`` and the ``key``/``value`` its
+    ``cache.update`` returned. Returns ``(output [B, q, H, d], weights or None)``."""
+    params = LayerParams.of(module, kwargs)
+    config = module_config(module)
+    cache, layer, hidden_states, rotary = step.cache, step.layer, step.hidden_states, step.position_embeddings
+    pending = pending_of(cache) if cache is not None else None
     weights = None
-    if isinstance(layer, CompressedLayer) and layer.tokens_seen > 0:
+    if isinstance(layer, CompressedLayer):  # update left the new tokens to this read (reader_appends)
         in_chunks, first = chunked_prompt(cache) is not None, layer.tokens_seen
-        output = layer.attend(query, key, value, attention_mask, params.scaling, params.softcap, position_embeddings,
+        output = layer.attend(query, key, value, attention_mask, params.scaling, params.softcap, rotary,
                               prompt=in_chunks)
         if pending is not None and pending.observing:  # a reconstruction piece of a chunked prompt
-            waiting = pending.layers.get(self.layer_idx)
+            waiting = pending.layers.get(module.layer_idx)
             if waiting is not None and waiting.reconstructed and pending.folding:
                 observe_held_chunk(waiting, pending.repeating, query, layer, query_weights(waiting, hidden_states))
         elif in_chunks and config.compresses_after_prefill:  # the chunk waits for the model's (restkv.deferred)
             valid = key_validity(attention_mask, query.shape[0], query.shape[2], query.device, empty_rows=True)
-            plan = plan_layer(config, valid, self.layer_idx, self.config.num_hidden_layers,
+            plan = plan_layer(config, valid, module.layer_idx, module.config.num_hidden_layers,
                               budgets=valid.sum(dim=-1).tolist())
-            defer_layer(cache, self.layer_idx, PendingLayer(
+            defer_layer(cache, module.layer_idx, PendingLayer(
                 config, plan, key, value, trailing_queries(config, query), params.scaling, params.softcap,
-                self.o_proj.weight, position_embeddings, first_column=first, hidden=kept_hidden(config, hidden_states),
+                module.o_proj.weight, rotary, first_column=first, hidden=kept_hidden(config, hidden_states),
             ))
         elif config.rescores:
-            _compress_again(self, config, cache, layer, query, params)
-    elif pending is not None and pending.observing:  # a reconstruction chunk (restkv.deferred)
-        key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-        output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
-        waiting = pending.layers.get(self.layer_idx)
+            _compress_again(module, config, cache, layer, query, params)
+        return output, None
+    output, weights = native(module, query, key, value, attention_mask, **kwargs)
+    if pending is not None and pending.observing:  # a reconstruction chunk (restkv.deferred)
+        waiting = pending.layers.get(module.layer_idx)
         if waiting is not None and waiting.reconstructed and pending.folding:
             observe_chunk(waiting, pending.repeating, query, key, query_weights(waiting, hidden_states))
-    elif (plan := _plan_to_compress(self, config, cache, layer, query, attention_mask, params)) is not None:
+    elif step.prefill and (plan := _plan_to_compress(module, config, cache, layer, query, attention_mask,
+                                                     params)) is not None:
         if config.compresses_after_prefill:  # the layer waits for the whole prefill (restkv.deferred)
-            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-            output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
-            defer_layer(cache, self.layer_idx, PendingLayer(
+            defer_layer(cache, module.layer_idx, PendingLayer(
                 config, plan, key, value, trailing_queries(config, query), params.scaling, params.softcap,
-                self.o_proj.weight, position_embeddings, hidden=kept_hidden(config, hidden_states),
+                module.o_proj.weight, rotary, hidden=kept_hidden(config, hidden_states),
             ))
         else:
-            output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
-            ctx = ScoringContext.of(query, key, value, plan, params.scaling, params.softcap, self.o_proj.weight,
-                                    rotary=position_embeddings, hidden=hidden_states)
-            cache.layers[self.layer_idx] = compressed = CompressedLayer.from_state(
+            ctx = ScoringContext.of(query, key, value, plan, params.scaling, params.softcap, module.o_proj.weight,
+                                    rotary=rotary, hidden=hidden_states)
+            cache.layers[module.layer_idx] = compressed = CompressedLayer.from_state(
                 compress_layer(config, ctx), query.shape[2], params.sliding_window, config, plan.padding)
             if config.rescores:
                 compressed.remember_queries(query, config.run.window_size)
-    else:
-        if isinstance(layer, CompressedLayer):  # a reset compressed layer serving a prompt it need not compress
-            cache.layers[self.layer_idx] = native_layer(params.sliding_window)
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-        output, weights = _native_attention(self, query, key, value, attention_mask, params, kwargs)
-    output = output.reshape(*input_shape, -1).contiguous()
-    return self.o_proj(output), weights
+    return output, weights
 
 
 def model_forward(original: Callable) -> Callable:
@@ -278,9 +385,7 @@ COMPRESSIBLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, CompressedLayer)
 
 
 def _plan_to_compress(module, config, cache, layer, query, attention_mask, params) -> LayerPlan | None:
-    """The layer's plan if this forward is a prefill that evicts something, else None."""
-    if layer is None or layer.get_seq_length() > 0:
-        return None
+    """The layer's plan if this prefill evicts something, else None."""
     if not module.is_causal:
         raise ValueError("restkv compresses causal attention only; this model uses bidirectional attention")
     if params.sliding_window is not None and config.run.observation == "reconstruction":
@@ -306,24 +411,6 @@ def _plan_to_compress(module, config, cache, layer, query, attention_mask, param
             "(no cache_implementation, no offloading)"
         )
     return plan
-
-
-def _native_attention(module, query, key, value, attention_mask, params, kwargs):
-    family = sys.modules[type(module).__module__]
-    interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-        module.config._attn_implementation, family.eager_attention_forward
-    )
-    return interface(
-        module,
-        query,
-        key,
-        value,
-        attention_mask,
-        dropout=0.0 if not module.training else module.attention_dropout,
-        scaling=params.scaling,
-        **params.attention_kwargs(module),
-        **kwargs,
-    )
 
 
 def _cache_layer(cache: Cache | None, layer_idx: int):

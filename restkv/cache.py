@@ -62,6 +62,8 @@ class CompressedLayer(CacheLayerMixin):
 
     is_compileable = False
     is_croppable = False
+    #: set while a patched attention module's forward runs over this layer (``restkv.attention``)
+    reader_appends = False
 
     def __init__(self, kept: list, tokens_seen: int, sliding_window: int | None = None, summaries=(),
                  corrections=(), config: Any = None, prompt_padding: torch.Tensor | None = None,
@@ -252,7 +254,11 @@ class CompressedLayer(CacheLayerMixin):
         """transformers' contract: append the new tokens and return the keys and values to attend
         over: every exact token held, ``[B, H_kv, S, d]`` in slot order (quantised ones
         dequantised). Complete for a layer without summaries or corrections whose heads hold the
-        same tokens; restkv's attention reads the layer itself (``attend``)."""
+        same tokens. Inside a patched module's forward (``reader_appends``) restkv's attention
+        reads the layer itself (``attend`` appends with the step's padding columns and attends
+        over every segment), so the new tokens come back as they are and nothing is joined."""
+        if self.reader_appends:
+            return key_states, value_states
         self.append(key_states, value_states)
         keys, values, _ = self.kept_tokens(appended=True)
         return keys, values

@@ -1,4 +1,4 @@
-"""Swap each family's attention forward for restkv's shared one.
+"""Patch a family's attention classes and decoder: restkv's seams around the model's own forwards.
 
 ::
 
@@ -19,6 +19,13 @@ model's other options, ``configure(model, reset=True, method=...)`` or
 model's family if needed, and restores the previous state on exit. ``unpatch()`` restores
 the original forwards exactly.
 
+Patching wraps (never replaces) each attention class's ``forward`` (``recording_forward``) and
+its decoder's (``model_forward``), and registers restkv's dispatcher with transformers'
+``AttentionInterface`` (``restkv.attention``). Families in ``FAMILIES`` are named by the table;
+any other decoder-only model type is found through transformers' auto mappings (its modeling
+module's ``*Attention`` classes and base model), and must pass ``check_seams``: attention that
+calls ``cache.update`` and a registry kernel, with an ``o_proj``.
+
 While any family is patched, a model of a family that is not (``replace_llama`` then a Qwen2
 model) would generate uncompressed without a word: its attention warns once instead.
 """
@@ -26,25 +33,26 @@ model) would generate uncompressed without a word: its attention warns once inst
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import inspect
 import warnings
 from typing import Any, Iterator
 
 import torch
 
-from restkv.attention import LayerParams, model_forward, restkv_attention_forward
+from restkv.attention import LayerParams, install_dispatchers, model_forward, recording_forward, remove_dispatchers
 from restkv.compat import CACHE_ARGUMENT, check_transformers_version
 from restkv.config import CompressionConfig, ConfigError, ModelShape
 from restkv.handles import (clear_class_config, module_config, module_config_entry, restore_module_config,
                             set_class_config, set_module_config)
 
-#: family -> attention classes it covers, as (module, class name)
+#: the families the release named (``replace_gemma`` covers Gemma 1-3) -> their attention classes, as
+#: (module, class name); every other decoder is its model type, found by ``discovered_family``
 FAMILIES: dict[str, tuple[tuple[str, str], ...]] = {
     "llama": (("transformers.models.llama.modeling_llama", "LlamaAttention"),),
     "mistral": (("transformers.models.mistral.modeling_mistral", "MistralAttention"),),
     "qwen2": (("transformers.models.qwen2.modeling_qwen2", "Qwen2Attention"),),
-    "qwen3": (("transformers.models.qwen3.modeling_qwen3", "Qwen3Attention"),),
-    "granite": (("transformers.models.granite.modeling_granite", "GraniteAttention"),),
     "gemma": (
         ("transformers.models.gemma.modeling_gemma", "GemmaAttention"),
         ("transformers.models.gemma2.modeling_gemma2", "Gemma2Attention"),
@@ -58,8 +66,6 @@ MODEL_CLASSES: dict[str, tuple[tuple[str, str], ...]] = {
     "llama": (("transformers.models.llama.modeling_llama", "LlamaModel"),),
     "mistral": (("transformers.models.mistral.modeling_mistral", "MistralModel"),),
     "qwen2": (("transformers.models.qwen2.modeling_qwen2", "Qwen2Model"),),
-    "qwen3": (("transformers.models.qwen3.modeling_qwen3", "Qwen3Model"),),
-    "granite": (("transformers.models.granite.modeling_granite", "GraniteModel"),),
     "gemma": (
         ("transformers.models.gemma.modeling_gemma", "GemmaModel"),
         ("transformers.models.gemma2.modeling_gemma2", "Gemma2Model"),
@@ -67,13 +73,11 @@ MODEL_CLASSES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 
-#: ``config.model_type`` -> family
+#: ``config.model_type`` -> family, for the families of the table (any other model type is its own family)
 MODEL_TYPES = {
     "llama": "llama",
     "mistral": "mistral",
     "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "granite": "granite",
     "gemma": "gemma",
     "gemma2": "gemma",
     "gemma3": "gemma",
@@ -88,7 +92,11 @@ _ORIGINAL_MODEL_FORWARDS: dict[type, Any] = {}
 
 
 def _attention_classes(family: str) -> list[type]:
-    return _classes(FAMILIES, family)
+    return _classes(FAMILIES, family) if family in FAMILIES else list(discovered_family(family)[0])
+
+
+def _decoder_classes(family: str) -> list[type]:
+    return _classes(MODEL_CLASSES, family) if family in MODEL_CLASSES else list(discovered_family(family)[1])
 
 
 def _attention_modules_of(model: torch.nn.Module, family: str) -> list[torch.nn.Module]:
@@ -98,21 +106,59 @@ def _attention_modules_of(model: torch.nn.Module, family: str) -> list[torch.nn.
 
 
 def _classes(table: dict[str, tuple[tuple[str, str], ...]], family: str) -> list[type]:
-    if family not in table:
-        raise ValueError(f"unknown family {family!r}; restkv patches {', '.join(table)}")
     return [getattr(importlib.import_module(module), name) for module, name in table[family]]
+
+
+@functools.cache
+def discovered_family(model_type: str) -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """``(attention classes, decoder classes)`` of a decoder-only model type outside ``FAMILIES``,
+    found through transformers' auto mappings and checked (``check_seams``)."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type not in MODEL_MAPPING_NAMES:
+        known = ", ".join([*FAMILIES, "any decoder-only model type of transformers"])
+        raise ValueError(f"unknown family {model_type!r}; restkv patches {known}")
+    name = model_type_to_module_name(model_type)
+    modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    attention = tuple(cls for cls in vars(modeling).values() if isinstance(cls, type) and
+                      issubclass(cls, torch.nn.Module) and cls.__module__ == modeling.__name__ and
+                      cls.__name__.endswith("Attention"))
+    if not attention:
+        raise ValueError(f"model type {model_type!r} is not supported by restkv: its modeling module has no "
+                         "attention class")
+    for cls in attention:
+        check_seams(model_type, cls)
+    return attention, (getattr(modeling, MODEL_MAPPING_NAMES[model_type]),)
+
+
+def check_seams(model_type: str, cls: type) -> None:
+    """Refuse an attention class restkv cannot serve through transformers' seams, naming the model type."""
+    source = inspect.getsource(cls)
+    needs = {
+        "calls an attention function of transformers' registry": "ALL_ATTENTION_FUNCTIONS.get_interface(" in source,
+        "writes its cache through cache.update": ".update(key_states, value_states, self.layer_idx" in source,
+        "has an o_proj output projection": "self.o_proj" in source,
+        "has no attention sinks (restkv's compressed attention does not read them)": "s_aux=" not in source,
+    }
+    missing = [need for need, met in needs.items() if not met]
+    if missing:
+        raise ValueError(f"model type {model_type!r} is not supported by restkv: {cls.__name__} needs an attention "
+                         f"that {'; '.join(missing)}")
 
 
 def _replace(family: str, config: CompressionConfig) -> CompressionConfig:
     check_transformers_version()
-    for cls in _attention_classes(family):
+    classes = _attention_classes(family)
+    install_dispatchers()
+    for cls in classes:
         if cls in _WATCHED_FORWARDS:
             cls.forward = _WATCHED_FORWARDS.pop(cls)
         if cls not in _ORIGINAL_FORWARDS:
             _ORIGINAL_FORWARDS[cls] = cls.forward
-            cls.forward = restkv_attention_forward
+            cls.forward = recording_forward(cls.forward)
         set_class_config(cls, config)  # a new patch: per-model configs set before no longer apply
-    for cls in _classes(MODEL_CLASSES, family):
+    for cls in _decoder_classes(family):
         if cls not in _ORIGINAL_MODEL_FORWARDS:
             _ORIGINAL_MODEL_FORWARDS[cls] = cls.forward
             cls.forward = _one_row_reconstruction(model_forward(cls.forward))
@@ -151,9 +197,10 @@ def _refuse_batched_reconstruction(config: CompressionConfig, args: tuple, kwarg
 
 
 def replace_family(family: str, method: str = "snapkv", **options: Any) -> CompressionConfig:
-    """Patch the attention of ``family`` (a key of ``FAMILIES``: the four below, ``qwen3``,
-    ``granite``). ``options`` are ``CompressionConfig`` options (the original release's flag
+    """Patch the attention of ``family``: a key of ``FAMILIES`` (the four below) or any decoder-only
+    model type that passes ``check_seams`` (``qwen3``, ``phi3``, ``olmo2``...). ``options`` are ``CompressionConfig`` options (the original release's flag
     names: ``max_capacity_prompts``, ``window_size``, ``kernel_size``, ``pooling``, ...)."""
+    _attention_classes(family)  # an unknown or unsupported family is the first error
     return _replace(family, CompressionConfig.from_options(method=method, **options))
 
 
@@ -178,14 +225,21 @@ def replace_gemma(method: str = "snapkv", **options: Any) -> CompressionConfig:
 
 
 def family_of(model_or_config: Any) -> str:
-    """The patch family of a model (or its config); unsupported model types raise."""
+    """The patch family of a model (or its config): its ``MODEL_TYPES`` entry, else its model type
+    when that passes ``check_seams``; unsupported model types raise."""
     config = getattr(model_or_config, "config", model_or_config)
     model_type = getattr(config, "model_type", None)
-    if model_type not in MODEL_TYPES:
-        raise ValueError(
-            f"model type {model_type!r} is not supported by restkv; supported: {', '.join(sorted(MODEL_TYPES))}"
-        )
-    return MODEL_TYPES[model_type]
+    if model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    try:
+        discovered_family(model_type)
+    except ValueError as error:
+        if "is not supported" in str(error):
+            raise
+        raise ValueError(f"model type {model_type!r} is not supported by restkv: not a decoder-only model type of "
+                         f"this transformers (supported: {', '.join(sorted(MODEL_TYPES))} and any decoder whose "
+                         "attention uses transformers' registry)") from None
+    return model_type
 
 
 def replace_for_model(model: torch.nn.Module, method: str = "snapkv", **options: Any) -> CompressionConfig:
@@ -265,7 +319,7 @@ def model_shape(modules: list[torch.nn.Module]) -> ModelShape:
         num_layers=first.config.num_hidden_layers, num_heads=first.config.num_attention_heads,
         num_kv_heads=first.config.num_key_value_heads, head_dim=first.head_dim,
         sliding_windows=tuple(LayerParams.of(module).sliding_window for module in modules),
-        element_size=first.k_proj.weight.element_size(),
+        element_size=first.o_proj.weight.element_size(),
     )
 
 
@@ -287,15 +341,17 @@ def _patched_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def unpatch(family: str | None = None) -> None:
     """Restore the original forwards (of one family, or all), exactly."""
-    families = [family] if family is not None else list(FAMILIES)
-    for name in families:
-        for cls in _attention_classes(name):
-            if cls in _ORIGINAL_FORWARDS:
-                cls.forward = _ORIGINAL_FORWARDS.pop(cls)
-                clear_class_config(cls)
-        for cls in _classes(MODEL_CLASSES, name):
-            if cls in _ORIGINAL_MODEL_FORWARDS:
-                cls.forward = _ORIGINAL_MODEL_FORWARDS.pop(cls)
+    attention = list(_ORIGINAL_FORWARDS) if family is None else _attention_classes(family)
+    decoders = list(_ORIGINAL_MODEL_FORWARDS) if family is None else _decoder_classes(family)
+    for cls in attention:
+        if cls in _ORIGINAL_FORWARDS:
+            cls.forward = _ORIGINAL_FORWARDS.pop(cls)
+            clear_class_config(cls)
+    for cls in decoders:
+        if cls in _ORIGINAL_MODEL_FORWARDS:
+            cls.forward = _ORIGINAL_MODEL_FORWARDS.pop(cls)
+    if not _ORIGINAL_FORWARDS:
+        remove_dispatchers()
     _watch_unpatched_families()
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from restkv.attention import project_qkv
+from restkv.attention import attention_inputs
 from restkv.indexmem import (FUSIONS, INDEXER_FORMS, MEMORY_INPUTS, QUERY_REDUCTIONS, Architecture, IndexMemLayer,
                              IndexMemWeights)
 from restkv.models import check_model_path, load_frozen
@@ -144,7 +144,7 @@ def capture_layers(model, input_ids: torch.Tensor) -> list[CapturedLayer]:
         def hook(module, args, kwargs, index=index):
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             cos, sin = kwargs["position_embeddings"]
-            query, key, value = (t.float() for t in project_qkv(module, hidden, (cos, sin)))
+            query, key, value = (t.float() for t in attention_inputs(module, hidden, (cos, sin)))
             captured[index] = CapturedLayer(query, key, value, unrotate(query, cos, sin), unrotate(key, cos, sin))
         hooks.append(block.self_attn.register_forward_pre_hook(hook, with_kwargs=True))
     try:

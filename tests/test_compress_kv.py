@@ -149,7 +149,7 @@ def test_right_padding_is_rejected():
 def test_window_attention_on_a_sliding_layer_equals_the_models_own_weights():
     """A sliding-window layer compressed below its window: the scores read the softmax the model
     computes (over every key each window query sees), only the competing tokens are limited."""
-    from restkv.attention import project_qkv
+    from restkv.attention import attention_inputs
     from restkv.context import ScoringContext, plan_layer
     from tiny_models import random_prompt, tiny_model
 
@@ -157,7 +157,7 @@ def test_window_attention_on_a_sliding_layer_equals_the_models_own_weights():
     captured = {}
 
     def capture(module, args, kwargs):
-        captured["qkv"] = project_qkv(module, kwargs["hidden_states"], kwargs["position_embeddings"])
+        captured["qkv"] = attention_inputs(module, kwargs["hidden_states"], kwargs["position_embeddings"])
 
     attention = model.model.layers[0].self_attn
     handle = attention.register_forward_pre_hook(capture, with_kwargs=True)

@@ -13,7 +13,7 @@ from restkv.compat import output_cache
 from restkv.compress import compress_layer
 from restkv.context import ScoringContext, plan_layer, valid_from_mask
 import restkv.train_indexmem as train_indexmem
-from restkv.attention import project_qkv
+from restkv.attention import attention_inputs
 from restkv.indexmem import Architecture, IndexMemLayer, IndexMemWeights, load_weights, slots_for
 from restkv.partial import use_kernel
 from restkv.rope import unrotate
@@ -491,7 +491,7 @@ def test_training_captures_the_queries_and_keys_before_rope():
     def unrotated(module, args, kwargs):
         cos, _ = kwargs["position_embeddings"]
         no_rotation = (torch.ones_like(cos), torch.zeros_like(cos))
-        expected[module.layer_idx] = project_qkv(module, kwargs["hidden_states"], no_rotation)
+        expected[module.layer_idx] = attention_inputs(module, kwargs["hidden_states"], no_rotation)
 
     hooks = [block.self_attn.register_forward_pre_hook(unrotated, with_kwargs=True) for block in model.model.layers]
     captured = capture_layers(model, ids)

@@ -363,7 +363,7 @@ def test_think_channels_are_kvpress_thinks_given_its_own_32_query_window():
     exactly kvpress' channels in every layer and head (the kept tokens are SnapKV's either way)."""
     from safetensors.torch import load_file
 
-    from restkv.attention import project_qkv
+    from restkv.attention import attention_inputs
     from restkv.context import ScoringContext, plan_layer
     from restkv.selection import gather_columns
 
@@ -376,7 +376,7 @@ def test_think_channels_are_kvpress_thinks_given_its_own_32_query_window():
         hidden = reference["attn_input"][layer][None]
         with torch.no_grad():
             rotary = model.model.rotary_emb(hidden, torch.arange(384)[None])
-            query, key, value = project_qkv(model.model.layers[layer].self_attn, hidden, rotary)
+            query, key, value = attention_inputs(model.model.layers[layer].self_attn, hidden, rotary)
         ctx = ScoringContext.of(query, key, value, plan_layer(config, torch.ones(1, 384, dtype=torch.bool), layer, 4))
         columns = torch.tensor([kept[layer]])
         channels = config.switch("think").choose_channels(ctx, gather_columns(key, columns), columns)[0]

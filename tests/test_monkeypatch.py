@@ -13,7 +13,8 @@ from restkv.compat import (CHECK_VARIABLE, NEWEST_TESTED, UnsupportedTransformer
 from restkv.config import CompressionConfig, ConfigError
 from restkv.generation import prefill
 from restkv.handles import has_class_config, model_state
-from restkv.monkeypatch import compression, config_of, configure, family_of, replace_for_model, replace_llama, unpatch
+from restkv.monkeypatch import (compression, config_of, configure, family_of, replace_family, replace_for_model,
+                               replace_llama, unpatch)
 from restkv.reconstruction_prompt import ReconstructionPrompt
 from tiny_models import random_prompt, tiny_model
 
@@ -68,10 +69,22 @@ def test_unsupported_model_type_is_a_clear_error():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match="model type 'gpt2' is not supported by restkv; supported: .*llama"):
+    with pytest.raises(ValueError, match="model type 'gpt2' is not supported by restkv: GPT2Attention .*o_proj"):
         family_of(model)
     with pytest.raises(ValueError, match="not supported"):
         replace_for_model(model, method="snapkv", max_capacity_prompts=16)
+
+
+def test_a_model_type_that_is_not_a_decoder_is_a_clear_error():
+    from transformers import ViTConfig
+
+    with pytest.raises(ValueError, match="model type 'vit' is not supported by restkv: not a decoder-only"):
+        family_of(ViTConfig())
+
+
+def test_attention_sinks_are_refused_at_patch_time():
+    with pytest.raises(ValueError, match="model type 'gpt_oss' is not supported by restkv: .*attention sinks"):
+        replace_family("gpt_oss", method="snapkv", max_capacity_prompts=16)
 
 
 @pytest.mark.parametrize("version", ["4.57.1", "5.21.1"])
@@ -170,9 +183,9 @@ def test_a_model_of_an_unpatched_family_warns_while_another_family_is_patched():
 
 
 def test_unpatching_an_unknown_family_names_the_known_ones():
-    known = "llama, mistral, qwen2, qwen3, granite, gemma"
-    with pytest.raises(ValueError, match=f"unknown family 'gpt2'; restkv patches {known}"):
-        unpatch("gpt2")
+    known = "llama, mistral, qwen2, gemma, any decoder-only model type of transformers"
+    with pytest.raises(ValueError, match=f"unknown family 'gpt3'; restkv patches {known}"):
+        unpatch("gpt3")
 
 
 # ----------------------------------------------------------------------------- checked against the model

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from restkv.attention import project_qkv
+from restkv.attention import attention_inputs
 from restkv.generation import position_ids_from_mask
 from restkv.rope import rotary_inverse, unrotate
 from tiny_models import left_padded, tiny_model
@@ -66,8 +66,8 @@ def test_a_forwards_keys_are_undone_to_its_projections(family):
 
     def capture(module, args, kwargs):
         hidden, (cos, sin) = kwargs["hidden_states"], kwargs["position_embeddings"]
-        query, key, _ = project_qkv(module, hidden, (torch.ones_like(cos), torch.zeros_like(sin)))  # no rotation
-        rotated_query, rotated_key, _ = project_qkv(module, hidden, (cos, sin))
+        query, key, _ = attention_inputs(module, hidden, (torch.ones_like(cos), torch.zeros_like(sin)))  # no rotation
+        rotated_query, rotated_key, _ = attention_inputs(module, hidden, (cos, sin))
         seen[module.layer_idx] = (query, key, rotated_query, rotated_key, cos, sin)
 
     hooks = [block.self_attn.register_forward_pre_hook(capture, with_kwargs=True) for block in model.model.layers]

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from restkv import CompressionConfig, compress_kv
-from restkv.attention import project_qkv
+from restkv.attention import attention_inputs
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def layer_qkv(model, input_ids: torch.Tensor, layer_idx: int):
         model(input_ids=input_ids, use_cache=False)
     finally:
         handle.remove()
-    query, key, value = project_qkv(module, captured["hidden"], captured["rope"])
+    query, key, value = attention_inputs(module, captured["hidden"], captured["rope"])
     return query, key, value, module
 
 

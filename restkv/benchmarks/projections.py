@@ -4,7 +4,7 @@ Offline statistics of a model's attention (DuoAttention's head pattern, Expected
 query statistics) need the queries and keys as the attention computes them, before their
 rotation: a forward pre-hook on every attention module reads its input and RoPE tables, the
 family's own projections and q/k norms give the rotated queries and keys
-(``restkv.attention.project_qkv``), and ``restkv.rope.unrotate`` takes the rotation off.
+(``restkv.attention.attention_inputs``), and ``restkv.rope.unrotate`` takes the rotation off.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from restkv.attention import project_qkv
+from restkv.attention import attention_inputs
 from restkv.rope import unrotate
 
 
@@ -35,7 +35,7 @@ def pre_rope_projections(model, input_ids: torch.Tensor) -> list[Projections]:
     def record(module, args, kwargs):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         cos, sin = kwargs["position_embeddings"]
-        query, key, _ = project_qkv(module, hidden, (cos, sin))
+        query, key, _ = attention_inputs(module, hidden, (cos, sin))
         found[module.layer_idx] = Projections(unrotate(query, cos, sin)[0].float(), unrotate(key, cos, sin)[0].float(),
                                               (cos[:1].float(), sin[:1].float()))
 
