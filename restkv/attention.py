@@ -170,11 +170,11 @@ def native_kernel(name: str, module: torch.nn.Module) -> Callable:
 
 def _dispatcher(name: str) -> Callable:
     def dispatch(module, query, key, value, attention_mask, **kwargs):
-        native = native_kernel(name, module)
         captured = _CAPTURES.get(module)
         if captured is not None:
             captured.extend((query, key, value))
             raise _Captured
+        native = native_kernel(name, module)
         step = _STEPS.get(module)
         if step is None:
             return native(module, query, key, value, attention_mask, **kwargs)
