@@ -33,9 +33,11 @@ generation proceeds.
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
+from weakref import WeakKeyDictionary
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
@@ -50,6 +52,7 @@ from restkv.deferred import (PendingLayer, chunk_budgets, chunked_prompt, defer_
                              observe_chunk, observe_held_chunk, pending_of, query_weights, trailing_queries)
 from restkv.handles import cache_state, has_class_config, module_config
 from restkv.recompress import recompress
+from restkv.rope import rotate
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,8 @@ def recording_forward(original: Callable) -> Callable:
     signature = inspect.signature(original)
 
     def forward(self, *args, **kwargs):
+        if self in _CAPTURES:  # attention_inputs runs the forward only to its kernel: no step
+            return original(self, *args, **kwargs)
         arguments = kwargs if len(args) <= 1 else signature.bind_partial(self, *args, **kwargs).arguments
         hidden_states = arguments["hidden_states"] if "hidden_states" in arguments else args[0]
         cache = arguments.get(CACHE_ARGUMENT, arguments.get("past_key_values"))
@@ -209,13 +214,78 @@ def attention_inputs(module: torch.nn.Module, hidden_states: torch.Tensor, posit
     return tuple(captured)
 
 
+# ---------------------------------------------------------------- the layer's own RoPE
+#: attention module -> how its forward turns keys: "rotate_half", "none" or "other" (probed once)
+_ROTATIONS: WeakKeyDictionary = WeakKeyDictionary()
+#: relative difference below which two probed keys are the same (bfloat16 rounding is ~0.4%)
+_PROBE_TOLERANCE = 0.02
+
+
+def layer_rotary(module: torch.nn.Module, position_embeddings, hidden_states: torch.Tensor, head_dim: int):
+    """The ``(cos, sin)`` ``[B, n, head_dim]`` that ``restkv.rope`` turns this layer's queries and keys with:
+    the forward's own tables where the module rotates as ``apply_rotary_pos_emb`` does over every channel,
+    the identity where it does not rotate at all (SmolLM3's NoPE layers, Cohere 2's full-attention layers),
+    None where it rotates otherwise (interleaved pairs, part of the channels), which ``restkv.rope`` cannot
+    undo (``check_pre_rope`` refuses the methods that would need it)."""
+    if not isinstance(position_embeddings, tuple) or len(position_embeddings) != 2:
+        return None
+    kind = _ROTATIONS.get(module)
+    if kind is None:
+        kind = _ROTATIONS[module] = _probe_rotation(module, position_embeddings, hidden_states)
+    if kind == "rotate_half":
+        return position_embeddings
+    if kind == "none":
+        cos = position_embeddings[0]
+        shape = (*cos.shape[:-1], head_dim)
+        return (torch.ones(shape, dtype=cos.dtype, device=cos.device),
+                torch.zeros(shape, dtype=cos.dtype, device=cos.device))
+    return None
+
+
+def _probe_rotation(module: torch.nn.Module, position_embeddings, hidden_states: torch.Tensor) -> str:
+    """How ``module`` turns its keys, read from its own forward on one random token: with tables of angle
+    0 and of angle 1 on every channel, and compared with ``restkv.rope.rotate``."""
+    cos = position_embeddings[0]
+    generator = torch.Generator().manual_seed(0)
+    token = torch.randn(1, 1, hidden_states.shape[-1], generator=generator).to(hidden_states)
+
+    def keys_at(angle: float) -> torch.Tensor:
+        tables = tuple(torch.full((1, 1, cos.shape[-1]), value, dtype=cos.dtype, device=cos.device)
+                       for value in (math.cos(angle), math.sin(angle)))
+        with torch.no_grad():
+            return attention_inputs(module, token, tables)[1].float()
+
+    def same(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+        return bool((ours - theirs).norm() <= _PROBE_TOLERANCE * theirs.norm())
+
+    plain, turned = keys_at(0.0), keys_at(1.0)
+    if same(plain, turned):
+        return "none"
+    if cos.shape[-1] == plain.shape[-1]:
+        angle = torch.full((1, 1, plain.shape[-1]), 1.0, device=plain.device)
+        if same(rotate(plain, angle.cos(), angle.sin()), turned):
+            return "rotate_half"
+    return "other"
+
+
+def check_pre_rope(module: torch.nn.Module, config) -> None:
+    """Refuse, at the prefill, a method that reads keys or queries before RoPE on a layer whose rotation
+    ``restkv.rope`` cannot undo (``layer_rotary`` gave None)."""
+    readers = [flag for part in config.parts for flag in part.pre_rope_flags()]
+    if readers:
+        raise ValueError(f"{', '.join(readers)} read{'s' if len(readers) == 1 else ''} keys before RoPE; "
+                         f"{module.config.model_type} layer {module.layer_idx} rotates them in a way restkv does not "
+                         "undo (interleaved channel pairs or part of the channels)")
+
+
 # ---------------------------------------------------------------- restkv's attention
 def restkv_attention(module, step: Step, native: Callable, query, key, value, attention_mask, kwargs: dict):
     """The kernel call of a patched module: ``query [B, H, q, d]`` and the ``key``/``value`` its
     ``cache.update`` returned. Returns ``(output [B, q, H, d], weights or None)``."""
     params = LayerParams.of(module, kwargs)
     config = module_config(module)
-    cache, layer, hidden_states, rotary = step.cache, step.layer, step.hidden_states, step.position_embeddings
+    cache, layer, hidden_states = step.cache, step.layer, step.hidden_states
+    rotary = layer_rotary(module, step.position_embeddings, hidden_states, query.shape[-1])
     pending = pending_of(cache) if cache is not None else None
     weights = None
     if isinstance(layer, CompressedLayer):  # update left the new tokens to this read (reader_appends)
@@ -244,6 +314,8 @@ def restkv_attention(module, step: Step, native: Callable, query, key, value, at
             observe_chunk(waiting, pending.repeating, query, key, query_weights(waiting, hidden_states))
     elif step.prefill and (plan := _plan_to_compress(module, config, cache, layer, query, attention_mask,
                                                      params)) is not None:
+        if rotary is None and step.position_embeddings is not None:
+            check_pre_rope(module, config)
         if config.compresses_after_prefill:  # the layer waits for the whole prefill (restkv.deferred)
             defer_layer(cache, module.layer_idx, PendingLayer(
                 config, plan, key, value, trailing_queries(config, query), params.scaling, params.softcap,

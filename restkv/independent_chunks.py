@@ -57,6 +57,9 @@ class IndependentChunks(Options):
         check_pieces_scored_at_prefill(config, "--chunk_press", "each chunk", "gives each chunk the same share in "
                                        "every head", deferring=not self.chunk_press_global)
 
+    def pre_rope_flags(self) -> list[str]:
+        return ["--chunk_press_kvpress_rope"] if self.chunk_press_kvpress_rope else []
+
     def rescore(self, config, ctx, scores: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores that rank each chunk's own choice first, and each head's count: the chunks' shares."""
         length = scores.shape[-1]

@@ -53,6 +53,9 @@ class KeyRerotation(Options):
             raise ConfigError(f"--rerotate_keys turns the kept keys; the summaries of {', '.join(summarising)} are "
                               "made from evicted keys at their own positions")
 
+    def pre_rope_flags(self) -> list[str]:
+        return ["--rerotate_keys"]
+
     def rewrite_keys(self, ctx, columns: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """The kept ``keys`` ``[B, H_kv, K, d]`` at ``columns`` (ascending, -1 slots last) turned
         to consecutive positions ending at the prompt's last column."""

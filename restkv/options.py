@@ -89,6 +89,11 @@ class Options:
         """Checks against the model the config is given to (a ``restkv.config.ModelShape``: layers,
         heads, head dim, sliding windows, dtype), made when the model is configured, before it runs."""
 
+    def pre_rope_flags(self) -> list[str]:
+        """The flags of this part that read keys or queries before RoPE (``restkv.rope``), for the
+        message that refuses them on a layer whose rotation restkv cannot undo (override)."""
+        return []
+
     def options(self) -> dict[str, Any]:
         """The part's options by flag name."""
         return {name: getattr(self, name) for name in option_specs(type(self))}

@@ -10,7 +10,7 @@ import torch
 from restkv.attention import attention_inputs
 from restkv.generation import position_ids_from_mask
 from restkv.rope import rotary_inverse, unrotate
-from tiny_models import left_padded, tiny_model
+from tiny_models import greedy, left_padded, random_prompt, replace_for, tiny_model
 
 
 def family_rotation(model):
@@ -80,3 +80,60 @@ def test_a_forwards_keys_are_undone_to_its_projections(family):
         torch.testing.assert_close(unrotate(rotated_query, cos, sin), query, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(rotary_inverse(model, layer_idx)(rotated_key, positions), key, rtol=1e-5,
                                    atol=1e-5)
+
+
+# ---------------------------------------------------------------- the layer's own rotation, probed
+def rotations_after_a_prefill(family: str, **overrides) -> list:
+    """What ``layer_rotary`` found for each layer of a tiny ``family`` model after one compressing prefill."""
+    from restkv.attention import _ROTATIONS
+
+    model = tiny_model(family, **overrides)
+    replace_for(family)(method="snapkv", max_capacity_prompts=40, window_size=8)
+    greedy(model, random_prompt(1, 80), new_tokens=2)
+    return [_ROTATIONS.get(layer.self_attn) for layer in model.model.layers]
+
+
+@pytest.mark.parametrize("family, overrides, expected", [
+    ("llama", {}, ["rotate_half"] * 3),
+    ("smollm3", {}, ["rotate_half", "none", "rotate_half"]),  # the middle layer is NoPE
+    ("cohere2", {}, ["other", "none", "other"]),  # interleaved pairs on sliding layers, no RoPE on full ones
+    ("phi3", {"partial_rotary_factor": 0.5}, ["other"] * 3),  # half the channels turn
+])
+def test_each_layers_rotation_is_read_from_its_own_forward(family, overrides, expected):
+    assert rotations_after_a_prefill(family, **overrides) == expected
+
+
+def test_a_layer_without_rope_hands_scorers_the_identity_rotation():
+    from restkv.attention import attention_inputs, layer_rotary
+
+    model = tiny_model("smollm3")
+    attention = model.model.layers[1].self_attn
+    hidden = torch.randn(1, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(6)[None] + 30
+    tables = model.model.rotary_emb(hidden, positions)
+    _, key, _ = attention_inputs(attention, hidden, tables)
+    cos, sin = layer_rotary(attention, tables, hidden, key.shape[-1])
+    torch.testing.assert_close(unrotate(key, cos, sin), key)
+    rotating = model.model.layers[0].self_attn
+    assert layer_rotary(rotating, tables, hidden, key.shape[-1]) is tables
+
+
+@pytest.mark.parametrize("options, flag", [
+    ({"method": "compactor"}, "--method compactor"),
+    ({"method": "snapkv", "rerotate_keys": True}, "--rerotate_keys"),
+])
+def test_a_pre_rope_reader_is_refused_on_a_rotation_restkv_cannot_undo(options, flag):
+    model = tiny_model("cohere2")
+    replace_for("cohere2")(max_capacity_prompts=40, window_size=8, **options)
+    with pytest.raises(ValueError, match=f"^{flag} reads keys before RoPE; cohere2 layer 0 rotates them"):
+        greedy(model, random_prompt(1, 80), new_tokens=2)
+
+
+def test_a_pre_rope_reader_runs_on_nope_layers():
+    from restkv.cache import cache_report
+    from restkv.compat import output_cache
+
+    model = tiny_model("smollm3")
+    replace_for("smollm3")(method="compactor", max_capacity_prompts=40, window_size=8)
+    cache = output_cache(greedy(model, random_prompt(1, 80), new_tokens=2))
+    assert all(report.compressed for report in cache_report(cache))

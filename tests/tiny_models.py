@@ -7,6 +7,8 @@ import functools
 
 import torch
 from transformers import (
+    Cohere2Config,
+    Cohere2ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -19,10 +21,16 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from restkv.compat import with_cache
@@ -67,6 +75,18 @@ FAMILIES = {
         replace_gemma,
         {"head_dim": 16, "sliding_window": 512, "query_pre_attn_scalar": 16, "layer_types": None},
     ),
+    # Families found through transformers' auto mappings: no table entry in restkv.
+    # Phi-3: one fused qkv_proj.
+    "phi3": (Phi3Config, Phi3ForCausalLM, functools.partial(replace_family, "phi3"), {"sliding_window": None}),
+    # OLMo 2: q/k norms over all heads, norms after attention and MLP.
+    "olmo2": (Olmo2Config, Olmo2ForCausalLM, functools.partial(replace_family, "olmo2"), {}),
+    # SmolLM3: the middle layer has no RoPE (NoPE).
+    "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, functools.partial(replace_family, "smollm3"),
+                {"no_rope_layers": [1, 0, 1]}),
+    # Cohere 2: interleaved RoPE, parallel attention and MLP, a sliding layer beside full ones.
+    "cohere2": (Cohere2Config, Cohere2ForCausalLM, functools.partial(replace_family, "cohere2"),
+                {"sliding_window": 512, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                 "logit_scale": 0.5}),
 }
 
 
@@ -96,6 +116,9 @@ def tiny_model(family: str, attn_implementation: str = "sdpa", seed: int = 0, **
         for name, param in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 param.mul_(4.0)
+            elif name.endswith("qkv_proj.weight"):  # Phi-3's fused projection: the query and key rows
+                kv_rows = config.num_key_value_heads * (config.hidden_size // config.num_attention_heads)
+                param[: param.shape[0] - kv_rows].mul_(4.0)
     return model
 
 

@@ -88,6 +88,9 @@ class Policy(Options):
         before it is folded into the statistics (KVzip+)."""
         return False
 
+    def pre_rope_flags(self) -> list[str]:
+        return [f"--method {self.name}"] if self.needs_rotary else []
+
     def for_run(self, run: Any) -> "Policy":
         """The policy with the defaults that follow the run's options (``RunOptions``) filled in;
         itself for most methods."""
