@@ -23,6 +23,12 @@ the same way; restkv re-implements no projection, norm or RoPE:
     attends over every segment in one softmax.
   * **Native** otherwise (a budget at or above the prompt, ``fullkv``, layers a method skips).
 
+* ``model_forward`` wraps a patched decoder class's ``forward`` (the original runs unchanged): the
+  one hook for what needs every layer's prefill, the layers that wait for it (``restkv.deferred``)
+  and chunked prefill, which runs the original once per chunk (so a forward hook cannot serve it).
+* ``layer_rotary`` probes, once per module, how its own forward turns keys (``rotate_half`` RoPE,
+  none, or another rotation) and gives scorers the tables ``restkv.rope`` turns that layer with.
+
 Scaling, soft-capping and sliding windows are what the module hands its kernel. Sliding-window
 layers (Gemma 2/3, Mistral with ``sliding_window``) already hold at most ``sliding_window - 1``
 prompt tokens, so they stay uncompressed unless the budget is smaller than that; when

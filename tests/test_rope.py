@@ -137,3 +137,28 @@ def test_a_pre_rope_reader_runs_on_nope_layers():
     replace_for("smollm3")(method="compactor", max_capacity_prompts=40, window_size=8)
     cache = output_cache(greedy(model, random_prompt(1, 80), new_tokens=2))
     assert all(report.compressed for report in cache_report(cache))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "smollm3"])
+def test_pre_rope_projections_turned_with_their_tables_are_what_the_kernel_sees(family):
+    from restkv.benchmarks.projections import pre_rope_projections
+    from restkv.rope import rotate
+
+    model = tiny_model(family)
+    input_ids = random_prompt(1, 9)
+    seen = {}
+
+    def capture(module, args, kwargs):
+        seen[module.layer_idx] = attention_inputs(module, kwargs["hidden_states"], kwargs["position_embeddings"])
+
+    hooks = [block.self_attn.register_forward_pre_hook(capture, with_kwargs=True) for block in model.model.layers]
+    with torch.no_grad():
+        model(input_ids=input_ids)
+    for hook in hooks:
+        hook.remove()
+    for layer_idx, projections in enumerate(pre_rope_projections(model, input_ids)):
+        rotated_query, rotated_key, _ = seen[layer_idx]
+        torch.testing.assert_close(rotate(projections.key[None], *projections.rotary), rotated_key, rtol=1e-5,
+                                   atol=1e-5)
+        torch.testing.assert_close(rotate(projections.query[None], *projections.rotary), rotated_query, rtol=1e-5,
+                                   atol=1e-5)

@@ -2,9 +2,11 @@
 
 Offline statistics of a model's attention (DuoAttention's head pattern, Expected Attention's
 query statistics) need the queries and keys as the attention computes them, before their
-rotation: a forward pre-hook on every attention module reads its input and RoPE tables, the
-family's own projections and q/k norms give the rotated queries and keys
-(``restkv.attention.attention_inputs``), and ``restkv.rope.unrotate`` takes the rotation off.
+rotation: a forward pre-hook on every attention module reads its input and RoPE tables, and the
+module's own forward, run to its kernel with the identity rotation (``restkv.attention.attention_inputs``
+with cos 1 and sin 0), gives them unrotated, whatever the family's RoPE; the tables kept beside them are
+the ones ``restkv.rope`` turns this layer with (``restkv.attention.layer_rotary``: the identity on a layer
+without RoPE).
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from restkv.attention import attention_inputs
-from restkv.rope import unrotate
+from restkv.attention import attention_inputs, layer_rotary
 
 
 class Projections(NamedTuple):
@@ -35,9 +36,13 @@ def pre_rope_projections(model, input_ids: torch.Tensor) -> list[Projections]:
     def record(module, args, kwargs):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         cos, sin = kwargs["position_embeddings"]
-        query, key, _ = attention_inputs(module, hidden, (cos, sin))
-        found[module.layer_idx] = Projections(unrotate(query, cos, sin)[0].float(), unrotate(key, cos, sin)[0].float(),
-                                              (cos[:1].float(), sin[:1].float()))
+        query, key, _ = attention_inputs(module, hidden, (torch.ones_like(cos), torch.zeros_like(sin)))
+        rotary = layer_rotary(module, (cos, sin), hidden, key.shape[-1])
+        if rotary is None:
+            raise ValueError(f"{model.config.model_type} layer {module.layer_idx} rotates queries and keys in a way "
+                             "restkv.rope does not turn (interleaved channel pairs or part of the channels)")
+        found[module.layer_idx] = Projections(query[0].float(), key[0].float(),
+                                              (rotary[0][:1].float(), rotary[1][:1].float()))
 
     hooks = [layer.self_attn.register_forward_pre_hook(record, with_kwargs=True) for layer in decoder.layers]
     try:
