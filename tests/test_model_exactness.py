@@ -2,10 +2,12 @@
 batch 1 and a left-padded batch of 3)."""
 
 import pytest
+import torch
 
 from restkv.cache import cache_report
 from restkv.compat import output_cache
 from tiny_models import (
+    FAMILIES,
     FAMILY_BACKENDS,
     assert_patch_reproduces_unpatched,
     greedy,
@@ -39,3 +41,21 @@ def test_compression_changes_the_cache_for_every_family(family, backend):
     reports = cache_report(output_cache(out))
     assert all(report.compressed for report in reports)
     assert {report.stored_max for report in reports} == {24 + NEW_TOKENS - 1}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_context_manager_compresses_any_family_and_restores_it(family):
+    """``restkv.compression(model, ...)`` finds the model's family itself (a table entry or transformers'
+    auto mappings), compresses inside the block, and leaves the model as unpatched after it."""
+    import restkv
+
+    model = tiny_model(family, "eager")
+    input_ids = random_prompt(1, 70)
+    reference = greedy(model, input_ids, new_tokens=NEW_TOKENS)
+    with restkv.compression(model, method="snapkv", max_capacity_prompts=24, window_size=8):
+        inside = greedy(model, input_ids, new_tokens=NEW_TOKENS)
+    assert all(report.compressed for report in cache_report(output_cache(inside)))
+    after = greedy(model, input_ids, new_tokens=NEW_TOKENS)
+    assert torch.equal(after.sequences, reference.sequences)
+    for ours, theirs in zip(after.logits, reference.logits):
+        assert torch.equal(ours, theirs)

@@ -90,6 +90,10 @@ FAMILIES = {
 }
 
 
+#: families whose RoPE restkv does not undo (Cohere 2's interleaved channel pairs): a method that reads
+#: keys before RoPE is refused there at the prefill
+ROTATION_NOT_UNDONE = {"cohere2"}
+
 #: transformers has no sdpa path for Gemma 2 (soft-capping); it runs eager only.
 SDPA_UNSUPPORTED = {"gemma2"}
 
