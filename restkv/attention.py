@@ -274,14 +274,27 @@ def _probe_rotation(module: torch.nn.Module, position_embeddings, hidden_states:
     return "other"
 
 
+def undoable_rotary(module: torch.nn.Module, position_embeddings, hidden_states: torch.Tensor, head_dim: int):
+    """``layer_rotary``, for a reader that cannot do without pre-RoPE queries and keys: a one-line error
+    naming the model type and layer where the rotation cannot be undone."""
+    rotary = layer_rotary(module, position_embeddings, hidden_states, head_dim)
+    if rotary is None:
+        raise ValueError(f"no pre-RoPE queries and keys: {_rotation_not_undone(module)}")
+    return rotary
+
+
 def check_pre_rope(module: torch.nn.Module, config) -> None:
     """Refuse, at the prefill, a method that reads keys or queries before RoPE on a layer whose rotation
     ``restkv.rope`` cannot undo (``layer_rotary`` gave None)."""
     readers = [flag for part in config.parts for flag in part.pre_rope_flags()]
     if readers:
         raise ValueError(f"{', '.join(readers)} read{'s' if len(readers) == 1 else ''} keys before RoPE; "
-                         f"{module.config.model_type} layer {module.layer_idx} rotates them in a way restkv does not "
-                         "undo (interleaved channel pairs or part of the channels)")
+                         f"{_rotation_not_undone(module)}")
+
+
+def _rotation_not_undone(module: torch.nn.Module) -> str:
+    return (f"{module.config.model_type} layer {module.layer_idx} rotates them in a way restkv does not undo "
+            "(interleaved channel pairs or part of the channels)")
 
 
 # ---------------------------------------------------------------- restkv's attention
@@ -291,10 +304,10 @@ def restkv_attention(module, step: Step, native: Callable, query, key, value, at
     params = LayerParams.of(module, kwargs)
     config = module_config(module)
     cache, layer, hidden_states = step.cache, step.layer, step.hidden_states
-    rotary = layer_rotary(module, step.position_embeddings, hidden_states, query.shape[-1])
     pending = pending_of(cache) if cache is not None else None
     weights = None
     if isinstance(layer, CompressedLayer):  # update left the new tokens to this read (reader_appends)
+        rotary = layer_rotary(module, step.position_embeddings, hidden_states, query.shape[-1])
         in_chunks, first = chunked_prompt(cache) is not None, layer.tokens_seen
         output = layer.attend(query, key, value, attention_mask, params.scaling, params.softcap, rotary,
                               prompt=in_chunks)
@@ -320,6 +333,7 @@ def restkv_attention(module, step: Step, native: Callable, query, key, value, at
             observe_chunk(waiting, pending.repeating, query, key, query_weights(waiting, hidden_states))
     elif step.prefill and (plan := _plan_to_compress(module, config, cache, layer, query, attention_mask,
                                                      params)) is not None:
+        rotary = layer_rotary(module, step.position_embeddings, hidden_states, query.shape[-1])
         if rotary is None and step.position_embeddings is not None:
             check_pre_rope(module, config)
         if config.compresses_after_prefill:  # the layer waits for the whole prefill (restkv.deferred)

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from restkv.attention import attention_inputs, layer_rotary
+from restkv.attention import attention_inputs, undoable_rotary
 from restkv.indexmem import (FUSIONS, INDEXER_FORMS, MEMORY_INPUTS, QUERY_REDUCTIONS, Architecture, IndexMemLayer,
                              IndexMemWeights)
 from restkv.models import check_model_path, load_frozen
@@ -137,7 +137,7 @@ class CapturedLayer:
 
 def capture_layers(model, input_ids: torch.Tensor) -> list[CapturedLayer]:
     """Every layer's ``CapturedLayer`` of one full-cache forward (pre-RoPE: ``restkv.rope.unrotate``
-    with the tables the compressed path turns the layer with, ``restkv.attention.layer_rotary``)."""
+    with the tables the compressed path turns the layer with, ``restkv.attention.undoable_rotary``)."""
     captured: dict[int, CapturedLayer] = {}
     hooks = []
     for index, block in enumerate(model.model.layers):
@@ -145,11 +145,7 @@ def capture_layers(model, input_ids: torch.Tensor) -> list[CapturedLayer]:
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             cos, sin = kwargs["position_embeddings"]
             query, key, value = (t.float() for t in attention_inputs(module, hidden, (cos, sin)))
-            tables = layer_rotary(module, (cos, sin), hidden, key.shape[-1])
-            if tables is None:
-                raise ValueError(f"{model.config.model_type} layer {index} rotates queries and keys in a way "
-                                 "restkv does not undo (interleaved channel pairs or part of the channels): "
-                                 "no pre-RoPE inputs")
+            tables = undoable_rotary(module, (cos, sin), hidden, key.shape[-1])
             captured[index] = CapturedLayer(query, key, value, unrotate(query, *tables), unrotate(key, *tables))
         hooks.append(block.self_attn.register_forward_pre_hook(hook, with_kwargs=True))
     try:

@@ -5,7 +5,7 @@ query statistics) need the queries and keys as the attention computes them, befo
 rotation: a forward pre-hook on every attention module reads its input and RoPE tables, and the
 module's own forward, run to its kernel with the identity rotation (``restkv.attention.attention_inputs``
 with cos 1 and sin 0), gives them unrotated, whatever the family's RoPE; the tables kept beside them are
-the ones ``restkv.rope`` turns this layer with (``restkv.attention.layer_rotary``: the identity on a layer
+the ones ``restkv.rope`` turns this layer with (``restkv.attention.undoable_rotary``: the identity on a layer
 without RoPE).
 """
 
@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from restkv.attention import attention_inputs, layer_rotary
+from restkv.attention import attention_inputs, undoable_rotary
 
 
 class Projections(NamedTuple):
@@ -37,10 +37,7 @@ def pre_rope_projections(model, input_ids: torch.Tensor) -> list[Projections]:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         cos, sin = kwargs["position_embeddings"]
         query, key, _ = attention_inputs(module, hidden, (torch.ones_like(cos), torch.zeros_like(sin)))
-        rotary = layer_rotary(module, (cos, sin), hidden, key.shape[-1])
-        if rotary is None:
-            raise ValueError(f"{model.config.model_type} layer {module.layer_idx} rotates queries and keys in a way "
-                             "restkv.rope does not turn (interleaved channel pairs or part of the channels)")
+        rotary = undoable_rotary(module, (cos, sin), hidden, key.shape[-1])
         found[module.layer_idx] = Projections(query[0].float(), key[0].float(),
                                               (rotary[0][:1].float(), rotary[1][:1].float()))
 
