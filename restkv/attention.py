@@ -38,9 +38,11 @@ generation proceeds.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 from weakref import WeakKeyDictionary
@@ -51,7 +53,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from restkv.cache import CompressedLayer, native_layer
 from restkv.compat import CACHE_ARGUMENT, output_cache, with_cache
-from restkv.compress import compress_layer, prunes_keys
+from restkv.compress import compress_layer, exact_tokens_only_conflicts, prunes_fitting_layers
 from restkv.context import LayerPlan, ScoringContext, plan_layer, valid_from_mask
 from restkv.context_span import context_span
 from restkv.deferred import (PendingLayer, chunk_budgets, chunked_prompt, defer_layer, finish_prefill, kept_hidden,
@@ -59,6 +61,7 @@ from restkv.deferred import (PendingLayer, chunk_budgets, chunked_prompt, defer_
 from restkv.handles import cache_state, has_class_config, module_config
 from restkv.recompress import recompress
 from restkv.rope import rotate
+from restkv.seams import derives_values
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,9 @@ class Step:
     prefill: bool
     hidden_states: torch.Tensor
     position_embeddings: Any
+    config: Any
+    #: the kernel calls the module made so far this step (DiffLlama calls it twice)
+    calls: int = 0
 
 
 #: attention module -> the step its forward is running (only while it runs)
@@ -103,24 +109,30 @@ _CAPTURES: dict[torch.nn.Module, list] = {}
 
 
 def recording_forward(original: Callable) -> Callable:
-    """A patched attention class's ``forward``: ``original`` with its step noted for the dispatcher."""
+    """A patched attention class's ``forward``: ``original`` with its step noted for the dispatcher
+    (a module with no config, of a model ``compression`` did not name, runs ``original`` alone)."""
     signature = inspect.signature(original)
 
     def forward(self, *args, **kwargs):
-        if self in _CAPTURES:  # attention_inputs runs the forward only to its kernel: no step
+        config = module_config(self)
+        if config is None or self in _CAPTURES:  # attention_inputs runs the forward only to its kernel: no step
             return original(self, *args, **kwargs)
+        implementation = self.config._attn_implementation
+        if implementation not in SERVED_KERNELS:
+            raise ValueError(f"restkv serves the {', '.join(SERVED_KERNELS)} attention implementations; this model "
+                             f"uses {implementation!r} (load it with attn_implementation='sdpa')")
         arguments = kwargs if len(args) <= 1 else signature.bind_partial(self, *args, **kwargs).arguments
         hidden_states = arguments["hidden_states"] if "hidden_states" in arguments else args[0]
         cache = arguments.get(CACHE_ARGUMENT, arguments.get("past_key_values"))
+        if cache is None and config.policy.evicts:
+            warnings.warn("restkv: this forward has no cache (use_cache=False), so nothing is compressed: it runs "
+                          "the full attention", UserWarning, stacklevel=2)
         layer = _cache_layer(cache, self.layer_idx)
         if isinstance(layer, CompressedLayer) and layer.tokens_seen == 0:  # reset: a new prompt starts native
             cache.layers[self.layer_idx] = layer = native_layer(LayerParams.of(self).sliding_window)
         reads_segments = isinstance(layer, CompressedLayer)
-        if reads_segments and self.config._attn_implementation not in _NATIVE_KERNELS:
-            raise ValueError(f"restkv reads compressed layers under the {', '.join(DISPATCHED_KERNELS)} attention "
-                             f"implementations; this model uses {self.config._attn_implementation!r}")
         _STEPS[self] = Step(cache, layer, layer is not None and layer.get_seq_length() == 0, hidden_states,
-                            arguments.get("position_embeddings"))
+                            arguments.get("position_embeddings"), config)
         if reads_segments:
             layer.reader_appends = True
         try:
@@ -134,21 +146,40 @@ def recording_forward(original: Callable) -> Callable:
     return forward
 
 
+def patched_attention_of(decoder: torch.nn.Module) -> torch.nn.Module | None:
+    """The first attention module of a decoder's layers whose class is patched (a hybrid model's first
+    layer may be a Mamba block), or None."""
+    return next((module for module in decoder.layers.modules() if has_class_config(type(module))), None)
+
+
+def output_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The ``[D, H * d]`` weight of a module's output projection: ``o_proj``'s, or that of the one linear
+    layer it wraps (Moshi's ``MoshiLinear``); None when it has no single weight matrix."""
+    projection = getattr(module, "o_proj", None)
+    if isinstance(projection, torch.nn.Linear):
+        return projection.weight
+    inner = [child for child in projection.modules() if isinstance(child, torch.nn.Linear)] if projection else []
+    return inner[0].weight if len(inner) == 1 else None
+
+
 # ---------------------------------------------------------------- the registered dispatcher
-#: the kernel names restkv's dispatcher is registered under, where transformers has them
-DISPATCHED_KERNELS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+#: the attention implementations restkv serves: its dispatcher is registered under each that transformers has
+#: (the native kernel runs the prefill; restkv reads compressed layers itself)
+SERVED_KERNELS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 #: kernel name -> the function it named before restkv registered (None: eager, the module's own default)
 _NATIVE_KERNELS: dict[str, Callable | None] = {}
 #: attention class -> its family's eager function
 _FAMILY_EAGER: dict[type, Callable] = {}
+#: the patched families and attention classes (``restkv.monkeypatch``), and the classes already warned about
+_WATCH: dict[str, Any] = {"families": (), "classes": (), "warned": set()}
 
 
 def install_dispatchers() -> None:
-    """Register restkv's dispatcher under every kernel name (idempotent)."""
+    """Register restkv's dispatcher under every kernel name it serves (idempotent)."""
     if _NATIVE_KERNELS:
         return
     registered = AttentionInterface._global_mapping
-    for name in DISPATCHED_KERNELS:
+    for name in SERVED_KERNELS:
         if name == "eager" or name in registered:
             _NATIVE_KERNELS[name] = registered.get(name)
             AttentionInterface.register(name, _dispatcher(name))
@@ -163,6 +194,28 @@ def remove_dispatchers() -> None:
         else:
             AttentionInterface.register(name, native)
     _NATIVE_KERNELS.clear()
+
+
+def set_unpatched_watch(families: list[str], classes: tuple[type, ...]) -> None:
+    """The patched families and attention classes: the dispatcher warns once per other attention class
+    of a decoder that reaches it (it runs uncompressed)."""
+    _WATCH.update(families=tuple(families), classes=classes, warned=set())
+
+
+def _warn_unpatched(module: torch.nn.Module) -> None:
+    cls = type(module)
+    if (cls in _WATCH["warned"] or isinstance(module, _WATCH["classes"]) or not _WATCH["families"]
+            or not hasattr(module, "layer_idx") or getattr(module, "is_causal", True) is False):
+        return
+    _WATCH["warned"].add(cls)
+    model_type = getattr(module.config, "model_type", None)
+    warnings.warn(
+        f"restkv: this {cls.__name__} model runs uncompressed: restkv is patched for {', '.join(_WATCH['families'])}, "
+        f"not {model_type}. Call restkv.monkeypatch.replace_family({model_type!r}, ...) or use "
+        "restkv.compression(model, ...)",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def native_kernel(name: str, module: torch.nn.Module) -> Callable:
@@ -188,6 +241,7 @@ def _dispatcher(name: str) -> Callable:
         native = native_kernel(name, module)
         step = _STEPS.get(module)
         if step is None:
+            _warn_unpatched(module)
             return native(module, query, key, value, attention_mask, **kwargs)
         return restkv_attention(module, step, native, query, key, value, attention_mask, kwargs)
 
@@ -230,27 +284,56 @@ _PROBE_TOLERANCE = 0.02
 def layer_rotary(module: torch.nn.Module, position_embeddings, hidden_states: torch.Tensor, head_dim: int):
     """The ``(cos, sin)`` ``[B, n, head_dim]`` that ``restkv.rope`` turns this layer's queries and keys with:
     the forward's own tables where the module rotates as ``apply_rotary_pos_emb`` does over every channel,
-    the identity where it does not rotate at all (SmolLM3's NoPE layers, Cohere 2's full-attention layers),
-    None where it rotates otherwise (interleaved pairs, part of the channels), which ``restkv.rope`` cannot
-    undo (``check_pre_rope`` refuses the methods that would need it)."""
-    if not isinstance(position_embeddings, tuple) or len(position_embeddings) != 2:
-        return None
+    the identity where it does not rotate at all (SmolLM3's NoPE layers, Cohere 2's full-attention layers,
+    Jamba's attention, which takes no tables), None where it rotates otherwise (interleaved pairs, part of the
+    channels, tables it computes itself), which ``restkv.rope`` cannot undo (``check_pre_rope`` refuses the
+    methods that would need it)."""
     kind = _ROTATIONS.get(module)
     if kind is None:
         kind = _ROTATIONS[module] = _probe_rotation(module, position_embeddings, hidden_states)
     if kind == "rotate_half":
         return position_embeddings
     if kind == "none":
-        cos = position_embeddings[0]
-        shape = (*cos.shape[:-1], head_dim)
-        return (torch.ones(shape, dtype=cos.dtype, device=cos.device),
-                torch.zeros(shape, dtype=cos.dtype, device=cos.device))
+        like = position_embeddings[0] if isinstance(position_embeddings, tuple) else hidden_states
+        shape = (*like.shape[:2], head_dim)
+        return (torch.ones(shape, dtype=like.dtype, device=like.device),
+                torch.zeros(shape, dtype=like.dtype, device=like.device))
     return None
+
+
+def probe_rotations(model: torch.nn.Module, modules: list[torch.nn.Module]) -> dict[torch.nn.Module, str]:
+    """How each of ``modules`` turns its keys (``layer_rotary``'s kinds), probed before the model compresses
+    anything: one forward of one token, without a cache, hands every module its tables; each module's own
+    forward is then probed with them. Empty when the model cannot run that forward (the prefill checks then)."""
+    captured: dict[torch.nn.Module, tuple] = {}
+
+    def note(module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        captured[module] = (kwargs.get("position_embeddings"), hidden)
+
+    hooks = [module.register_forward_pre_hook(note, with_kwargs=True) for module in modules]
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), use_cache=False)
+    except Exception:
+        return {}
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for module, (position_embeddings, hidden) in captured.items():
+        if module not in _ROTATIONS and hidden is not None:
+            _ROTATIONS[module] = _probe_rotation(module, position_embeddings, hidden)
+    return {module: _ROTATIONS[module] for module in captured if module in _ROTATIONS}
 
 
 def _probe_rotation(module: torch.nn.Module, position_embeddings, hidden_states: torch.Tensor) -> str:
     """How ``module`` turns its keys, read from its own forward on one random token: with tables of angle
-    0 and of angle 1 on every channel, and compared with ``restkv.rope.rotate``."""
+    0 and of angle 1 on every channel, and compared with ``restkv.rope.rotate``. A module handed no tables
+    rotates nothing unless its forward computes tables itself (from position ids: Moshi)."""
+    if not isinstance(position_embeddings, tuple) or len(position_embeddings) != 2:
+        source = inspect.getsource(inspect.unwrap(type(module).forward))
+        return "other" if "rotary" in source or "position_ids" in source else "none"
     cos = position_embeddings[0]
     generator = torch.Generator().manual_seed(0)
     token = torch.randn(1, 1, hidden_states.shape[-1], generator=generator).to(hidden_states)
@@ -284,8 +367,9 @@ def undoable_rotary(module: torch.nn.Module, position_embeddings, hidden_states:
 
 
 def check_pre_rope(module: torch.nn.Module, config) -> None:
-    """Refuse, at the prefill, a method that reads keys or queries before RoPE on a layer whose rotation
-    ``restkv.rope`` cannot undo (``layer_rotary`` gave None)."""
+    """Refuse a method that reads keys or queries before RoPE on a layer whose rotation ``restkv.rope``
+    cannot undo (``layer_rotary`` gave None): when the config meets the model (``probe_rotations``), or
+    at the prefill of a family patched without a model."""
     readers = [flag for part in config.parts for flag in part.pre_rope_flags()]
     if readers:
         raise ValueError(f"{', '.join(readers)} read{'s' if len(readers) == 1 else ''} keys before RoPE; "
@@ -294,7 +378,7 @@ def check_pre_rope(module: torch.nn.Module, config) -> None:
 
 def _rotation_not_undone(module: torch.nn.Module) -> str:
     return (f"{module.config.model_type} layer {module.layer_idx} rotates them in a way restkv does not undo "
-            "(interleaved channel pairs or part of the channels)")
+            "(interleaved channel pairs, part of the channels, or tables its forward computes itself)")
 
 
 # ---------------------------------------------------------------- restkv's attention
@@ -302,10 +386,15 @@ def restkv_attention(module, step: Step, native: Callable, query, key, value, at
     """The kernel call of a patched module: ``query [B, H, q, d]`` and the ``key``/``value`` its
     ``cache.update`` returned. Returns ``(output [B, q, H, d], weights or None)``."""
     params = LayerParams.of(module, kwargs)
-    config = module_config(module)
-    cache, layer, hidden_states = step.cache, step.layer, step.hidden_states
+    config, cache, layer, hidden_states = step.config, step.cache, step.layer, step.hidden_states
+    call, step.calls = step.calls, step.calls + 1
     pending = pending_of(cache) if cache is not None else None
     weights = None
+    if isinstance(layer, CompressedLayer) and layer.value_views is not None:  # each call reads other heads' values
+        new = layer.incoming if call == 0 else (None, None)  # the cached keys and values, appended once a step
+        output = layer.attend(query, *new, attention_mask, params.scaling, params.softcap,
+                              value_heads=layer.value_views[call])
+        return output, None
     if isinstance(layer, CompressedLayer):  # update left the new tokens to this read (reader_appends)
         rotary = layer_rotary(module, step.position_embeddings, hidden_states, query.shape[-1])
         in_chunks, first = chunked_prompt(cache) is not None, layer.tokens_seen
@@ -321,7 +410,7 @@ def restkv_attention(module, step: Step, native: Callable, query, key, value, at
                               budgets=valid.sum(dim=-1).tolist())
             defer_layer(cache, module.layer_idx, PendingLayer(
                 config, plan, key, value, trailing_queries(config, query), params.scaling, params.softcap,
-                module.o_proj.weight, rotary, first_column=first, hidden=kept_hidden(config, hidden_states),
+                output_weight(module), rotary, first_column=first, hidden=kept_hidden(config, hidden_states),
             ))
         elif config.rescores:
             _compress_again(module, config, cache, layer, query, params)
@@ -331,24 +420,61 @@ def restkv_attention(module, step: Step, native: Callable, query, key, value, at
         waiting = pending.layers.get(module.layer_idx)
         if waiting is not None and waiting.reconstructed and pending.folding:
             observe_chunk(waiting, pending.repeating, query, key, query_weights(waiting, hidden_states))
+    elif step.prefill and call > 0:  # a later kernel call of a compressing prefill: only its values are new
+        compressed = cache.layers[module.layer_idx]
+        if isinstance(compressed, CompressedLayer) and compressed.value_views is not None:
+            compressed.value_views.append(value_view(module, layer.values, value))
     elif step.prefill and (plan := _plan_to_compress(module, config, cache, layer, query, attention_mask,
                                                      params)) is not None:
         rotary = layer_rotary(module, step.position_embeddings, hidden_states, query.shape[-1])
-        if rotary is None and step.position_embeddings is not None:
+        if rotary is None:
             check_pre_rope(module, config)
+        views = None
+        if derives_values(type(module)):  # one token set for every head; the cached values, read per call
+            check_exact_tokens_only(module, config)
+            plan, views = dataclasses.replace(plan, shared_heads=True), [value_view(module, layer.values, value)]
+            value = layer.values
         if config.compresses_after_prefill:  # the layer waits for the whole prefill (restkv.deferred)
             defer_layer(cache, module.layer_idx, PendingLayer(
                 config, plan, key, value, trailing_queries(config, query), params.scaling, params.softcap,
-                module.o_proj.weight, rotary, hidden=kept_hidden(config, hidden_states),
+                output_weight(module), rotary, hidden=kept_hidden(config, hidden_states),
             ))
         else:
-            ctx = ScoringContext.of(query, key, value, plan, params.scaling, params.softcap, module.o_proj.weight,
+            ctx = ScoringContext.of(query, key, value, plan, params.scaling, params.softcap, output_weight(module),
                                     rotary=rotary, hidden=hidden_states)
             cache.layers[module.layer_idx] = compressed = CompressedLayer.from_state(
-                compress_layer(config, ctx), query.shape[2], params.sliding_window, config, plan.padding)
+                compress_layer(config, ctx), query.shape[2], params.sliding_window, config, plan.padding,
+                cache_state(cache).expected_appends)
+            compressed.value_views = views
             if config.rescores:
                 compressed.remember_queries(query, config.run.window_size)
     return output, weights
+
+
+def value_view(module: torch.nn.Module, cached: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+    """``[H_kv]`` the KV head of ``cached`` (what ``cache.update`` stored) each head of ``value`` (what the
+    module hands its kernel) is, or None when they are the same; refused when a head is none of them."""
+    if value is cached or torch.equal(value, cached):
+        return None
+    heads = []
+    for head in range(value.shape[1]):
+        match = next((source for source in range(cached.shape[1]) if torch.equal(value[:, head], cached[:, source])),
+                     None)
+        if match is None:
+            raise ValueError(f"restkv: {type(module).__name__} hands its attention kernel values that are not the "
+                             f"cached values of any head (head {head}): a compressed layer cannot read them")
+        heads.append(match)
+    return torch.tensor(heads, device=value.device)
+
+
+def check_exact_tokens_only(module: torch.nn.Module, config) -> None:
+    """Refuse what a layer that reads each head's values from other heads cannot hold (one exact token set per
+    layer, compressed once at the prefill)."""
+    conflicts = exact_tokens_only_conflicts(config)
+    if conflicts:
+        raise ValueError(f"{', '.join(conflicts)}: {module.config.model_type}'s attention reads each head's values "
+                         "from other heads, so restkv keeps one exact token set per layer there, compressed once at "
+                         "the prefill")
 
 
 def model_forward(original: Callable) -> Callable:
@@ -370,10 +496,11 @@ def model_forward(original: Callable) -> Callable:
 
 def _prefill_chunk(decoder, args, kwargs) -> int | None:
     """``--prefill_chunk_size`` if this forward is a prefill longer than it, else None."""
-    attention = getattr(decoder.layers[0], "self_attn", None) if len(decoder.layers) else None
-    if args or attention is None or not has_class_config(type(attention)):
+    attention = patched_attention_of(decoder)
+    config = module_config(attention) if attention is not None else None
+    if args or config is None:
         return None
-    chunk = module_config(attention).run.prefill_chunk_size
+    chunk = config.run.prefill_chunk_size
     tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     cache = kwargs.get(CACHE_ARGUMENT, kwargs.get("past_key_values"))
     if chunk is None or tokens is None or tokens.shape[1] <= chunk or kwargs.get("use_cache") is False:
@@ -415,7 +542,7 @@ def _chunked_prefill(original: Callable, decoder, chunk: int, kwargs: dict):
                 finish_prefill(original, decoder, cache)
     finally:
         cache_state(cache).chunked_prompt = None
-    decode_budget = module_config(decoder.layers[0].self_attn).run.decode_budget
+    decode_budget = module_config(patched_attention_of(decoder)).run.decode_budget
     for layer in cache.layers:  # what ranked the chunks: only a decode budget reads the newest queries again
         if isinstance(layer, CompressedLayer):
             layer.token_scores = None
@@ -461,7 +588,7 @@ def _compress_again(module, config, cache, layer: CompressedLayer, query, params
             f"--prefill_chunk_size and --decode_budget compress full-attention layers again; layer {module.layer_idx} "
             f"has a sliding window of {layer.sliding_window} and a budget below it (raise the budget to the window)"
         )
-    recompress(layer, queries, config, budgets, params.scaling, params.softcap, module.o_proj.weight,
+    recompress(layer, queries, config, budgets, params.scaling, params.softcap, output_weight(module),
                module.layer_idx, module.config.num_hidden_layers)
 
 
@@ -473,6 +600,8 @@ def _due(layer: CompressedLayer, budget: int, interval: int) -> bool:
 
 
 # ---------------------------------------------------------------- prefill
+#: the cache layers a compressed one replaces (exactly these: a subclass holds more than keys and values, such
+#: as a hybrid model's convolution state or a sparse attention's indexer keys)
 COMPRESSIBLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, CompressedLayer)
 
 
@@ -491,12 +620,12 @@ def _plan_to_compress(module, config, cache, layer, query, attention_mask, param
     plan = plan_layer(config, valid, module.layer_idx, module.config.num_hidden_layers, params.sliding_window, budgets,
                       span)
     # A layer compressed again later (chunked prefill, decode budget) is held compressed from the start; ThinK
-    # prunes the key channels of a layer that evicts nothing too, as its release does.
+    # prunes the key channels of a layer that evicts nothing too with --prune_fitting_layers, as its release does.
     owned = config.policy.compresses_layer(module.layer_idx) and (
-        (config.rescores and params.sliding_window is None) or prunes_keys(config))
+        (config.rescores and params.sliding_window is None) or prunes_fitting_layers(config))
     if not plan.compress and not owned:
         return None
-    if not isinstance(layer, COMPRESSIBLE_LAYERS) or getattr(cache, "offloading", False):
+    if type(layer) not in COMPRESSIBLE_LAYERS or getattr(cache, "offloading", False):
         raise ValueError(
             f"restkv compresses dynamic caches; layer {module.layer_idx} is a {type(layer).__name__}"
             f"{' (offloaded)' if getattr(cache, 'offloading', False) else ''}. Use the default cache "

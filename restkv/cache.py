@@ -91,13 +91,22 @@ class CompressedLayer(CacheLayerMixin):
         self.is_sliding = sliding_window is not None
         self.device = self.tail.columns.device
         self.is_initialized = True
+        #: per kernel call of a step, the KV head whose cached values each head reads (None: its own), for a
+        #: module that hands its kernel values of other heads (DiffLlama); None for every other module
+        self.value_views: list[torch.Tensor | None] | None = None
+        #: the new keys and values ``update`` was given this step, appended by the step's first read
+        self.incoming: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_state(cls, state, tokens_seen: int, sliding_window: int | None, config: Any,
-                   padding: torch.Tensor | None = None) -> "CompressedLayer":
-        """The layer that holds a compression's ``LayerState`` (``padding``: each row's left padding)."""
-        return cls(state.kept, tokens_seen, sliding_window, state.summaries, state.corrections, config, padding,
-                   state.seal, state.seal_every)
+                   padding: torch.Tensor | None = None, appends: int | None = None) -> "CompressedLayer":
+        """The layer that holds a compression's ``LayerState`` (``padding``: each row's left padding;
+        ``appends``: the tokens that will follow, when the caller knows, to hold room for exactly them)."""
+        layer = cls(state.kept, tokens_seen, sliding_window, state.summaries, state.corrections, config, padding,
+                    state.seal, state.seal_every)
+        if appends:
+            layer.reserve(appends)
+        return layer
 
     @classmethod
     def from_tokens(cls, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, tokens_seen: int,
@@ -113,20 +122,27 @@ class CompressedLayer(CacheLayerMixin):
         return self.kept[-1]
 
     # ----------------------------------------------------------- reading
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-               scaling: float, softcap: float | None = None, rotary=None, prompt: bool = False) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, attention_mask,
+               scaling: float, softcap: float | None = None, rotary=None, prompt: bool = False,
+               value_heads: torch.Tensor | None = None) -> torch.Tensor:
         """Append the new tokens ``key``/``value`` ``[B, H_kv, q, d]`` and attend ``query``
         ``[B, H, q, d]`` over every segment in one softmax. Used for decode steps, for a prompt's
         later chunks (``prompt``: their padding is the rows' left padding) and for a question chunk
         fed after a context-only compression; ``attention_mask`` is the mask the model built for
         this step, ``rotary`` its ``(cos, sin)`` (what a correction that reads queries before RoPE
-        undoes). Returns ``[B, q, H, d]``."""
-        first = self.tokens_seen
-        columns = new_token_columns(attention_mask, query.shape[0], first, query.shape[2], query.device)
-        if prompt and columns is not None:
-            self.prompt_padding = self.prompt_padding + (columns < 0).sum(dim=-1).to(self.prompt_padding)
-        self.append(key, value, columns)
-        output = self.read(Probe(query, key.shape[1], first, scaling, softcap, self.sliding_window), rotary)
+        undoes). ``key`` None: the step's tokens were appended by an earlier read of the same step
+        (a module that calls its kernel twice); ``value_heads``: the KV head whose values each head
+        reads (``Probe.value_heads``). Returns ``[B, q, H, d]``."""
+        count = query.shape[2]
+        first = self.tokens_seen if key is not None else self.tokens_seen - count
+        if key is not None:
+            columns = new_token_columns(attention_mask, query.shape[0], first, count, query.device)
+            if prompt and columns is not None:
+                self.prompt_padding = self.prompt_padding + (columns < 0).sum(dim=-1).to(self.prompt_padding)
+            self.append(key, value, columns)
+        probe = Probe(query, self.tail.kv_heads, first, scaling, softcap, self.sliding_window,
+                      value_heads=value_heads)
+        output = self.read(probe, rotary)
         self._settle()
         return output
 
@@ -240,8 +256,21 @@ class CompressedLayer(CacheLayerMixin):
         return self.kept[0].storage
 
     def nbytes(self) -> int:
-        """Bytes of every segment, and of the queries kept for a later compression."""
-        return sum(report.nbytes for report in self.reports()) + tensor_bytes([self.recent_queries, self.token_scores])
+        """Bytes every segment holds (spare capacity for appended tokens included), and those of the
+        queries kept for a later compression: the layer's memory."""
+        return sum(report.nbytes for report in self.reports()) + self._extra_nbytes()
+
+    def used_nbytes(self) -> int:
+        """``nbytes`` of what is stored, the segments' spare capacity left out."""
+        return sum(report.used_nbytes for report in self.reports()) + self._extra_nbytes()
+
+    def _extra_nbytes(self) -> int:
+        return tensor_bytes([self.recent_queries, self.token_scores])
+
+    def reserve(self, appends: int) -> None:
+        """Room in the tail for ``appends`` more tokens at once (what a caller that knows the generation's
+        length asks for: the question and the new tokens), so a decode step never grows a buffer."""
+        self.tail.reserve(appends)
 
     def reports(self) -> list[SegmentReport]:
         return [segment.report() for segment in self.segments()]
@@ -258,6 +287,7 @@ class CompressedLayer(CacheLayerMixin):
         reads the layer itself (``attend`` appends with the step's padding columns and attends
         over every segment), so the new tokens come back as they are and nothing is joined."""
         if self.reader_appends:
+            self.incoming = (key_states, value_states)
             return key_states, value_states
         self.append(key_states, value_states)
         keys, values, _ = self.kept_tokens(appended=True)
@@ -334,7 +364,10 @@ def native_layer(sliding_window: int | None) -> CacheLayerMixin:
 class LayerReport:
     """What one cache layer holds: tokens seen, the exact tokens stored per KV head (min, mean and
     max over rows and heads, appended ones included), bytes, and one ``SegmentReport`` per
-    segment (kind, tokens, token-slot equivalents, bytes); ``kind`` is ``compressed`` or ``native``."""
+    segment (kind, tokens, token-slot equivalents, bytes); ``kind`` is ``compressed``, ``native``,
+    or ``state`` (a hybrid model's linear-attention or Mamba layer: a fixed-size state, no tokens).
+    ``nbytes`` is what the layer's buffers hold (a compressed layer's spare room for appended tokens
+    included), ``used_nbytes`` what it stores."""
 
     layer: int
     kind: str
@@ -346,6 +379,11 @@ class LayerReport:
     segments: tuple[SegmentReport, ...] = ()
     #: how the kept tokens are held (``exact``, ``kivi 4-bit``, ``keys 38/64 channels``...)
     storage: str = "exact"
+    used_nbytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.used_nbytes is None:
+            object.__setattr__(self, "used_nbytes", self.nbytes)
 
     @property
     def summary_slots(self) -> float:
@@ -358,6 +396,18 @@ class LayerReport:
         return self.kind == "compressed" and self.stored_max + self.summary_slots < self.tokens_seen
 
 
+def _holds_keys(layer) -> bool:
+    """Whether a transformers cache layer holds attention keys (a hybrid model's linear-attention and
+    Mamba layers hold states instead)."""
+    return isinstance(layer, CacheLayerMixin) and hasattr(layer, "keys")
+
+
+def _state_nbytes(layer) -> int:
+    """Bytes of a state layer's convolution and recurrent states."""
+    states = [*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]
+    return tensor_bytes([state for state in states if isinstance(state, torch.Tensor)])
+
+
 def cache_report(cache: Cache) -> list[LayerReport]:
     """Per-layer tokens seen vs stored, so a run in which nothing was compressed is visible."""
     reports = []
@@ -366,7 +416,10 @@ def cache_report(cache: Cache) -> list[LayerReport]:
             stored = layer.held_counts
             segments = tuple(layer.reports())
             reports.append(LayerReport(index, "compressed", layer.tokens_seen, int(stored.min()), int(stored.max()),
-                                       float(stored.float().mean()), layer.nbytes(), segments, layer.storage))
+                                       float(stored.float().mean()), layer.nbytes(), segments, layer.storage,
+                                       layer.used_nbytes()))
+        elif not _holds_keys(layer):
+            reports.append(LayerReport(index, "state", 0, 0, 0, 0.0, _state_nbytes(layer)))
         else:
             seen = layer.get_seq_length() if layer.is_initialized else 0
             held = layer.keys.shape[-2] if layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4 else 0
@@ -376,7 +429,7 @@ def cache_report(cache: Cache) -> list[LayerReport]:
 
 
 def cache_nbytes(cache: Cache) -> int:
-    """Bytes held by every layer of ``cache``."""
+    """Bytes held by every layer of ``cache`` (allocated: what its memory holds)."""
     return sum(report.nbytes for report in cache_report(cache))
 
 
@@ -384,12 +437,14 @@ def format_report(reports: list[LayerReport]) -> str:
     """A plain-text table of ``cache_report``: per layer its stored tokens and one column per
     segment (kind, token-slot equivalents)."""
     lines = [f"{'layer':>5} {'kind':>10} {'seen':>7} {'stored(min/mean/max)':>22} {'MiB':>8}  segments (slots per head)"]
+    # MiB: what each layer's buffers hold (spare room for appended tokens included)
     for r in reports:
         stored = f"{r.stored_min}/{r.stored_mean:.1f}/{r.stored_max}"
         parts = ", ".join(f"{segment.kind} {segment.slots:.1f}" for segment in r.segments) or "native"
         lines.append(f"{r.layer:>5} {r.kind:>10} {r.tokens_seen:>7} {stored:>22} {r.nbytes / 2**20:>8.3f}  {parts}")
     compressed = sum(r.compressed for r in reports)
-    lines.append(f"{compressed} of {len(reports)} layers hold fewer entries than tokens seen")
+    attention = sum(r.kind != "state" for r in reports)
+    lines.append(f"{compressed} of {attention} attention layers hold fewer entries than tokens seen")
     return "\n".join(lines)
 
 
@@ -410,7 +465,8 @@ class KeptPositions:
 def kept_positions(cache: Cache) -> list[KeptPositions]:
     """Per layer, the positions each row and KV head keeps (``KeptPositions``): what parity
     tests compare with another library's kept sets. A native layer (nothing evicted) lists
-    every column it holds: it does not know a row's left padding, so read it on unpadded rows."""
+    every column it holds: it does not know a row's left padding, so read it on unpadded rows.
+    A hybrid model's state layer (linear attention, Mamba) keeps no tokens: empty lists."""
     result = []
     for layer in cache.layers:
         if isinstance(layer, CompressedLayer):
@@ -419,6 +475,8 @@ def kept_positions(cache: Cache) -> list[KeptPositions]:
             positions = torch.where(columns >= 0, columns - padding, -1)
             exact = [[head[head >= 0].tolist() for head in row] for row in positions]
             summaries = layer.summary_counts.tolist()
+        elif not _holds_keys(layer):  # a hybrid model's state layer: no tokens
+            exact, summaries = [], []
         else:
             keys = layer.keys if layer.is_initialized else None
             held = keys.shape[-2] if keys is not None and keys.dim() == 4 else 0

@@ -12,8 +12,10 @@ and picks each query head's channels from that head's queries alone, storing one
 per query head; here one channel set per KV head is stored once (the group's energies
 averaged; on SmolLM2 at budget 128 and ratio 0.4, 21% of the pruned channels differ). That variant needs key
 storage per query head (or a ragged union of channels per KV head with per-query-head query
-masks at decode), which the cache does not have. As in the release, a layer whose prompt fits
-the budget evicts nothing but is still pruned.
+masks at decode), which the cache does not have. The release also prunes a layer whose prompt
+fits the budget (it evicts nothing); here such a layer stays exact, so a budget at or above the
+prompt reproduces the unpatched model as for every method, and ``--prune_fitting_layers`` prunes
+it as the release does.
 
 Storage: a ``PrunedKeyTokens`` segment of the compressed layer holds the pruned keys with only
 the kept channels (``[B, H_kv, S, d - pruned]``) and their indices per head; a read selects the
@@ -49,6 +51,9 @@ class KeyChannelPruning(Options):
     pruning_ratio: float = option(0.4, "--think: fraction of each KV head's key channels dropped", minimum=0)
     recent_size: int = option(32, "--think: the newest prompt tokens whose keys keep every channel (capped at "
                                   "those every head keeps: --window_size for SnapKV)", minimum=0)
+    prune_fitting_layers: bool = option(False, "--think: prune the key channels of a layer whose prompt fits the "
+                                               "budget too, as ThinK's release does (that layer then differs from "
+                                               "the uncompressed model); default: it stays exact")
 
     def validate(self) -> None:
         if self.pruning_ratio >= 1:
@@ -142,7 +147,9 @@ class PrunedKeyTokens:
 
     def report(self):
         inner = self.inner.report()
-        return dataclasses.replace(inner, kind=self.kind, nbytes=inner.nbytes + tensor_bytes([self.channels]))
+        channels = tensor_bytes([self.channels])
+        return dataclasses.replace(inner, kind=self.kind, nbytes=inner.nbytes + channels,
+                                   used_nbytes=inner.used_nbytes + channels)
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.inner.tensors(), self.channels]

@@ -25,6 +25,7 @@ layer's state as padded tensors with row-local positions, exactly what the model
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Iterator, Mapping, Protocol, runtime_checkable
@@ -33,6 +34,7 @@ import torch
 
 from restkv.channel_pruning import PrunedKeyTokens
 from restkv.config import CompressionConfig
+from restkv.options import activation_flag
 from restkv.context import ScoringContext, plan_layer, valid_from_mask
 from restkv.quantization import QuantizedTokens
 from restkv.selection import Reservation, gather_columns, rank_keys, select_columns
@@ -61,6 +63,9 @@ class Rescorer(Protocol):
 @runtime_checkable
 class KeyPruner(Protocol):
     """A part that stores kept keys with fewer channels (ThinK)."""
+
+    #: whether it also prunes a layer whose prompt fits the budget (evicting nothing)
+    prune_fitting_layers: bool
 
     def exact_recent_tokens(self, config: Any) -> int: ...
 
@@ -127,6 +132,9 @@ def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch
     for part in config.parts:
         if isinstance(part, Rescorer):
             scores, keep = part.rescore(config, ctx, scores, keep)
+    if plan.shared_heads:  # one token set for every head: the heads' mean score, the smallest head's count
+        scores = scores.mean(dim=1, keepdim=True).expand_as(scores)
+        keep = keep.amin(dim=1, keepdim=True).expand_as(keep)
     memos = []
     for part in summarisers(config):
         reservation = part.reserve(ctx, scores, keep, previous)
@@ -154,10 +162,23 @@ def _sealing(config: CompressionConfig) -> dict:
     return dict(seal=partial(QuantizedTokens, quantizer=quantiser), seal_every=quantiser.quant_residual_length)
 
 
-def prunes_keys(config: CompressionConfig) -> bool:
-    """Whether a part of ``config`` stores keys with fewer channels (ThinK): every layer it
-    compresses is then stored by it, also one whose prompt fits the budget."""
-    return _part(config, KeyPruner) is not None
+def prunes_fitting_layers(config: CompressionConfig) -> bool:
+    """Whether a part of ``config`` stores the keys of a layer whose prompt fits the budget with fewer
+    channels too (ThinK's release, ``--prune_fitting_layers``): such a layer is then compressed."""
+    pruner = _part(config, KeyPruner)
+    return pruner is not None and pruner.prune_fitting_layers
+
+
+def exact_tokens_only_conflicts(config: CompressionConfig) -> list[str]:
+    """The flags of ``config`` that store or choose more than one exact token set per layer after one prefill
+    (summaries, corrections, codes, pruned keys, merged values, later or deferred compression): what a layer
+    that reads each head's values from other heads (``LayerPlan.shared_heads``) cannot hold."""
+    summarising = [part for part in config.parts if isinstance(part, Summariser)
+                   and (part is not config.policy or config.policy.summarises_evicted)]
+    flags = [activation_flag(type(part)) for part in config.parts
+             if part in summarising or isinstance(part, (Quantiser, KeyPruner)) or part is config.merger
+             or getattr(part, "merges_values", False)]
+    return flags + config.rescoring_flags() + (config.deferring_flags() if config.compresses_after_prefill else [])
 
 
 def summarisers(config: CompressionConfig) -> list[Summariser]:
@@ -320,6 +341,7 @@ def compress_kv(
     """
     config = CompressionConfig.from_any(config)
     valid = _validate_inputs(query, key, value, attention_mask)
+    _validate_layer_inputs(query, o_proj_weight, scaling, softcap, sliding_window, rotary, hidden_states)
     if config.policy.needs_rotary and rotary is None:
         raise ValueError(f"--method {config.run.method} reads the RoPE tables the keys were rotated with: give "
                          "compress_kv the layer's rotary=(cos, sin)")
@@ -357,6 +379,36 @@ def public_view(state: LayerState, padding: torch.Tensor) -> CompressedKV:
     keys[:, :, last] = torch.where(entries[..., None], entry_keys.to(keys.dtype), keys[:, :, last])
     values[:, :, last] = torch.where(entries[..., None], entry_values.to(values.dtype), values[:, :, last])
     return CompressedKV(keys, values, row_local(columns), log_counts, row_local(oldest), maps, channels, state)
+
+
+def _validate_layer_inputs(query, o_proj_weight, scaling, softcap, sliding_window, rotary, hidden_states) -> None:
+    """``compress_kv``'s optional inputs, checked against ``query`` ``[B, H_q, N, d]`` before any scoring,
+    so a wrong one is a ``ValueError`` naming it rather than a torch error inside a scorer."""
+    batch, num_heads, length, head_dim = query.shape
+    for name, number in (("scaling", scaling), ("softcap", softcap)):
+        if number is not None and not (isinstance(number, (int, float)) and math.isfinite(number) and number > 0):
+            raise ValueError(f"{name} must be a positive number; got {number!r}")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive number of tokens (or None: full attention); "
+                         f"got {sliding_window!r}")
+    if o_proj_weight is not None and (o_proj_weight.dim() != 2 or o_proj_weight.shape[1] != num_heads * head_dim):
+        raise ValueError(f"o_proj_weight must be [hidden, heads * head_dim] = [D, {num_heads * head_dim}]; got "
+                         f"{list(o_proj_weight.shape)}")
+    if rotary is not None:
+        if not isinstance(rotary, (tuple, list)) or len(rotary) != 2 or not all(
+                isinstance(table, torch.Tensor) for table in rotary):
+            raise ValueError("rotary must be the (cos, sin) tables the keys were rotated with, two tensors "
+                             f"[B, N, d]; got {type(rotary).__name__}")
+        for name, table in zip(("cos", "sin"), rotary):
+            if table.dim() != 3 or table.shape[0] not in (1, batch) or tuple(table.shape[1:]) != (length, head_dim):
+                raise ValueError(f"rotary's {name} must be [B, N, d] = [{batch}, {length}, {head_dim}] (or B = 1); "
+                                 f"got {list(table.shape)}")
+    if hidden_states is not None:
+        hidden = o_proj_weight.shape[0] if o_proj_weight is not None else hidden_states.shape[-1]
+        if hidden_states.dim() != 3 or tuple(hidden_states.shape) != (batch, length, hidden):
+            raise ValueError(f"hidden_states must be [B, N, D] = [{batch}, {length}, {hidden}]; got "
+                             f"{list(hidden_states.shape)}")
 
 
 def _validate_inputs(query, key, value, attention_mask) -> torch.Tensor:

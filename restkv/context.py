@@ -36,6 +36,8 @@ class LayerPlan:
     protected: ``[B, N]`` bool, tokens kept whatever their score (the recent window).
     compress: whether any row holds more visible tokens than its budget (else the layer is
         stored as it is).
+    shared_heads: every KV head keeps the same tokens (their scores averaged, the smallest head's
+        count), for a module that reads each head's values from other heads (DiffLlama).
     """
 
     valid: torch.Tensor
@@ -48,6 +50,7 @@ class LayerPlan:
     window_size: int
     seed: int
     sliding_window: int | None = None
+    shared_heads: bool = False
 
     @property
     def lengths(self) -> torch.Tensor:

@@ -13,17 +13,28 @@ the whole prompt is the context.
 
 from __future__ import annotations
 
+import operator
+
 from restkv.handles import cache_state
 
 
-def set_context_span(cache, span: tuple[int, int] | None) -> None:
+def set_context_span(cache, span, prompt_length: int | None = None) -> None:
     """Say that the prompt ``cache`` will be prefilled with holds its context at row-local
-    positions ``start:stop`` (every row alike: reconstruction compresses one row at a time)."""
+    positions ``start:stop`` (every row alike: reconstruction compresses one row at a time);
+    ``prompt_length``: the real tokens of the shortest row, which the span must lie within."""
     if span is None:
         return
-    start, stop = (int(bound) for bound in span)
+    if isinstance(span, (str, bytes)) or not hasattr(span, "__len__") or len(span) != 2:
+        raise ValueError(f"context_span must be a pair (start, stop) of token positions; got {span!r}")
+    try:
+        start, stop = (operator.index(bound) for bound in span)
+    except TypeError:
+        raise ValueError(f"context_span must be a pair of integer token positions (start, stop); got {span!r}") from None
     if not 0 <= start < stop:
-        raise ValueError(f"context_span {tuple(span)} must be (start, stop) with 0 <= start < stop")
+        raise ValueError(f"context_span {(start, stop)} must be (start, stop) with 0 <= start < stop")
+    if prompt_length is not None and stop > prompt_length:
+        raise ValueError(f"context_span {(start, stop)} ends after the prompt's {prompt_length} tokens (positions "
+                         "count each row's real tokens from 0)")
     cache_state(cache).context_span = (start, stop)
 
 

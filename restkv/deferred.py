@@ -340,7 +340,7 @@ def _compress_pending(cache, pending: PendingPrefill) -> None:
             layer, ctx = pending.layers[index], contexts[index]
             state = compress_layer(config, ctx, scores=scores[index], keep=keeps.get(index))
             compressed = CompressedLayer.from_state(state, layer.plan.valid.shape[-1], layer.plan.sliding_window,
-                                                    config, layer.plan.padding)
+                                                    config, layer.plan.padding, cache_state(cache).expected_appends)
             if config.rescores:  # a chunked prefill: the next chunk's ranking reads the kept tokens' scores
                 lasting = _outside_span(cache, layer, layer.plan.padding)  # not the window: it competes later
                 marked = scores[index].float().masked_fill(lasting[:, None], float("inf"))

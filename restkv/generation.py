@@ -17,6 +17,7 @@ from transformers import DynamicCache
 
 from restkv.compat import with_cache
 from restkv.context_span import set_context_span
+from restkv.handles import cache_state
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -53,12 +54,16 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
 
 
 def _prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-             context_span: tuple[int, int] | None = None) -> tuple[DynamicCache, torch.Tensor]:
-    """``prefill`` of checked ids, also returning the logits of the last position ``[B, 1, vocab]``."""
+             context_span: tuple[int, int] | None = None,
+             appends: int | None = None) -> tuple[DynamicCache, torch.Tensor]:
+    """``prefill`` of checked ids, also returning the logits of the last position ``[B, 1, vocab]``;
+    ``appends``: the tokens that will follow (question and answer), when known, so each compressed
+    layer holds room for exactly them."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     cache = DynamicCache(config=model.config)
-    set_context_span(cache, context_span)
+    set_context_span(cache, context_span, int(attention_mask.sum(dim=-1).min()))
+    cache_state(cache).expected_appends = appends
     logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -91,7 +96,8 @@ def generate_after_context(
     _check_ids(context_ids, context_mask, "the context")
     _check_ids(question_ids, question_mask, "the question", rows=context_ids.shape[0])
     context_mask = torch.ones_like(context_ids) if context_mask is None else context_mask
-    cache = _prefill(model, context_ids, context_mask, context_span)[0]
+    cache = _prefill(model, context_ids, context_mask, context_span,
+                     _appends(model, question_ids.shape[-1], generate_kwargs))[0]
     new_tokens = _answer(model, cache, context_ids, context_mask, question_ids, question_mask, generate_kwargs)
     return (new_tokens, cache) if return_cache else new_tokens
 
@@ -121,7 +127,8 @@ def answer_many(
     for index, (question, mask) in enumerate(zip(questions, masks)):
         _check_ids(question, mask, f"question {index}", rows=context_ids.shape[0])
     context_mask = torch.ones_like(context_ids) if context_mask is None else context_mask
-    cache = _prefill(model, context_ids, context_mask, context_span)[0]
+    longest = max(question.shape[-1] for question in questions)
+    cache = _prefill(model, context_ids, context_mask, context_span, _appends(model, longest, generate_kwargs))[0]
     compressed = [copy.copy(layer) for layer in cache.layers]
     answers = []
     for question, mask in zip(questions, masks):
@@ -130,11 +137,33 @@ def answer_many(
     return answers
 
 
+def _generation_config(model, generate_kwargs: dict):
+    """The generation settings ``model.generate(**generate_kwargs)`` will run with."""
+    config = copy.copy(generate_kwargs.get("generation_config") or model.generation_config)
+    for name, value in generate_kwargs.items():
+        if hasattr(config, name) and name != "generation_config":
+            setattr(config, name, value)
+    return config
+
+
+def _appends(model, question_length: int, generate_kwargs: dict) -> int | None:
+    """The tokens a context's cache takes after its prefill (the question, then at most ``max_new_tokens``), or
+    None when the length is not given."""
+    new_tokens = _generation_config(model, generate_kwargs).max_new_tokens
+    return None if new_tokens is None else question_length + new_tokens
+
+
 def _answer(model, cache, context_ids, context_mask, question_ids, question_mask, generate_kwargs) -> torch.Tensor:
-    """Generate after ``question_ids`` from a cache that holds the (compressed) context."""
+    """Generate after ``question_ids`` from a cache that holds the (compressed) context. Beam search and
+    several returned sequences run on copies of each row: ``generate`` repeats the inputs it is given,
+    not a cache handed to it, so the cache's rows are repeated here the same way."""
     question_mask = torch.ones_like(question_ids) if question_mask is None else question_mask
     input_ids = torch.cat([context_ids, question_ids], dim=-1)
     attention_mask = torch.cat([context_mask, question_mask], dim=-1)
+    config = _generation_config(model, generate_kwargs)
+    copies = max(config.num_beams or 1, config.num_return_sequences or 1)
+    if copies > 1:
+        cache.batch_repeat_interleave(copies)
     output = model.generate(input_ids=input_ids, attention_mask=attention_mask, **with_cache(cache), **generate_kwargs)
     sequences = output.sequences if hasattr(output, "sequences") else output
     return sequences[:, input_ids.shape[-1] :]

@@ -24,6 +24,9 @@ class CacheState:
     chunked_prompt: list[int] | None = None
     #: where the context lies in the prompt (``restkv.context_span``)
     context_span: tuple[int, int] | None = None
+    #: tokens the caller will append after the prefill (question and answer), when it knows: each
+    #: compressed layer then holds room for exactly them (``restkv.generation``)
+    expected_appends: int | None = None
 
 
 @dataclass
@@ -55,7 +58,8 @@ def model_state(model) -> ModelState:
 
 
 # ---------------------------------------------------------------- which config a patched attention runs
-#: patched attention class -> (its family's config from ``replace_*``, a token of that patch)
+#: patched attention class -> (its family's config from ``replace_*``, or None when it was patched for the
+#: models ``compression`` or ``configure`` name alone; a token of that patch)
 _CLASS_CONFIGS: dict[type, tuple[Any, object]] = {}
 #: attention module -> (its model's own config from ``configure``, the class's patch token then)
 _MODULE_CONFIGS: WeakKeyDictionary = WeakKeyDictionary()
@@ -70,8 +74,15 @@ def clear_class_config(cls: type) -> None:
     _CLASS_CONFIGS.pop(cls, None)
 
 
+def _class_entry(cls: type):
+    """The patch entry of ``cls`` or of the nearest patched class it derives from (a user's subclass of
+    ``LlamaAttention`` runs the patched forward it inherits), or None."""
+    return next((_CLASS_CONFIGS[base] for base in cls.__mro__ if base in _CLASS_CONFIGS), None)
+
+
 def has_class_config(cls: type) -> bool:
-    return cls in _CLASS_CONFIGS
+    """Whether ``cls`` (or a class it derives from) is patched."""
+    return _class_entry(cls) is not None
 
 
 def module_config_entry(module):
@@ -81,7 +92,7 @@ def module_config_entry(module):
 
 def set_module_config(module, config) -> None:
     """Give ``module`` its own config, valid while its class's current patch lasts."""
-    _MODULE_CONFIGS[module] = (config, _CLASS_CONFIGS[type(module)][1])
+    _MODULE_CONFIGS[module] = (config, _class_entry(type(module))[1])
 
 
 def restore_module_config(module, entry) -> None:
@@ -94,7 +105,11 @@ def restore_module_config(module, entry) -> None:
 
 def module_config(module):
     """The config a patched attention module runs: its model's own (``configure``), if set since
-    its class was last patched, else the class's (``replace_*``)."""
-    family_config, token = _CLASS_CONFIGS[type(module)]
+    its class was last patched, else the class's (``replace_*``); None when neither applies (an
+    unpatched class, or a model that ``compression`` did not name): the module then runs natively."""
+    entry = _class_entry(type(module))
+    if entry is None:
+        return None
+    family_config, token = entry
     own = _MODULE_CONFIGS.get(module)
     return own[0] if own is not None and own[1] is token else family_config

@@ -15,40 +15,44 @@ process (it also replaces what ``configure`` set on single models before). ``con
 changes one model's config: ``configure(model, max_capacity_prompts=256)`` keeps the
 model's other options, ``configure(model, reset=True, method=...)`` or
 ``configure(model, CompressionConfig(...))`` sets a complete fresh config.
-``compression(model, ...)`` is the same fresh config for a ``with`` block, patching the
-model's family if needed, and restores the previous state on exit. ``unpatch()`` restores
-the original forwards exactly.
+``compression(model, ...)`` is the same fresh config for a ``with`` block, for that model
+alone (a family it patches for the block compresses no other model), and restores the
+previous state on exit; a config the model cannot run is refused before anything is patched.
+``unpatch()`` restores the original forwards exactly.
 
 Patching wraps (never replaces) each attention class's ``forward`` (``recording_forward``) and
 its decoder's (``model_forward``), and registers restkv's dispatcher with transformers'
 ``AttentionInterface`` (``restkv.attention``). Families in ``FAMILIES`` are named by the table;
-any other decoder-only model type is found through transformers' auto mappings (its modeling
-module's ``*Attention`` classes and base model), and must pass ``check_seams``: attention that
-calls ``cache.update`` and a registry kernel, with an ``o_proj``.
+any other decoder-only model type is found through transformers' auto mappings and checked at
+patch time for the seams restkv needs (``restkv.seams``: a one-line error naming the model type
+and why otherwise). A config given with a model (``compression``, ``configure``,
+``replace_for_model``) is checked against that model before it runs: its shape, its attention
+implementation, its cache layers, and the rotation of its keys where a part reads them before RoPE.
 
-While any family is patched, a model of a family that is not (``replace_llama`` then a Qwen2
-model) would generate uncompressed without a word: its attention warns once instead.
+While any family is patched, a model of a family that is not (``replace_llama`` then a Qwen3
+model) would generate uncompressed without a word: restkv's dispatcher, which every attention
+call of every model reaches while a patch is active, warns once per attention class instead.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
-import inspect
-import warnings
 from typing import Any, Iterator
 
 import torch
 
-from restkv.attention import LayerParams, install_dispatchers, model_forward, recording_forward, remove_dispatchers
+from restkv.attention import (SERVED_KERNELS, LayerParams, check_exact_tokens_only, check_pre_rope,
+                              install_dispatchers, model_forward, output_weight, patched_attention_of,
+                              probe_rotations, recording_forward, remove_dispatchers, set_unpatched_watch)
 from restkv.compat import CACHE_ARGUMENT, check_transformers_version
 from restkv.config import CompressionConfig, ConfigError, ModelShape
-from restkv.handles import (clear_class_config, module_config, module_config_entry, restore_module_config,
-                            set_class_config, set_module_config)
+from restkv.handles import (clear_class_config, has_class_config, module_config, module_config_entry,
+                            restore_module_config, set_class_config, set_module_config)
+from restkv.seams import UnknownModelType, attention_classes, check_cache_layers, derives_values
 
 #: the families the release named (``replace_gemma`` covers Gemma 1-3) -> their attention classes, as
-#: (module, class name); every other decoder is its model type, found by ``discovered_family``
+#: (module, class name); every other decoder is its model type, found by ``restkv.seams.attention_classes``
 FAMILIES: dict[str, tuple[tuple[str, str], ...]] = {
     "llama": (("transformers.models.llama.modeling_llama", "LlamaAttention"),),
     "mistral": (("transformers.models.mistral.modeling_mistral", "MistralAttention"),),
@@ -73,7 +77,8 @@ MODEL_CLASSES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 
-#: ``config.model_type`` -> family, for the families of the table (any other model type is its own family)
+#: ``config.model_type`` -> family, for the families of the table (any other model type is its own family,
+#: or a table family whose attention classes it uses: ``internlm3`` runs ``LlamaAttention``)
 MODEL_TYPES = {
     "llama": "llama",
     "mistral": "mistral",
@@ -84,23 +89,29 @@ MODEL_TYPES = {
     "gemma3_text": "gemma",
 }
 
-# The only global state: attention class -> its original forward, while patched (or watched:
-# the forward of an unpatched family that warns while another family is patched).
+# The only global state: attention class -> its original forward, while patched; decoder class -> its
+# original forward; family -> whether it is patched (for the names the unpatched-family warning gives).
 _ORIGINAL_FORWARDS: dict[type, Any] = {}
-_WATCHED_FORWARDS: dict[type, Any] = {}
 _ORIGINAL_MODEL_FORWARDS: dict[type, Any] = {}
+_PATCHED_FAMILIES: dict[str, tuple[type, ...]] = {}
 
 
 def _attention_classes(family: str) -> list[type]:
-    return _classes(FAMILIES, family) if family in FAMILIES else list(discovered_family(family)[0])
+    if family in FAMILIES:
+        return _classes(FAMILIES, family)
+    try:
+        return list(attention_classes(family)[0])
+    except UnknownModelType:
+        known = ", ".join([*FAMILIES, "any decoder-only model type of transformers"])
+        raise ValueError(f"unknown family {family!r}; restkv patches {known}") from None
 
 
 def _decoder_classes(family: str) -> list[type]:
-    return _classes(MODEL_CLASSES, family) if family in MODEL_CLASSES else list(discovered_family(family)[1])
+    return _classes(MODEL_CLASSES, family) if family in MODEL_CLASSES else list(attention_classes(family)[1])
 
 
 def _attention_modules_of(model: torch.nn.Module, family: str) -> list[torch.nn.Module]:
-    """The model's attention modules of ``family``'s classes, patched or not, in layer order."""
+    """The model's attention modules of ``family``'s classes (or subclasses), patched or not, in layer order."""
     classes = tuple(_attention_classes(family))
     return sorted((m for m in model.modules() if isinstance(m, classes)), key=lambda m: m.layer_idx)
 
@@ -109,51 +120,41 @@ def _classes(table: dict[str, tuple[tuple[str, str], ...]], family: str) -> list
     return [getattr(importlib.import_module(module), name) for module, name in table[family]]
 
 
-@functools.cache
-def discovered_family(model_type: str) -> tuple[tuple[type, ...], tuple[type, ...]]:
-    """``(attention classes, decoder classes)`` of a decoder-only model type outside ``FAMILIES``,
-    found through transformers' auto mappings and checked (``check_seams``)."""
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
-
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type not in MODEL_MAPPING_NAMES:
-        known = ", ".join([*FAMILIES, "any decoder-only model type of transformers"])
-        raise ValueError(f"unknown family {model_type!r}; restkv patches {known}")
-    name = model_type_to_module_name(model_type)
-    modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    attention = tuple(cls for cls in vars(modeling).values() if isinstance(cls, type) and
-                      issubclass(cls, torch.nn.Module) and cls.__module__ == modeling.__name__ and
-                      cls.__name__.endswith("Attention"))
-    if not attention:
-        raise ValueError(f"model type {model_type!r} is not supported by restkv: its modeling module has no "
-                         "attention class")
-    for cls in attention:
-        check_seams(model_type, cls)
-    return attention, (getattr(modeling, MODEL_MAPPING_NAMES[model_type]),)
+def _family_named(family: str) -> str:
+    """The family ``replace_family``/``unpatch`` mean by ``family`` (unknown names refused)."""
+    if family in FAMILIES:
+        return family
+    _attention_classes(family)
+    return family_of_type(family)
 
 
-def check_seams(model_type: str, cls: type) -> None:
-    """Refuse an attention class restkv cannot serve through transformers' seams, naming the model type."""
-    source = inspect.getsource(cls)
-    needs = {
-        "calls an attention function of transformers' registry": "ALL_ATTENTION_FUNCTIONS.get_interface(" in source,
-        "writes its cache through cache.update": ".update(key_states, value_states, self.layer_idx" in source,
-        "has an o_proj output projection": "self.o_proj" in source,
-        "has no attention sinks (restkv's compressed attention does not read them)": "s_aux=" not in source,
-    }
-    missing = [need for need, met in needs.items() if not met]
-    if missing:
-        raise ValueError(f"model type {model_type!r} is not supported by restkv: {cls.__name__} needs an attention "
-                         f"that {'; '.join(missing)}")
+def family_of_type(model_type: str | None) -> str:
+    """The patch family of a model type: its ``MODEL_TYPES`` entry, the table family whose attention classes
+    it uses, else the type itself when restkv can serve it (``restkv.seams``); unsupported types raise."""
+    if model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    try:
+        classes = set(attention_classes(model_type)[0])
+    except UnknownModelType:
+        raise ValueError(f"model type {model_type!r} is not supported by restkv: not a decoder-only model type of "
+                         f"this transformers (supported: {', '.join(sorted(MODEL_TYPES))} and any decoder whose "
+                         "attention uses transformers' registry)") from None
+    return next((family for family in FAMILIES if classes <= set(_classes(FAMILIES, family))), model_type)
 
 
-def _replace(family: str, config: CompressionConfig) -> CompressionConfig:
+def family_of(model_or_config: Any) -> str:
+    """The patch family of a model (or its config): see ``family_of_type``."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return family_of_type(getattr(config, "model_type", None))
+
+
+def _replace(family: str, config: CompressionConfig | None) -> None:
+    """Patch ``family``'s classes; ``config`` is what every model of the family runs (None: only the
+    models given their own config, by ``compression`` or ``configure``)."""
     check_transformers_version()
     classes = _attention_classes(family)
     install_dispatchers()
     for cls in classes:
-        if cls in _WATCHED_FORWARDS:
-            cls.forward = _WATCHED_FORWARDS.pop(cls)
         if cls not in _ORIGINAL_FORWARDS:
             _ORIGINAL_FORWARDS[cls] = cls.forward
             cls.forward = recording_forward(cls.forward)
@@ -162,19 +163,20 @@ def _replace(family: str, config: CompressionConfig) -> CompressionConfig:
         if cls not in _ORIGINAL_MODEL_FORWARDS:
             _ORIGINAL_MODEL_FORWARDS[cls] = cls.forward
             cls.forward = _one_row_reconstruction(model_forward(cls.forward))
-    _watch_unpatched_families()
-    return config
+    _PATCHED_FAMILIES[family] = tuple(classes)
+    _watch_unpatched()
 
 
 def _one_row_reconstruction(forward):
     """A patched decoder model's ``forward``, refusing before it runs a prefill that the
-    reconstruction observation cannot compress: it repeats one context, so it needs the
-    ``input_ids`` of one row (found after the whole prefill otherwise)."""
+    reconstruction observation cannot compress: it repeats one context by its token ids, so it needs
+    the ``input_ids`` of one row (found after the whole prefill otherwise)."""
 
     def checked(self, *args, **kwargs):
-        attention = getattr(self.layers[0], "self_attn", None) if len(self.layers) else None
-        if attention is not None and type(attention) in _ORIGINAL_FORWARDS:
-            _refuse_batched_reconstruction(module_config(attention), args, kwargs)
+        attention = patched_attention_of(self)
+        config = module_config(attention) if attention is not None else None
+        if config is not None:
+            _refuse_batched_reconstruction(config, args, kwargs)
         return forward(self, *args, **kwargs)
 
     return checked
@@ -189,23 +191,39 @@ def _refuse_batched_reconstruction(config: CompressionConfig, args: tuple, kwarg
     if config.run.observation != "reconstruction" or not prefill:
         return
     length = tokens.shape[1]
-    if config.budget_for(length) < length and (ids is None or ids.shape[0] != 1):
-        given = "inputs_embeds, not input_ids" if ids is None else f"{ids.shape[0]} rows"
-        # deferring_flags() names the reconstruction observation first, as the user chose it
-        raise ValueError(f"{config.deferring_flags()[0]} compresses one prompt at a time: this prefill has {given}; "
-                         "give input_ids of one row")
+    if config.budget_for(length) >= length:
+        return
+    # deferring_flags() names the reconstruction observation first, as the user chose it
+    flag = config.deferring_flags()[0]
+    if ids is None:
+        raise ValueError(f"{flag} repeats the context by its token ids; this prefill reached the decoder as "
+                         "embeddings (an image or audio prompt, or inputs_embeds), which it cannot repeat: use a "
+                         "method that scores with the prompt's own queries")
+    if ids.shape[0] != 1:
+        raise ValueError(f"{flag} compresses one prompt at a time: this prefill has {ids.shape[0]} rows; give "
+                         "input_ids of one row")
 
 
 def replace_family(family: str, method: str = "snapkv", **options: Any) -> CompressionConfig:
     """Patch the attention of ``family``: a key of ``FAMILIES`` (the four below) or any decoder-only
-    model type that passes ``check_seams`` (``qwen3``, ``phi3``, ``olmo2``...). ``options`` are ``CompressionConfig`` options (the original release's flag
-    names: ``max_capacity_prompts``, ``window_size``, ``kernel_size``, ``pooling``, ...)."""
-    _attention_classes(family)  # an unknown or unsupported family is the first error
-    return _replace(family, CompressionConfig.from_options(method=method, **options))
+    model type restkv can serve (``qwen3``, ``phi3``, ``olmo2``...: ``restkv.seams``), and give every
+    model of it the config of ``method`` and ``options``: ``CompressionConfig`` options, the original
+    release's flag names (``max_capacity_prompts``, ``window_size``, ``kernel_size``, ``pooling``, ...).
+
+    A model of another family runs uncompressed, with a one-line warning at its first forward.
+    What only a model shows (its attention implementation, its cache layers, its RoPE) is checked
+    at its first prefill; ``replace_for_model`` and ``compression`` check it before anything runs."""
+    family = _family_named(family)
+    config = CompressionConfig.from_options(method=method, **options)
+    _replace(family, config)
+    return config
 
 
 def replace_llama(method: str = "snapkv", **options: Any) -> CompressionConfig:
-    """Patch Llama attention (see ``replace_family``)."""
+    """Patch Llama attention and give every Llama model the config of ``method`` and ``options``
+    (``CompressionConfig``'s options: ``max_capacity_prompts=128, window_size=32, ...``); returns it.
+    Models of other families warn that they run uncompressed. See ``replace_family``, and
+    ``restkv.compression`` for one model in a ``with`` block."""
     return replace_family("llama", method, **options)
 
 
@@ -224,36 +242,40 @@ def replace_gemma(method: str = "snapkv", **options: Any) -> CompressionConfig:
     return replace_family("gemma", method, **options)
 
 
-def family_of(model_or_config: Any) -> str:
-    """The patch family of a model (or its config): its ``MODEL_TYPES`` entry, else its model type
-    when that passes ``check_seams``; unsupported model types raise."""
-    config = getattr(model_or_config, "config", model_or_config)
-    model_type = getattr(config, "model_type", None)
-    if model_type in MODEL_TYPES:
-        return MODEL_TYPES[model_type]
-    try:
-        discovered_family(model_type)
-    except ValueError as error:
-        if "is not supported" in str(error):
-            raise
-        raise ValueError(f"model type {model_type!r} is not supported by restkv: not a decoder-only model type of "
-                         f"this transformers (supported: {', '.join(sorted(MODEL_TYPES))} and any decoder whose "
-                         "attention uses transformers' registry)") from None
-    return model_type
-
-
 def replace_for_model(model: torch.nn.Module, method: str = "snapkv", **options: Any) -> CompressionConfig:
     """Patch the family ``model`` belongs to (the runners use this), after checking the config
-    against the model (``CompressionConfig.check_model``)."""
+    against the model (``check_for_model``)."""
     family = family_of(model)
     config = CompressionConfig.from_options(method=method, **options)
-    config.check_model(shape_of(model))
-    return _replace(family, config)
+    check_for_model(model, config, _attention_modules_of(model, family))
+    _replace(family, config)
+    return config
 
 
 def shape_of(model: torch.nn.Module) -> ModelShape:
     """The shape of a supported model (layers, heads, KV heads, head dim...), as its attention reads it."""
     return model_shape(_attention_modules_of(model, family_of(model)))
+
+
+def check_for_model(model: torch.nn.Module, config: CompressionConfig, modules: list[torch.nn.Module]) -> None:
+    """Refuse, before ``model`` runs (and before anything is patched), what ``config`` cannot do with it:
+    its shape (``CompressionConfig.check_model``), an attention implementation restkv does not serve, cache
+    layers a compressed layer cannot replace, what a layer that reads each head's values from other heads
+    cannot hold (DiffLlama), and keys rotated in a way restkv cannot undo where a part of the config reads
+    them before RoPE."""
+    config.check_model(model_shape(modules))
+    implementations = sorted({module.config._attn_implementation for module in modules} - set(SERVED_KERNELS))
+    if implementations:
+        raise ValueError(f"restkv serves the {', '.join(SERVED_KERNELS)} attention implementations; this model uses "
+                         f"{', '.join(map(repr, implementations))} (load it with attn_implementation='sdpa')")
+    if config.policy.evicts:
+        check_cache_layers(modules[0].config.model_type, model.config)
+        if derives_values(type(modules[0])):
+            check_exact_tokens_only(modules[0], config)
+    if any(part.pre_rope_flags() for part in config.parts):
+        for module, kind in probe_rotations(model, modules).items():
+            if kind == "other":
+                check_pre_rope(module, config)
 
 
 def configure(model: torch.nn.Module, config: CompressionConfig | None = None, /, *, reset: bool = False,
@@ -269,15 +291,16 @@ def configure(model: torch.nn.Module, config: CompressionConfig | None = None, /
     The model's family must be patched (``replace_*``, or use ``compression``).
     """
     modules = _patched_attention_modules(model)
+    current = config_of(model)
     if config is not None:
         if options or reset:
             raise ConfigError("configure(model, config) takes a complete CompressionConfig and no other options")
         new = CompressionConfig.from_any(config)
-    elif reset:
+    elif reset or current is None:
         new = CompressionConfig.from_options(**options)
     else:
-        new = config_of(model).replace(**options)
-    _set_model_config(modules, new)
+        new = current.replace(**options)
+    _set_model_config(model, modules, new)
     return new
 
 
@@ -285,29 +308,37 @@ def configure(model: torch.nn.Module, config: CompressionConfig | None = None, /
 def compression(model: torch.nn.Module, config: CompressionConfig | None = None, /,
                 **options: Any) -> Iterator[CompressionConfig]:
     """``with compression(model, method="snapkv", max_capacity_prompts=128) as config:`` — the model
-    runs a complete fresh config inside the block (``config`` or the options; nothing is
-    inherited), its family patched if it was not, and everything is as before afterwards."""
+    runs a complete fresh config inside the block (``config`` or the options; nothing is inherited).
+
+    Only this model: if its family was not patched, it is patched for the block with no config of its
+    own, so any other model of the family runs natively meanwhile. The config is checked against the
+    model (``check_for_model``) before anything is patched, so a refused config leaves nothing behind;
+    on exit everything is as before."""
     if config is not None and options:
         raise ConfigError("compression(model, config) takes a complete CompressionConfig and no other options")
     new = CompressionConfig.from_any(config) if config is not None else CompressionConfig.from_options(**options)
     family = family_of(model)
+    check_for_model(model, new, _attention_modules_of(model, family))
     patched_here = not is_patched(family)
     if patched_here:
-        _replace(family, new)
-    modules = _patched_attention_modules(model)
-    previous = [(module, module_config_entry(module)) for module in modules]
-    _set_model_config(modules, new)
+        _replace(family, None)
     try:
-        yield new
+        modules = _patched_attention_modules(model)
+        previous = [(module, module_config_entry(module)) for module in modules]
+        for module in modules:
+            set_module_config(module, new)
+        try:
+            yield new
+        finally:
+            for module, entry in previous:
+                restore_module_config(module, entry)
     finally:
         if patched_here:
             unpatch(family)
-        for module, entry in previous:
-            restore_module_config(module, entry)
 
 
-def config_of(model: torch.nn.Module) -> CompressionConfig:
-    """The config the model's attention layers use now."""
+def config_of(model: torch.nn.Module) -> CompressionConfig | None:
+    """The config the model's attention layers use now (None: patched, but for other models only)."""
     return module_config(_patched_attention_modules(model)[0])
 
 
@@ -315,32 +346,45 @@ def model_shape(modules: list[torch.nn.Module]) -> ModelShape:
     """What a config is checked against (``CompressionConfig.check_model``), read from a model's
     attention modules in layer order: as the attention forward reads them."""
     first = modules[0]
+    weight = output_weight(first)
+    element = weight if weight is not None else next(first.parameters())
     return ModelShape(
         num_layers=first.config.num_hidden_layers, num_heads=first.config.num_attention_heads,
         num_kv_heads=first.config.num_key_value_heads, head_dim=first.head_dim,
         sliding_windows=tuple(LayerParams.of(module).sliding_window for module in modules),
-        element_size=first.o_proj.weight.element_size(),
+        element_size=element.element_size(),
     )
 
 
-def _set_model_config(modules: list[torch.nn.Module], config: CompressionConfig) -> None:
+def _set_model_config(model: torch.nn.Module, modules: list[torch.nn.Module], config: CompressionConfig) -> None:
     """Give these modules their own config, valid while their class's current patch lasts, once
     it is checked against their model."""
-    config.check_model(model_shape(modules))
+    check_for_model(model, config, modules)
     for module in modules:
         set_module_config(module, config)
 
 
 def _patched_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    modules = sorted((m for m in model.modules() if type(m) in _ORIGINAL_FORWARDS), key=lambda m: m.layer_idx)
+    """The model's attention modules whose classes are patched, in layer order; a subclass that
+    overrides the patched ``forward`` is refused (restkv's seams would not see it)."""
+    modules = sorted((m for m in model.modules() if has_class_config(type(m))), key=lambda m: m.layer_idx)
     if not modules:
         family = family_of(model)
-        raise RuntimeError(f"the model's attention is not patched; call restkv.monkeypatch.replace_{family}() first")
+        call = f"replace_{family}()" if family in FAMILIES else f"replace_family({family!r})"
+        raise RuntimeError(f"the model's attention is not patched; call restkv.monkeypatch.{call} first, or use "
+                           "restkv.compression(model, ...)")
+    for cls in {type(module) for module in modules} - set(_ORIGINAL_FORWARDS):  # subclasses of patched classes
+        patched = next(base for base in cls.__mro__ if base in _ORIGINAL_FORWARDS)
+        if cls.forward is not patched.forward:
+            raise ValueError(f"{cls.__name__} overrides forward, so restkv's patch of {patched.__name__}.forward "
+                             "does not reach it")
     return modules
 
 
 def unpatch(family: str | None = None) -> None:
     """Restore the original forwards (of one family, or all), exactly."""
+    family = None if family is None else _family_named(family)
+    families = list(_PATCHED_FAMILIES) if family is None else [family]
     attention = list(_ORIGINAL_FORWARDS) if family is None else _attention_classes(family)
     decoders = list(_ORIGINAL_MODEL_FORWARDS) if family is None else _decoder_classes(family)
     for cls in attention:
@@ -350,44 +394,18 @@ def unpatch(family: str | None = None) -> None:
     for cls in decoders:
         if cls in _ORIGINAL_MODEL_FORWARDS:
             cls.forward = _ORIGINAL_MODEL_FORWARDS.pop(cls)
+    for name in families:
+        _PATCHED_FAMILIES.pop(name, None)
     if not _ORIGINAL_FORWARDS:
         remove_dispatchers()
-    _watch_unpatched_families()
+    _watch_unpatched()
 
 
 def is_patched(family: str) -> bool:
     return any(cls in _ORIGINAL_FORWARDS for cls in _attention_classes(family))
 
 
-# ---------------------------------------------------------------- families left unpatched
-def _watch_unpatched_families() -> None:
-    """While some family is patched, every other family's attention warns at its first forward;
-    when none is, every forward is the original again."""
-    for family in FAMILIES:
-        for cls in _attention_classes(family):
-            watch = bool(_ORIGINAL_FORWARDS) and cls not in _ORIGINAL_FORWARDS
-            if watch and cls not in _WATCHED_FORWARDS:
-                _WATCHED_FORWARDS[cls] = cls.forward
-                cls.forward = _warning_forward(cls.forward, family)
-            elif not watch and cls in _WATCHED_FORWARDS:
-                cls.forward = _WATCHED_FORWARDS.pop(cls)
-
-
-def _warning_forward(original, family: str):
-    """``original``, warning once that this family runs uncompressed while another is patched."""
-    warned = []
-
-    def forward(self, *args, **kwargs):
-        if not warned:
-            warned.append(True)
-            patched = sorted({name for name in FAMILIES if is_patched(name)})
-            warnings.warn(
-                f"restkv: this {type(self).__name__} model runs uncompressed: restkv is patched for "
-                f"{', '.join(patched)}, not {family}. Call restkv.monkeypatch.replace_{family}(...) or use "
-                "restkv.compression(model, ...)",
-                UserWarning,
-                stacklevel=2,
-            )
-        return original(self, *args, **kwargs)
-
-    return forward
+def _watch_unpatched() -> None:
+    """Tell the dispatcher which families are patched: an attention of any other warns once that it
+    runs uncompressed."""
+    set_unpatched_watch(sorted(_PATCHED_FAMILIES), tuple(_ORIGINAL_FORWARDS))

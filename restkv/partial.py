@@ -58,7 +58,9 @@ class Probe:
     query; the others follow (a key at column ``c`` is causal for query ``t`` iff
     ``c <= first_column + t``). sliding_window: keys at or before ``column - sliding_window`` are
     invisible. need_lse / need_peak / need_count: what the layer's merge and summaries read from
-    the exact partials.
+    the exact partials. value_heads: ``[H_kv]`` the KV head whose values each KV head's group reads,
+    for a module that hands its kernel values of other heads (DiffLlama's half-value calls); None:
+    its own.
     """
 
     query: torch.Tensor
@@ -70,6 +72,7 @@ class Probe:
     need_lse: bool = False
     need_peak: bool = False
     need_count: bool = False
+    value_heads: torch.Tensor | None = None
     _stacked: torch.Tensor | None = field(default=None, repr=False)
 
     @property

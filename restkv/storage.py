@@ -2,8 +2,9 @@
 
 Every KV head of every row holds a *sequence*: the tokens it kept at its last compression
 (ascending positions), then the tokens appended since (a question chunk, generated tokens),
-then spare capacity, so a decode step writes its token in place and never reallocates or
-re-pads (capacity doubles when it runs out). Each token carries its padded-batch column
+then spare capacity, so a decode step writes its token in place and rarely reallocates
+(``spare_slots``: an eighth of what the sequence holds, or the generation's length when the
+caller knows it, ``reserve``; it grows by the same share when it runs out). Each token carries its padded-batch column
 (``-1``: an unused slot, or an appended padding token), which is all a probe needs to say who
 sees it (``restkv.partial.Probe.visibility``). Two layouts:
 
@@ -16,12 +17,13 @@ sees it (``restkv.partial.Probe.visibility``). Two layouts:
 
 ``exact_tokens`` picks the ragged layout when the dense one would waste more than
 ``RAGGED_WASTE`` of its kept slots. Both report their kind, tokens, token-slot equivalents and
-bytes (``SegmentReport``); bytes count the slots in use (kept and appended tokens, their int32
-columns), not the spare capacity.
+bytes (``SegmentReport``): the bytes their buffers hold (spare capacity included), and the bytes
+of the slots in use (kept and appended tokens, their int32 columns).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,8 +33,15 @@ from restkv.partial import Partial, Probe, attend_block, softmax_partial
 
 #: the share of padded kept slots above which a layer is stored ragged
 RAGGED_WASTE = 0.02
-#: appended-token capacity a sequence starts with (it doubles when full)
-TAIL_CAPACITY = 64
+#: spare capacity for appended tokens, as a share of what a sequence holds (and its least)
+SPARE_SHARE, MIN_SPARE = 0.125, 4
+
+
+def spare_slots(held: int) -> int:
+    """The appended-token room a sequence holding ``held`` tokens gets when it is built or grows:
+    ``SPARE_SHARE`` of them, so memory follows the budget (at least ``MIN_SPARE``); a grown
+    buffer is then ``1 + SPARE_SHARE`` times its tokens, and growing stays amortised."""
+    return max(MIN_SPARE, math.ceil(SPARE_SHARE * held))
 
 
 @dataclass(frozen=True)
@@ -43,13 +52,20 @@ class SegmentReport:
     tokens: ``[B, H_kv]`` exact tokens it holds (None for summaries: they stand for evicted tokens).
     slots: token-slot equivalents per row and KV head (mean), a slot being one key and one value
         of the model dtype: what the segment takes from the budget.
-    nbytes: bytes of every tensor it holds (at their used length).
+    nbytes: bytes its tensors hold (allocated, spare capacity included).
+    used_nbytes: bytes of what it stores (its tensors at their used length); ``nbytes`` when it has
+        no spare capacity.
     """
 
     kind: str
     tokens: torch.Tensor | None
     slots: float
     nbytes: int
+    used_nbytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.used_nbytes is None:
+            object.__setattr__(self, "used_nbytes", self.nbytes)
 
 
 def tensor_bytes(tensors) -> int:
@@ -102,10 +118,15 @@ class ExactTokens:
         """The batch size ``B``."""
         return self.columns.shape[0] if self.columns.dim() == 3 else self.shape[0]
 
+    @property
+    def kv_heads(self) -> int:
+        """The KV heads ``H_kv``."""
+        return self.columns.shape[1] if self.columns.dim() == 3 else self.shape[1]
+
     def report(self) -> SegmentReport:
         tokens = self.held_counts()
         return SegmentReport(self.kind, tokens, float(tokens.float().mean()) if tokens.numel() else 0.0,
-                             self.nbytes())
+                             self.nbytes(), self.used_nbytes())
 
 
 class DenseTokens(ExactTokens):
@@ -113,15 +134,16 @@ class DenseTokens(ExactTokens):
 
     keys, values: ``[B, H_kv, K, d]`` kept tokens (keys may hold fewer channels than values:
     ThinK); columns: ``[B, H_kv, K]`` their padded-batch columns (-1 = unused slot);
-    capacity: appended tokens the buffer holds before it grows (0 for a segment that never appends).
+    capacity: appended tokens the buffer holds before it grows (default ``spare_slots(K)``; 0 for a
+    segment that never appends).
     """
 
     kind = "exact dense"
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor,
-                 capacity: int = TAIL_CAPACITY) -> None:
+                 capacity: int | None = None) -> None:
         batch, heads, kept, _ = keys.shape
-        width = kept + capacity
+        width = kept + (spare_slots(kept) if capacity is None else capacity)
         self.keys = keys.new_empty(batch, heads, width, keys.shape[-1])
         self.values = values.new_empty(batch, heads, width, values.shape[-1])
         self.columns = torch.full((batch, heads, width), -1, dtype=torch.int32, device=keys.device)
@@ -132,7 +154,7 @@ class DenseTokens(ExactTokens):
         self._shared = False
 
     @classmethod
-    def empty(cls, like: torch.Tensor, key_dim: int | None = None, capacity: int = TAIL_CAPACITY) -> "DenseTokens":
+    def empty(cls, like: torch.Tensor, key_dim: int | None = None, capacity: int | None = None) -> "DenseTokens":
         """A segment with no kept token (the tail of a layer whose kept tokens are stored otherwise)."""
         batch, heads = like.shape[:2]
         keys = like.new_zeros(batch, heads, 0, key_dim or like.shape[-1])
@@ -177,11 +199,17 @@ class DenseTokens(ExactTokens):
         self._own()
         new = keys.shape[2]
         if self.used + new > self.keys.shape[2]:
-            self._grow(max(self.used + new, 2 * self.keys.shape[2], self.kept_width + TAIL_CAPACITY))
+            self._grow(self.used + new + spare_slots(self.used + new))
         window = slice(self.used, self.used + new)
         self.keys[:, :, window], self.values[:, :, window] = keys, values
         self.holes = write_columns(self.columns[:, :, window], first, new, columns) or self.holes
         self.appended += new
+
+    def reserve(self, appends: int) -> None:
+        """Make room for ``appends`` more appended tokens at once (a generation of known length)."""
+        if self.used + appends > self.keys.shape[2]:
+            self._grow(self.used + appends)
+            self._shared = False  # the grown buffers are this segment's own
 
     def _grow(self, width: int) -> None:
         used = self.used
@@ -221,11 +249,16 @@ class DenseTokens(ExactTokens):
     def attend(self, probe: Probe) -> Partial:
         """One kernel call over the used slots (a mask only for holes, several queries or a window)."""
         keys, values, columns = self.padded()
+        if probe.value_heads is not None:  # every head holds the same tokens: another head's values are theirs
+            values = values.index_select(1, probe.value_heads)
         visible = probe.visibility(columns) if self.holes or probe.masks_by_position else None
         return attend_block(probe, keys, values, visible)
 
     # ------------------------------------------------------------ bookkeeping
     def nbytes(self) -> int:
+        return tensor_bytes([self.keys, self.values, self.columns])
+
+    def used_nbytes(self) -> int:
         return tensor_bytes(self.padded())
 
     def tensors(self) -> list[torch.Tensor]:
@@ -245,17 +278,20 @@ class RaggedTokens(ExactTokens):
 
     Built from a padded view (``keys``, ``values`` ``[B, H_kv, S, d]``, ``columns`` ``[B, H_kv, S]``,
     -1 = unused slot): sequence ``i = b * H_kv + h`` holds its real tokens in slot order at
-    ``starts[i] ..``, then room for ``capacity`` appended tokens.
+    ``starts[i] ..``, then room for ``capacity`` appended tokens (default ``spare_slots`` of the mean
+    sequence).
     """
 
     kind = "exact ragged"
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor,
-                 capacity: int = TAIL_CAPACITY) -> None:
+                 capacity: int | None = None) -> None:
         batch, heads = keys.shape[:2]
         held = columns >= 0
         self.shape = (batch, heads)
         self.kept = held.sum(dim=-1).flatten().to(torch.int32)  # [B * H_kv]
+        if capacity is None:
+            capacity = spare_slots(int(self.kept.sum()) // max(self.kept.numel(), 1))
         self.appended, self.capacity = 0, capacity
         self.starts = _starts(self.kept, capacity)
         total = int((self.kept + capacity).sum())
@@ -339,7 +375,8 @@ class RaggedTokens(ExactTokens):
         self._own()
         new = keys.shape[2]
         if self.appended + new > self.capacity:
-            self._grow(max(self.appended + new, 2 * self.capacity, TAIL_CAPACITY))
+            mean_kept = int(self.kept.sum()) // max(self.kept.numel(), 1)
+            self._grow(self.appended + new + spare_slots(mean_kept + self.appended + new))
         slots = self._tail_starts + self.appended if new == 1 else self._appended_slots(self.appended, new).flatten()
         self.keys.index_copy_(0, slots, keys.reshape(-1, keys.shape[-1]))
         self.values.index_copy_(0, slots, values.reshape(-1, values.shape[-1]))
@@ -350,6 +387,12 @@ class RaggedTokens(ExactTokens):
             self.holes = write_columns(written.view(*self.shape, new), first, new, columns) or self.holes
             self.columns.index_copy_(0, slots, written.flatten())
         self.appended += new
+
+    def reserve(self, appends: int) -> None:
+        """Make room for ``appends`` more appended tokens per sequence at once (a generation of known length)."""
+        if self.appended + appends > self.capacity:
+            self._grow(self.appended + appends)
+            self._shared = False  # the grown buffers are this segment's own
 
     def _grow(self, capacity: int) -> None:
         lengths = self.kept + self.appended
@@ -388,6 +431,9 @@ class RaggedTokens(ExactTokens):
             row, head = divmod(index, heads)
             stop = start + kept + self.appended
             keys, values = self.keys[None, None, start:stop], self.values[None, None, start:stop]
+            if probe.value_heads is not None:  # the same tokens, read with another head's values
+                source = self._start_list[row * heads + int(probe.value_heads[head])]
+                values = self.values[None, None, source : source + stop - start]
             visible = None
             if self.holes or probe.masks_by_position:
                 visible = probe.visibility(self.columns[None, None, start:stop])
@@ -421,6 +467,9 @@ class RaggedTokens(ExactTokens):
 
     # ------------------------------------------------------------ bookkeeping
     def nbytes(self) -> int:
+        return tensor_bytes([self.keys, self.values, self.columns, self.kept, self.starts])
+
+    def used_nbytes(self) -> int:
         held = int(self.kept.sum()) + self.kept.numel() * self.appended
         per_token = self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
         return held * (per_token + 4) + tensor_bytes([self.kept, self.starts])
@@ -456,7 +505,7 @@ def _stack_heads(parts: list[Partial], batch: int, heads: int) -> Partial:
 
 
 def exact_tokens(keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor,
-                 capacity: int = TAIL_CAPACITY) -> DenseTokens | RaggedTokens:
+                 capacity: int | None = None) -> DenseTokens | RaggedTokens:
     """The segment that holds kept tokens ``[B, H_kv, S, d]`` at ``columns`` (-1 = unused slot):
     ragged when the dense layout would leave more than ``RAGGED_WASTE`` of its slots empty."""
     slots = columns.numel()

@@ -57,8 +57,41 @@ def test_stored_tokens_and_bytes_follow_the_budget(family, backend):
     # K/V bytes scale with budget / prompt; the int32 positions add 4 bytes per kept slot.
     head_dim = cache.layers[0].kept_keys.shape[-1]
     position_overhead = 4 / (2 * head_dim * 4)
-    assert cache_nbytes(cache) <= full_bytes * 50 / 200 * (1 + position_overhead) + 1024
-    assert "3 of 3 layers hold fewer entries than tokens seen" in format_report(reports)
+    assert sum(report.used_nbytes for report in reports) <= full_bytes * 50 / 200 * (1 + position_overhead) + 1024
+    # what the buffers hold: the kept tokens and an eighth of them as room for appended ones
+    assert cache_nbytes(cache) <= full_bytes * 50 / 200 * (1 + position_overhead) * (1 + 1 / 8) + 1024
+    assert "3 of 3 attention layers hold fewer entries than tokens seen" in format_report(reports)
+
+
+def _allocated_bytes(layer) -> int:
+    """Bytes of every distinct storage the layer's segments hold tensors in (what memory really holds)."""
+    storages = {}
+    for segment in layer.kept:
+        for value in vars(segment).values():
+            if isinstance(value, torch.Tensor):
+                storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("new_tokens", [2, 40])
+def test_memory_follows_the_budget_through_decoding_and_is_reported_as_allocated(new_tokens):
+    """At 64 of 401 tokens the buffers hold at most 1.25x the budget's share of the full cache's bytes (one
+    decode step, and forty: the spare room grows with what is held), and ``cache_report`` gives what the
+    buffers hold beside what is stored."""
+    model = tiny_model("llama")
+    prompt = random_prompt(1, 401)
+    full = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True,
+                          pad_token_id=0)
+    full_bytes = cache_nbytes(output_cache(full))
+    replace_for("llama")(method="snapkv", max_capacity_prompts=64, window_size=8)
+    out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True,
+                         pad_token_id=0)
+    cache = output_cache(out)
+    seen = 401 + new_tokens - 1
+    held_share = (64 + new_tokens - 1) / seen
+    for layer, report in zip(cache.layers, cache_report(cache)):
+        assert report.nbytes == _allocated_bytes(layer) and report.used_nbytes <= report.nbytes
+        assert report.nbytes <= 1.25 * held_share * full_bytes / len(cache.layers)
 
 
 def test_a_second_prompt_is_compressed_too():

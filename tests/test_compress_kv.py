@@ -138,6 +138,22 @@ def test_bad_tensors_are_rejected(inputs, fragment):
         compress_kv(*inputs(*qkv()), config_for("snapkv"))
 
 
+@pytest.mark.parametrize("extra, fragment", [
+    (dict(rotary=(torch.ones(1, 10, 16), torch.zeros(1, 10, 16))),
+     r"rotary's cos must be \[B, N, d\] = \[1, 120, 8\] \(or B = 1\); got \[1, 10, 16\]"),
+    (dict(rotary=torch.ones(1, 120, 16)), r"rotary must be the \(cos, sin\) tables"),
+    (dict(hidden_states=torch.randn(1, 90, 64)), r"hidden_states must be \[B, N, D\] = \[1, 120, 64\]"),
+    (dict(sliding_window=0), "sliding_window must be a positive number of tokens"),
+    (dict(o_proj_weight=torch.randn(64, 40)), r"o_proj_weight must be \[hidden, heads \* head_dim\]"),
+    (dict(scaling=-1.0), "scaling must be a positive number"),
+])
+def test_bad_layer_inputs_are_rejected_naming_them(extra, fragment):
+    """Given wrong, each optional input failed inside a scorer with a torch error (or, for a window of 0
+    tokens, kept nothing at all)."""
+    with pytest.raises(ValueError, match=fragment):
+        compress_kv(*qkv(), config_for("expected_attention"), **extra)
+
+
 def test_right_padding_is_rejected():
     query, key, value = qkv()
     mask = torch.ones(1, 120, dtype=torch.long)

@@ -159,3 +159,51 @@ def test_answer_many_restores_quantised_layers_that_sealed_blocks_during_an_answ
     together = answer_many(model, context, questions, **settings)
     for answer, question in zip(together, questions):
         assert torch.equal(answer, generate_after_context(model, context, question, **settings))
+
+
+@pytest.mark.parametrize("budget", [100, 32])
+def test_beam_search_and_several_sequences_run_after_a_compressed_context(budget):
+    """generate repeats the inputs it is given for beams and returned sequences, not a cache handed to it:
+    the context's rows are repeated the same way (a shape error before). At a budget above the prompt,
+    beam search equals the plain model's."""
+    model = tiny_model("llama")
+    context, question = random_prompt(1, 70, seed=1), random_prompt(1, 6, seed=2)
+    beams = dict(max_new_tokens=4, num_beams=3, do_sample=False, pad_token_id=0)
+    reference = model.generate(torch.cat([context, question], dim=-1), **beams)[:, 76:]
+    replace_for("llama")(method="snapkv", max_capacity_prompts=budget, window_size=8)
+    answer = generate_after_context(model, context, question, **beams)
+    assert answer.shape == (1, 4)
+    if budget > 76:
+        assert torch.equal(answer, reference)
+    torch.manual_seed(0)
+    sampled = generate_after_context(model, context, question, max_new_tokens=3, do_sample=True,
+                                     num_return_sequences=2, pad_token_id=0)
+    assert sampled.shape == (2, 3)
+    many = answer_many(model, context, [question, question[:, :3]], **beams)
+    assert torch.equal(many[0], answer) and many[1].shape == (1, 4)
+
+
+@pytest.mark.parametrize("span, message", [
+    ((10, 500), r"context_span \(10, 500\) ends after the prompt's 120 tokens"),
+    (("a", "b"), r"context_span must be a pair of integer token positions \(start, stop\); got \('a', 'b'\)"),
+    ((10,), r"context_span must be a pair \(start, stop\) of token positions; got \(10,\)"),
+    ((30, 10), r"context_span \(30, 10\) must be \(start, stop\) with 0 <= start < stop"),
+])
+def test_a_context_span_outside_the_prompt_or_malformed_is_refused_naming_it(span, message):
+    from restkv.generation import prefill
+
+    model = tiny_model("llama")
+    replace_for("llama")(method="kvzip", max_capacity_prompts=32)
+    with pytest.raises(ValueError, match=message):
+        prefill(model, random_prompt(1, 120), context_span=span)
+
+
+def test_a_known_generation_length_is_held_once_at_the_prefill():
+    """The question and max_new_tokens are known to generate_after_context: each layer holds room for
+    exactly them (the last generated token is never fed back), so no buffer grows while decoding."""
+    model = tiny_model("llama")
+    replace_for("llama")(method="snapkv", max_capacity_prompts=24, window_size=8)
+    _, cache = generate_after_context(model, random_prompt(1, 90), random_prompt(1, 7, seed=2), return_cache=True,
+                                      **GENERATE)
+    for layer in cache.layers:
+        assert layer.tail.appended == 7 + 4 and layer.tail.keys.shape[2] == layer.tail.used + 1

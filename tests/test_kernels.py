@@ -12,7 +12,7 @@ from restkv.compat import with_cache
 from restkv.generation import prefill
 from restkv.partial import KERNELS, Partial, Probe, merge, reference_kernel, use_kernel
 from restkv.quantization import QuantizedTokens
-from restkv.storage import DenseTokens, RaggedTokens, exact_tokens
+from restkv.storage import MIN_SPARE, DenseTokens, RaggedTokens, exact_tokens
 from tiny_models import FAMILY_BACKENDS, decode_in_chunks, left_padded, replace_for, tiny_model
 
 CPU_KERNELS = [name for name in KERNELS if name != "flash"]  # flash-attn runs on CUDA (tests/test_cuda.py)
@@ -134,7 +134,8 @@ def test_each_kind_is_the_segment_of_its_part():
 
 @pytest.mark.parametrize("method", ["snapkv", "adakv"])
 def test_a_decode_step_writes_into_the_buffer_it_has(method):
-    """Within the tail's capacity a step writes its token in place: the same K/V storage."""
+    """Within the tail's capacity a step writes its token in place: the same K/V storage (at least
+    ``MIN_SPARE`` tokens of room come with every layer)."""
     model = tiny_model("llama")
     replace_for("llama")(method=method, max_capacity_prompts=24, window_size=8)
     input_ids, attention_mask = left_padded([60, 44])
@@ -142,15 +143,15 @@ def test_a_decode_step_writes_into_the_buffer_it_has(method):
     storages = [(layer.tail.keys.data_ptr(), layer.tail.values.data_ptr()) for layer in cache.layers]
     mask = attention_mask
     token = torch.tensor([[7], [5]])
-    for step in range(5):
+    for step in range(MIN_SPARE):
         mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
         with torch.no_grad():
             model(token, attention_mask=mask, position_ids=mask.sum(dim=-1, keepdim=True) - 1, **with_cache(cache))
         assert [(layer.tail.keys.data_ptr(), layer.tail.values.data_ptr()) for layer in cache.layers] == storages
-    assert all(layer.tail_length == 5 for layer in cache.layers)
+    assert all(layer.tail_length == MIN_SPARE for layer in cache.layers)
 
 
-def test_the_tail_grows_by_doubling_and_keeps_its_tokens():
+def test_the_tail_grows_and_keeps_its_tokens():
     keys, values = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     for segment in (DenseTokens(keys, values, torch.arange(5).expand(1, 2, -1), capacity=2),
                     RaggedTokens(keys, values, torch.tensor([[[0, 1, 2, -1, -1], [0, 1, 2, 3, 4]]]), capacity=2)):

@@ -9,7 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 
 from restkv.cache import CompressedLayer
 from restkv.compat import (CHECK_VARIABLE, NEWEST_TESTED, UnsupportedTransformersVersion, UntestedTransformersVersion,
-                           check_transformers_version, output_cache)
+                           check_transformers_version, output_cache, with_cache)
 from restkv.config import CompressionConfig, ConfigError
 from restkv.generation import prefill
 from restkv.handles import has_class_config, model_state
@@ -286,3 +286,233 @@ def test_no_restkv_attribute_lands_on_a_transformers_object():
     objects = [cache, model, model.model, *model.model.layers, *(layer.self_attn for layer in model.model.layers),
                LlamaAttention, type(model.model)]
     assert not [name for obj in objects for name in restkv_names(obj)]
+
+
+# ----------------------------------------------------------------------------- any decoder: what is served, what is refused
+@pytest.mark.parametrize("model_type, reason", [
+    ("doge", r"DogeAttention needs an attention that hands its kernel the attention_mask the model built \(it hands "
+             r"attn_mask\)"),
+    ("falcon_h1", r"its cache holds LinearAttentionAndFullAttentionLayer layers"),
+    ("zamba2", r"its cache holds LinearAttentionAndFullAttentionLayer layers"),
+    ("gemma4_text", r"Gemma4TextAttention needs an attention that keeps its keys and values to itself"),
+    ("deepseek_v3", r"DeepseekV3Attention needs .*it caches kv_nope, k_rot and hands key_states, value_states"),
+])
+def test_a_model_type_restkv_cannot_serve_is_refused_at_patch_time_with_its_reason(model_type, reason):
+    """Accepted before, then wrong or crashing at the first generate (Doge's learned mask read as none,
+    Falcon-H1's convolution state lost with its cache layer, Gemma 4's shared KV fed only new tokens)."""
+    with pytest.raises(ValueError, match=f"model type '{model_type}' is not supported by restkv: {reason}"):
+        replace_family(model_type, method="snapkv", max_capacity_prompts=16)
+
+
+def test_a_model_type_is_judged_by_the_attention_its_decoder_builds():
+    """Text-only types share a modeling module with a vision or audio tower they never build; types
+    named by the auto mappings after another type's classes (internlm3 is LlamaForCausalLM) resolve to
+    those classes instead of a module that does not exist."""
+    from types import SimpleNamespace
+
+    for model_type in ("llama4_text", "qwen3_5_text", "gemma3n_text"):
+        try:
+            family_of(SimpleNamespace(model_type=model_type))
+        except ValueError as error:
+            assert "Vision" not in str(error) and "Audio" not in str(error)
+    assert family_of(SimpleNamespace(model_type="internlm3")) == "llama"
+    assert family_of(SimpleNamespace(model_type="sarvam_moe")) == "sarvam_moe"
+    with pytest.raises(ValueError, match="model type 'data2vec-text' is not supported by restkv: "):
+        family_of(SimpleNamespace(model_type="data2vec-text"))
+
+
+def test_a_hybrid_model_compresses_its_attention_layers_and_reports_its_state_layers():
+    """Jamba's Mamba layers hold a state, its attention layers keys: the report and the kept positions read
+    both, and a method that reads keys before RoPE runs on attention without RoPE (the identity rotation)."""
+    from restkv.cache import cache_report, kept_positions
+    from tiny_models import TINY_JAMBA, tiny_of_type
+
+    model = tiny_of_type("jamba", **TINY_JAMBA)
+    for method in ("snapkv", "leverage"):
+        with compression(model, method=method, max_capacity_prompts=32, window_size=8):
+            out = model.generate(random_prompt(1, 90), max_new_tokens=3, do_sample=False,
+                                 return_dict_in_generate=True, pad_token_id=0)
+        cache = output_cache(out)
+        reports = cache_report(cache)
+        assert [report.kind for report in reports] == ["state", "compressed", "state", "compressed"]
+        assert all(report.nbytes > 0 for report in reports)
+        positions = kept_positions(cache)
+        assert positions[0].exact == [] and [len(head) for head in positions[1].exact[0]] == [34, 34]
+
+
+def test_compression_configures_only_the_model_it_names():
+    """A family patched for one model's block compresses no other model of it, nested blocks included,
+    and nothing is left patched or compressed after them."""
+    from restkv.cache import cache_report
+
+    model, other = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    prompt = random_prompt(1, 90)
+
+    def compressed(which) -> list[bool]:
+        out = which.generate(prompt, max_new_tokens=2, do_sample=False, return_dict_in_generate=True,
+                             pad_token_id=0)
+        return [report.compressed for report in cache_report(output_cache(out))]
+
+    with compression(model, method="snapkv", max_capacity_prompts=32, window_size=8):
+        assert compressed(model) == [True] * 3 and compressed(other) == [False] * 3
+        with compression(other, method="snapkv", max_capacity_prompts=32, window_size=8):
+            assert compressed(other) == [True] * 3
+        assert compressed(other) == [False] * 3 and compressed(model) == [True] * 3
+    assert LlamaAttention.forward is _ORIGINAL_LLAMA_FORWARD and compressed(model) == [False] * 3
+
+
+def test_a_config_the_model_refuses_leaves_nothing_patched():
+    """Qwen3's sliding layer cannot be compressed again under chunks: the block is refused before the family
+    is patched, so a later plain generate is the model's own."""
+    from restkv.cache import cache_report
+    from restkv.monkeypatch import is_patched
+
+    model = tiny_model("qwen3")
+    with pytest.raises(ConfigError, match="--prefill_chunk_size 16 compresses full-attention layers again"):
+        with compression(model, method="snapkv", max_capacity_prompts=8, window_size=4, prefill_chunk_size=16):
+            pass
+    assert not is_patched("qwen3")
+    out = model.generate(random_prompt(1, 90), max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    assert not any(report.compressed for report in cache_report(output_cache(out)))
+
+
+@pytest.mark.parametrize("patch, family", [(replace_llama, "llama"),
+                                           (lambda **o: replace_family("phi3", **o), "phi3")])
+def test_a_model_of_any_other_family_warns_that_it_runs_uncompressed(patch, family):
+    """The warning comes from restkv's dispatcher, which every model's attention reaches while a patch is
+    active: it knows discovered families too (Qwen3 after replace_llama) and names the patched one."""
+    patch(method="snapkv", max_capacity_prompts=16, window_size=4)
+    other = tiny_model("qwen3")
+    with pytest.warns(UserWarning, match=f"Qwen3Attention model runs uncompressed: restkv is patched for {family}, "
+                                         r"not qwen3\. Call restkv.monkeypatch.replace_family\('qwen3', \.\.\.\)"):
+        with torch.no_grad():
+            other(random_prompt(1, 30))
+
+
+def test_attention_implementations_restkv_does_not_serve_are_refused():
+    """flex_attention and a user's own registered kernel ran uncompressed (or failed at every generate):
+    compression() refuses them, and a family patched without the model refuses at the first forward."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register("my_sdpa", sdpa_attention_forward)
+    for implementation in ("flex_attention", "my_sdpa"):
+        model = tiny_model("llama", attn_implementation=implementation)
+        with pytest.raises(ValueError, match=f"restkv serves the eager, sdpa, .*; this model uses '{implementation}'"):
+            compression(model, method="snapkv", max_capacity_prompts=32, window_size=8).__enter__()
+        replace_llama(method="snapkv", max_capacity_prompts=32, window_size=8)
+        with pytest.raises(ValueError, match=f"this model uses '{implementation}'"):
+            with torch.no_grad():
+                model(random_prompt(1, 40))
+        unpatch()
+
+
+def test_a_subclass_of_a_patched_attention_is_compressed_and_one_overriding_forward_is_named():
+    from restkv.cache import cache_report
+
+    class MyAttention(LlamaAttention):
+        pass
+
+    class MyForward(LlamaAttention):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    for cls in (MyAttention, MyForward):
+        model = tiny_model("llama")
+        for layer in model.model.layers:
+            swapped = cls(model.config, layer.self_attn.layer_idx)
+            swapped.load_state_dict(layer.self_attn.state_dict())
+            layer.self_attn = swapped
+        if cls is MyForward:
+            with pytest.raises(ValueError, match="MyForward overrides forward, so restkv's patch of "
+                                                 "LlamaAttention.forward does not reach it"):
+                compression(model, method="snapkv", max_capacity_prompts=32, window_size=8).__enter__()
+            continue
+        with compression(model, method="snapkv", max_capacity_prompts=32, window_size=8):
+            out = model.generate(random_prompt(1, 90), max_new_tokens=2, do_sample=False,
+                                 return_dict_in_generate=True)
+        assert all(report.compressed for report in cache_report(output_cache(out)))
+
+
+@pytest.mark.parametrize("model_type, detail", [
+    ("cohere2", "cohere2 layer 0 rotates them in a way restkv does not undo"),
+    ("moshi", "moshi layer 0 rotates them in a way restkv does not undo"),
+])
+def test_a_pre_rope_reader_is_refused_when_configured_where_the_rotation_cannot_be_undone(model_type, detail):
+    """Cohere 2 rotates interleaved pairs, Moshi computes its tables inside its attention: the refusal comes
+    from compression(), before the first prefill (it came only there before)."""
+    from tiny_models import tiny_of_type
+
+    extra = dict(sliding_window=512, layer_types=["sliding_attention", "full_attention", "sliding_attention"]) \
+        if model_type == "cohere2" else {}
+    model = tiny_of_type(model_type, **extra)
+    with pytest.raises(ValueError, match=f"--method leverage reads keys before RoPE; {detail}"):
+        compression(model, method="leverage", max_capacity_prompts=32, window_size=8).__enter__()
+    with compression(model, method="snapkv", max_capacity_prompts=32, window_size=8):  # a post-RoPE scorer runs
+        model.generate(random_prompt(1, 60), max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+def test_a_forward_without_a_cache_warns_that_nothing_is_compressed():
+    model = tiny_model("llama")
+    with compression(model, method="snapkv", max_capacity_prompts=32, window_size=8):
+        with pytest.warns(UserWarning, match=r"restkv: this forward has no cache \(use_cache=False\), so nothing is "
+                                             "compressed"):
+            model.generate(random_prompt(1, 60), max_new_tokens=2, use_cache=False, pad_token_id=0)
+
+
+def test_reconstruction_refuses_a_prompt_that_reaches_the_decoder_as_embeddings():
+    """An image prompt reaches Gemma 3's text decoder as embeddings: KVzip's reconstruction cannot repeat them,
+    and says so (it asked for input_ids the user had given)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, sliding_window=512,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                                        image_token_index=299, boi_token_index=297,
+                                                        eoi_token_index=298)).eval()
+    ids = torch.cat([random_prompt(1, 40), torch.tensor([[297] + [299] * 4 + [298]]), random_prompt(1, 44, seed=3)],
+                    dim=1)
+    with compression(model, method="kvzip", max_capacity_prompts=32):
+        with pytest.raises(ValueError, match=r"--method kvzip.s own\) repeats the context by its token ids; this prefill "
+                                             "reached the decoder as embeddings"):
+            model.generate(input_ids=ids, pixel_values=torch.randn(1, 3, 28, 28), max_new_tokens=2, do_sample=False)
+
+
+def test_diffllama_keeps_one_token_set_per_layer_and_reads_each_calls_values_from_their_heads():
+    """DiffLlama calls its kernel twice a step, each time with half of the heads' cached values spread over all
+    heads: the layer stores the cached values of tokens every head keeps, counts each step once, and a decode
+    step equals the unpatched model attending only to the kept tokens (StreamingLLM keeps the same tokens in
+    every layer, so one padding-style mask is that oracle)."""
+    from restkv.cache import kept_positions
+    from restkv.generation import prefill
+    from tiny_models import tiny_of_type
+
+    model = tiny_of_type("diffllama", num_hidden_layers=2)
+    ids = random_prompt(1, 90)
+    native = prefill(model, ids)
+    with compression(model, method="snapkv", max_capacity_prompts=32, window_size=8):
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+    layer = output_cache(out).layers[0]
+    columns = layer.kept_columns[0]
+    assert layer.tokens_seen == 93 and bool((columns == columns[:1]).all())  # one token set for both heads
+    kept = columns[0][(columns[0] >= 0) & (columns[0] < 90)].long()
+    torch.testing.assert_close(layer.kept_values[0][:, : len(kept)], native.layers[0].values[0][:, kept])
+
+    with compression(model, method="streamingllm", max_capacity_prompts=32, n_sink=4):
+        cache = prefill(model, ids)
+    visible = torch.zeros(1, 91, dtype=torch.long)
+    visible[0, kept_positions(cache)[0].exact[0][0]] = 1
+    visible[0, 90] = 1
+    token, position = torch.tensor([[7]]), torch.tensor([[90]])
+    with torch.no_grad():
+        reference = model(token, attention_mask=visible, position_ids=position, **with_cache(native)).logits
+        with compression(model, method="streamingllm", max_capacity_prompts=32, n_sink=4):
+            ours = model(token, position_ids=position, **with_cache(cache)).logits
+    torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="--residual: diffllama's attention reads each head's values from other "
+                                         "heads, so restkv keeps one exact token set per layer there"):
+        compression(model, method="snapkv", residual=True, max_capacity_prompts=32, window_size=8).__enter__()

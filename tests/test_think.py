@@ -102,7 +102,7 @@ def test_memory_follows_the_ratio():
     # float32 compact keys, values, int32 columns, whole recent and tail tokens with their columns, int64 channels
     expected = 4 * heads * (older * dim // 2 + older * dim + older + (recent + tail) * (2 * dim + 1)) \
         + 8 * heads * dim // 2
-    assert all(layer.nbytes() == expected for layer in cache.layers)
+    assert all(layer.used_nbytes() == expected for layer in cache.layers)
     assert cache_report(cache)[0].storage == "keys 8/16 channels"
     assert cache_report(cache)[0].stored_max == 24 + tail
 
@@ -151,12 +151,26 @@ def test_config_names_the_flags():
     assert CompressionConfig(method="h2o", think=True, max_capacity_prompts=64).describe() == "--method h2o --think"
 
 
-def test_a_layer_whose_prompt_fits_the_budget_is_pruned_too():
-    """Issue 19 item 9: ThinK's release prunes key channels whether or not the layer evicts; a
-    40-token prompt under a budget of 64 keeps every token, its older keys with half the channels."""
+def test_a_layer_whose_prompt_fits_the_budget_stays_exact():
+    """A budget at or above the prompt reproduces the unpatched model with --think as with every method."""
+    model = tiny_model("llama")
+    ids = random_prompt(1, 40)
+    reference = greedy(model, ids, new_tokens=4)
+    replace_for("llama")(method="think", pruning_ratio=0.5, recent_size=4, max_capacity_prompts=64, window_size=4)
+    out = greedy(model, ids, new_tokens=4)
+    assert torch.equal(out.sequences, reference.sequences)
+    for ours, theirs in zip(out.logits, reference.logits):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert not any(isinstance(layer, CompressedLayer) for layer in out.past_key_values.layers)
+
+
+def test_prune_fitting_layers_prunes_a_layer_whose_prompt_fits_the_budget_as_the_release_does():
+    """Issue 19 item 9: ThinK's release prunes key channels whether or not the layer evicts; with
+    --prune_fitting_layers a 40-token prompt under a budget of 64 keeps every token, its older keys
+    with half the channels."""
     model = tiny_model("llama")
     replace_for("llama")(method="snapkv", think=True, pruning_ratio=0.5, recent_size=4, max_capacity_prompts=64,
-                         window_size=4)
+                         window_size=4, prune_fitting_layers=True)
     cache = prefill(model, random_prompt(1, 40))
     for layer in cache.layers:
         assert isinstance(layer, CompressedLayer) and layer.kept_counts.tolist() == [[40, 40]]

@@ -126,6 +126,32 @@ def tiny_model(family: str, attn_implementation: str = "sdpa", seed: int = 0, **
     return model
 
 
+def tiny_of_type(model_type: str, attn_implementation: str = "sdpa", **overrides):
+    """A tiny random model of any transformers model type (no restkv table entry, no fixture), built from
+    ``AutoConfig.for_model`` with the shared sizes (mixture-of-experts sizes shrunk where the config has them),
+    q/k sharpened as ``tiny_model``'s."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **{**COMMON, "head_dim": 16, **overrides})
+    for name, value in dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=32).items():
+        if hasattr(config, name) and name not in overrides:
+            setattr(config, name, value)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(4.0)
+    return model
+
+
+#: a Jamba (Mamba + attention) small enough for a unit test: layers 1 and 3 are attention
+TINY_JAMBA = dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4, mamba_expand=2,
+                  mamba_dt_rank=4)
+
+
 def replace_for(family: str):
     """The ``replace_*`` function that patches ``family``."""
     return FAMILIES[family][2]
