@@ -317,7 +317,7 @@ def model_shape(modules: list[torch.nn.Module]) -> ModelShape:
     first = modules[0]
     return ModelShape(
         num_layers=first.config.num_hidden_layers, num_heads=first.config.num_attention_heads,
-        num_kv_heads=first.config.num_key_value_heads, head_dim=first.head_dim,
+        num_kv_heads=first.config.num_key_value_heads, head_dim=first.head_dim, hidden_size=first.config.hidden_size,
         sliding_windows=tuple(LayerParams.of(module).sliding_window for module in modules),
         element_size=first.o_proj.weight.element_size(),
     )

@@ -14,7 +14,8 @@ from restkv.compat import output_cache
 from restkv.context import ScoringContext, plan_layer, valid_from_mask
 from restkv.policies.pyramidkv import kvpress_pyramid_totals
 from test_policies import dense_attention
-from tiny_models import greedy, random_prompt, random_qkv, replace_for, rope_tables, tiny_model
+from tiny_models import (assert_refused_when_configured, greedy, random_prompt, random_qkv, replace_for, rope_tables,
+                         tiny_model)
 
 PORTED = ["keydiff", "lagkv", "cur", "noncausal_attn", "finch", "qfilter", "expected_attention", "leverage", "compactor",
           "capkv"]
@@ -388,6 +389,17 @@ def test_qfilter_file_errors_name_the_flag(tmp_path):
     query, key, value = random_qkv(length=30)
     with pytest.raises(ConfigError, match=r"--qfilter_file .* holds filters \[3, 4, 16\]"):
         compress_kv(query, key, value, dict(method="qfilter", max_capacity_prompts=10, window_size=0, qfilter_file=wrong))
+
+
+def test_qfilter_file_of_another_model_is_refused_when_the_model_is_configured(tmp_path):
+    for filters, needed in ((torch.randn(30, 2, 16), r"\[30, 2, 16\]"), (torch.randn(3, 2, 8), r"\[3, 2, 8\]")):
+        path = write_filters(tmp_path / "other.safetensors", filters)
+        assert_refused_when_configured(dict(method="qfilter", max_capacity_prompts=32, window_size=4, qfilter_file=path),
+                                       rf"--qfilter_file .*other.safetensors.*: q_filters is {needed}; the model "
+                                       r"needs \[3, 2, 16\]")
+    nan = write_filters(tmp_path / "nan.safetensors", torch.full((3, 2, 16), float("nan")))
+    with pytest.raises(ConfigError, match="--qfilter_file .*nan.safetensors.*: q_filters holds NaN"):
+        CompressionConfig(method="qfilter", max_capacity_prompts=32, qfilter_file=nan)
 
 
 # ---------------------------------------------------------------- PyramidKV, kvpress' schedule
