@@ -181,6 +181,8 @@ class ScoringContext:
     def __post_init__(self) -> None:
         if self.observation is None:
             self.observation = WindowObservation(self)
+        if self.rotary is not None:  # a model called without position_ids gives every row one [1, N, d] table
+            self.rotary = tuple(table.expand(self.key.shape[0], -1, -1) for table in self.rotary)
 
     @classmethod
     def of(cls, query, key, value, plan: LayerPlan, scaling: float | None = None, softcap=None,

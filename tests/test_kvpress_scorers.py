@@ -273,6 +273,29 @@ def test_expected_attention_on_tensors_needs_the_rope_tables():
         compress_kv(query, key, value, dict(method="expected_attention", max_capacity_prompts=16, window_size=4))
 
 
+@pytest.mark.parametrize("method", ["expected_attention", "capkv"])
+def test_future_query_scorers_read_rope_tables_shared_by_the_rows_of_a_batch(method):
+    """A model called without position_ids gives one ``[1, N, d]`` table to every row of a left-padded
+    batch: each row is scored as with its own copy of the table."""
+    query, key, value = random_qkv(batch=2, length=40, seed=12)
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :15] = 0
+    cos, sin = rope_tables(query[:1])
+    options = dict(method=method, max_capacity_prompts=10, window_size=4)
+    shared = scores_of(options, query, key, value, mask, rotary=(cos, sin))
+    torch.testing.assert_close(shared, scores_of(options, query, key, value, mask,
+                                                 rotary=(cos.expand(2, -1, -1), sin.expand(2, -1, -1))))
+
+
+def test_future_positions_are_bounded_by_the_documented_maximum():
+    from restkv.policies.future_queries import MAX_FUTURE_POSITIONS
+
+    CompressionConfig(method="expected_attention", max_capacity_prompts=32, window_size=4,
+                      future_positions=MAX_FUTURE_POSITIONS)
+    with pytest.raises(ConfigError, match=rf"--future_positions must lie in \[1, {MAX_FUTURE_POSITIONS}\]; got 1000000000"):
+        CompressionConfig(method="expected_attention", max_capacity_prompts=32, window_size=4, future_positions=10**9)
+
+
 # ---------------------------------------------------------------- leverage scores, Compactor
 def hat_diagonal(keys: torch.Tensor) -> torch.Tensor:
     """``[H, n]`` z-scored ``diag(X (X^T X + 0.01 I)^-1 X^T)`` of the row-centred ``keys`` ``[H, n, d]``."""
