@@ -42,3 +42,16 @@ def test_a_left_padded_batch_called_without_position_ids_keeps_what_it_keeps_wit
             out = model(ids, attention_mask=mask, position_ids=positions, use_cache=True)
         kept.append(kept_positions(output_cache(out)))
     assert kept[0] == kept[1]
+
+
+def test_lukv_keeps_whole_a_left_padded_row_that_fits_its_budget_as_alone(tmp_path):
+    """The 50-token row fits the budget of 64: alone it is not compressed, in the batch neither."""
+    import numpy as np
+
+    path = tmp_path / "curve.npy"
+    np.save(path, np.random.RandomState(0).rand(99, 3, 2).astype("float32") * 0.9)
+    model = tiny_model("llama")
+    replace_for("llama")(method="snapkv", allocation="lukv", lukv_curve=str(path), max_capacity_prompts=64,
+                         window_size=8)
+    batched = assert_rows_match_single_row_runs(model, [120, 50])
+    assert all(layer.kept_counts[1].tolist() == [50, 50] for layer in output_cache(batched).layers)
