@@ -101,8 +101,9 @@ class HeldSequences:
 def recompress(layer, queries: torch.Tensor, config: Any, budgets: list[int], scaling: float,
                softcap: float | None, o_proj_weight: torch.Tensor | None, layer_idx: int, num_layers: int) -> None:
     """Evict ``layer``'s exact tokens (kept and appended) down to ``budgets[b]`` per KV head (the layer's
-    own share of it, ``layer_budgets``; summary entries counted), scored by ``queries`` ``[B, H, w, d]`` (the newest tokens' post-RoPE
-    queries); the layer is rewritten in place. Nothing happens when every head fits its budget."""
+    own share of it, ``layer_budgets``; summary entries counted), scored by ``queries`` ``[B, H, w, d]``
+    (the newest tokens' post-RoPE queries); the layer is rewritten in place. Nothing happens when every
+    head fits its budget."""
     held = HeldSequences.of(layer)
     budgets = layer_budgets(config, budgets, seen_tokens(layer), layer_idx, num_layers)
     if held.fit(budgets):

@@ -583,11 +583,12 @@ def test_a_curve_of_another_model_is_refused_when_the_model_is_configured(tmp_pa
     path = write_curve(tmp_path / "other.npy", torch.full((99, 30, 2), 0.5))
     assert_refused_when_configured(dict(method="snapkv", allocation="lukv", lukv_curve=path, max_capacity_prompts=32,
                                         window_size=4),
-                                   r"--lukv_curve .*other.npy.*: the curve is \[99, 30, 2\]; the model needs \[99, 3, 2\]")
+                                   r"--lukv_curve .*other.npy.*: the curve is \[99, 30, 2\]; the model needs "
+                                   r"\[99, 3, 2\]")
     query, key, value = random_qkv(length=60)
     with pytest.raises(ConfigError, match=r"the curve is \[99, 30, 2\]; the model needs \[99, 3, 2\]"):
-        compress_kv(query, key, value, dict(method="snapkv", allocation="lukv", lukv_curve=path, max_capacity_prompts=32,
-                                            window_size=4), layer_idx=0, num_layers=3)
+        compress_kv(query, key, value, dict(method="snapkv", allocation="lukv", lukv_curve=path,
+                                            max_capacity_prompts=32, window_size=4), layer_idx=0, num_layers=3)
 
 
 def test_lukv_never_keeps_more_than_the_runs_budget_in_all(tmp_path):
@@ -612,7 +613,8 @@ def test_a_curve_rewritten_in_place_is_read_again(tmp_path):
     kept_counts = []
     for prune in (0.9, 0.7):
         write_curve(path, torch.full((99, 3, 2), prune))
-        kept_counts.append(stored_counts(compress_kv(query, key, value, options, layer_idx=0, num_layers=3))[0].tolist())
+        out = compress_kv(query, key, value, options, layer_idx=0, num_layers=3)
+        kept_counts.append(stored_counts(out)[0].tolist())
     assert kept_counts == [[20, 20], [60, 60]]
 
 
@@ -627,4 +629,5 @@ def test_lukv_refuses_compressing_layers_again(options, tiny_lukv_curve):
 def test_head_scores_of_another_model_are_refused_when_the_model_is_configured(tmp_path):
     path = random_head_scores(tmp_path / "other.json", 30, 9)
     assert_refused_when_configured(dict(method="headkv", head_scores=path, max_capacity_prompts=32, window_size=4),
-                                   "--head_scores: .*other.json.* has 270 heads, the model has 3 layers x 4 query heads")
+                                   "--head_scores: .*other.json.* has 270 heads, the model has 3 layers x 4 query "
+                                   "heads")

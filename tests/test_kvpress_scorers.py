@@ -292,7 +292,7 @@ def test_future_positions_are_bounded_by_the_documented_maximum():
 
     CompressionConfig(method="expected_attention", max_capacity_prompts=32, window_size=4,
                       future_positions=MAX_FUTURE_POSITIONS)
-    with pytest.raises(ConfigError, match=rf"--future_positions must lie in \[1, {MAX_FUTURE_POSITIONS}\]; got 1000000000"):
+    with pytest.raises(ConfigError, match=rf"--future_positions must lie in \[1, {MAX_FUTURE_POSITIONS}\]; got 10+$"):
         CompressionConfig(method="expected_attention", max_capacity_prompts=32, window_size=4, future_positions=10**9)
 
 
@@ -417,7 +417,8 @@ def test_qfilter_file_errors_name_the_flag(tmp_path):
 def test_qfilter_file_of_another_model_is_refused_when_the_model_is_configured(tmp_path):
     for filters, needed in ((torch.randn(30, 2, 16), r"\[30, 2, 16\]"), (torch.randn(3, 2, 8), r"\[3, 2, 8\]")):
         path = write_filters(tmp_path / "other.safetensors", filters)
-        assert_refused_when_configured(dict(method="qfilter", max_capacity_prompts=32, window_size=4, qfilter_file=path),
+        assert_refused_when_configured(dict(method="qfilter", max_capacity_prompts=32, window_size=4,
+                                            qfilter_file=path),
                                        rf"--qfilter_file .*other.safetensors.*: q_filters is {needed}; the model "
                                        r"needs \[3, 2, 16\]")
     nan = write_filters(tmp_path / "nan.safetensors", torch.full((3, 2, 16), float("nan")))

@@ -114,8 +114,9 @@ def _read_gates(path: str) -> list[dict[str, torch.Tensor]]:
         layers = [{name: tensors.get(f"gate{layer}.{name}") for name in GATE_PARAMETERS} for layer in range(count)]
     else:
         layers = torch.load(path, map_location="cpu", weights_only=True)["module"]
-    if not isinstance(layers, (list, tuple)) or not layers or any(
-            not isinstance(layer, dict) or any(layer.get(name) is None for name in GATE_PARAMETERS) for layer in layers):
+    complete = [isinstance(layer, dict) and all(layer.get(name) is not None for name in GATE_PARAMETERS)
+                for layer in (layers if isinstance(layers, (list, tuple)) else ())]
+    if not complete or not all(complete):
         raise ConfigError(f"--fastkvzip_gates {path!r} must hold, per layer, {', '.join(GATE_PARAMETERS)}")
     gates = [finite_floats("--fastkvzip_gates", path, {name: layer[name] for name in GATE_PARAMETERS})
              for layer in layers]
