@@ -261,7 +261,7 @@ def lukv_counts(prune: torch.Tensor, length: int, budget: int, protected: int) -
     share the rest of the budget in proportion to their keep rates instead."""
     num_layers, num_heads = prune.shape
     least = max(1, protected)
-    ideal = (1 - prune.clamp(0, 1)) * length
+    ideal = (1 - prune) * length
     counts = ideal.floor().long()
     for layer in range(num_layers):
         target = min(max(round(float(ideal[layer].sum())), num_heads), num_heads * length)
