@@ -34,6 +34,7 @@ from restkv.config import kept_at_ratio
 from restkv.context import ScoringContext
 from restkv.head_scores import load_head_scores, read_head_score_file
 from restkv.options import ConfigError, Options, option, register
+from restkv.weights_file import check_shape, finite_floats, read_file_once
 
 
 def layer_shape(ctx: ScoringContext) -> LayerShape:
@@ -83,6 +84,13 @@ class Allocation(Options):
     head_adaptive: ClassVar[bool] = False
     #: a boolean option of the allocation that also selects it (the release's ``--use_pyramid``)
     selected_by: ClassVar[str | None] = None
+
+    def layer_budget(self, budget: int, seen: int, layer_idx: int, num_layers: int) -> int:
+        """The tokens per KV head layer ``layer_idx`` keeps of a row whose budget is ``budget`` (window
+        included) and which has seen ``seen`` tokens (the prompt so far, and the generated ones): the
+        budget, unless the allocation sets each layer's own (``per_layer``). ``restkv.context.plan_layer``
+        reads it, so that whether a layer is compressed at all follows the layer's budget."""
+        return budget
 
     def allocate(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
         """``[B, H_kv]`` tokens kept per row and KV head, protected tokens included."""
@@ -159,15 +167,17 @@ class Pyramid(Allocation):
 
 @register("allocation")
 @dataclass(frozen=True)
-class PerLayerRatios(Allocation):
+class PerLayerRatios(Uniform):
     """Each layer its own compression ratio (kvpress' PerLayerCompressionPress): layer ``l`` keeps
-    ``floor(L (1 - r_l))`` tokens per head, window included, at most the run's budget (the
-    largest any layer keeps, and the memory bound); a layer beyond the list keeps the run's."""
+    ``floor(n (1 - r_l))`` of the ``n`` tokens its row has seen, window included, at most the run's
+    budget (the largest any layer keeps, and the memory bound); a row within the budget is kept whole.
+    Under ``--prefill_chunk_size`` and ``--decode_budget`` ``n`` counts every token seen so far, not
+    only those the layer holds."""
 
     name = "per_layer"
 
     layer_ratios: tuple[float, ...] = option((), "--allocation per_layer: the compression ratio of each layer, in "
-                                                 "layer order")
+                                                 "layer order, one per layer of the model")
 
     def validate(self) -> None:
         if not all(0 <= ratio < 1 for ratio in self.layer_ratios):
@@ -177,11 +187,17 @@ class PerLayerRatios(Allocation):
         if not self.layer_ratios:
             raise ConfigError("--allocation per_layer gives each layer its own ratio: give --layer_ratios R0 R1 ...")
 
-    def candidate_counts(self, layer, scores, shape, available):
-        if layer.layer_idx >= len(self.layer_ratios):
-            return torch.clamp(available, max=shape.candidate_budget)
-        kept = kept_at_ratio(shape.length, self.layer_ratios[layer.layer_idx])
-        return torch.clamp(available, max=max(min(kept, shape.budget) - shape.window, 0))
+    def check_model(self, config, model) -> None:
+        self.check_layers(model.num_layers)
+
+    def check_layers(self, num_layers: int) -> None:
+        if len(self.layer_ratios) != num_layers:
+            raise ConfigError(f"--layer_ratios gives {len(self.layer_ratios)} ratios; the model has {num_layers} "
+                              "layers: give one per layer")
+
+    def layer_budget(self, budget, seen, layer_idx, num_layers):
+        self.check_layers(num_layers)
+        return budget if seen <= budget else min(budget, kept_at_ratio(seen, self.layer_ratios[layer_idx]))
 
 
 @register("allocation")
@@ -189,16 +205,20 @@ class PerLayerRatios(Allocation):
 class LUKVAllocation(Allocation):
     """LU-KV's per-head budgets (arXiv 2602.08585) from a budget curve: ``--lukv_curve`` holds, for
     each compression ratio 1%..99%, every layer's and KV head's prune ratio (``[99, layers, KV
-    heads]``, made offline by LU-KV's own tools). A row of ``L`` tokens with budget ``C`` reads the
-    curve's row for ``round(100 (1 - C / L))%``; head ``h`` keeps ``(1 - p_h) L`` tokens, rounded so
-    the layer keeps the rounded sum (largest remainders first), window and sinks included."""
+    heads]``, made offline by LU-KV's own tools for one model and one scorer). A row of ``L`` tokens
+    with budget ``C`` reads the curve's row for ``round(100 (1 - C / L))%``; head ``h`` keeps
+    ``(1 - p_h) L`` tokens, rounded so the layer keeps the rounded sum (largest remainders first),
+    window and sinks included (kvpress' LUKVPress). The model never keeps more than ``C`` per head on
+    average: a curve row that would (its prune ratios average below its ratio) is scaled down, the
+    heads sharing the budget in proportion to their keep rates (``lukv_counts``)."""
 
     name = "lukv"
     head_adaptive = True
 
     lukv_curve: str | None = option(
-        None, "LU-KV: .npy budget curve [99, layers, KV heads] of prune ratios (row r - 1: ratio r percent)",
-        names_file=True)
+        None, "LU-KV: .npy budget curve [99, layers, KV heads] of prune ratios in [0, 1] (row r - 1: ratio r "
+        "percent), made for this model and scorer (LU-KV's published curves: --method expected_attention "
+        "--ea_epsilon 0.02 --n_sink 4 --window_size 1)", names_file=True)
 
     def __post_init__(self) -> None:
         if isinstance(self.lukv_curve, os.PathLike):
@@ -212,38 +232,75 @@ class LUKVAllocation(Allocation):
     def check(self, config) -> None:
         if self.lukv_curve is None:
             raise ConfigError("--allocation lukv reads each head's budget from a curve: give --lukv_curve FILE.npy")
+        flags = config.rescoring_flags()
+        if flags:
+            raise ConfigError(f"--allocation lukv reads the curve's row of the prompt's compression ratio; "
+                              f"{' and '.join(flags)} would compress the layers again at other ratios")
 
-    def allocate(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
+    def check_model(self, config, model) -> None:
+        self.check_curve(model.num_layers, model.num_kv_heads)
+
+    def check_curve(self, num_layers: int, num_kv_heads: int) -> torch.Tensor:
+        """The curve, refused (naming the flag) unless it is made for ``num_layers`` x ``num_kv_heads``."""
         curve = lukv_curve(self.lukv_curve)
-        if curve.shape[1] <= ctx.layer_idx or curve.shape[2] != ctx.num_kv_heads:
-            raise ConfigError(f"--lukv_curve {self.lukv_curve!r} holds {curve.shape[1]} layers x {curve.shape[2]} KV "
-                              f"heads; layer {ctx.layer_idx} of this model has {ctx.num_kv_heads} KV heads")
-        protected = ctx.protected.sum(dim=-1)
-        rows = []
-        for row, (budget, length) in enumerate(zip(ctx.budgets.tolist(), ctx.plan.visible_counts.tolist())):
-            index = min(max(round(100 * (1 - budget / length)) - 1, 0), 98)
-            ideal = (1 - curve[index, ctx.layer_idx].clamp(0, 1)) * length
-            target = min(max(round(float(ideal.sum())), ctx.num_kv_heads), ctx.num_kv_heads * length)
-            counts = ideal.floor().long()
-            remainder = target - int(counts.sum())
-            if remainder > 0:
-                counts[torch.topk(ideal - counts, min(remainder, ctx.num_kv_heads)).indices] += 1
-            rows.append(counts.clamp(min=max(1, int(protected[row])), max=length))
-        return torch.stack(rows).to(ctx.budgets.device)
+        check_shape("--lukv_curve", self.lukv_curve, "the curve", curve.shape, (99, num_layers, num_kv_heads))
+        return curve
+
+    def candidate_counts(self, layer, scores, shape, available):
+        curve = self.check_curve(layer.num_layers, layer.num_kv_heads)
+        index = min(max(round(100 * (1 - shape.budget / shape.length)) - 1, 0), 98)
+        kept = lukv_counts(curve[index], shape.length, shape.budget, shape.window)[layer.layer_idx]
+        return torch.minimum(kept - shape.window, available)
 
 
-@lru_cache(maxsize=8)
+def lukv_counts(prune: torch.Tensor, length: int, budget: int, protected: int) -> torch.Tensor:
+    """``[layers, KV heads]`` tokens each head keeps of a row of ``length`` tokens under LU-KV's curve
+    row ``prune`` (prune ratios): ``(1 - p) length``, each layer keeping its rounded sum (largest
+    remainders first; kvpress' LUKVPress), each head at least its ``protected`` tokens (and 1). Where
+    that exceeds the model's budget (``budget`` per head), the heads keep their protected tokens and
+    share the rest of the budget in proportion to their keep rates instead."""
+    num_layers, num_heads = prune.shape
+    least = max(1, protected)
+    ideal = (1 - prune) * length
+    counts = ideal.floor().long()
+    for layer in range(num_layers):
+        target = min(max(round(float(ideal[layer].sum())), num_heads), num_heads * length)
+        remainder = target - int(counts[layer].sum())
+        if remainder > 0:
+            counts[layer, torch.topk(ideal[layer] - counts[layer], min(remainder, num_heads)).indices] += 1
+    counts = counts.clamp(min=least, max=length)
+    total = num_layers * num_heads * budget
+    if int(counts.sum()) <= total:
+        return counts
+    weights = ideal.flatten().double()
+    pool, room = total - num_layers * num_heads * least, length - least
+    shares = _clamp_spreading_excess(weights / weights.sum() * pool, weights, float(room))
+    return (_round_to_total(shares, pool, room) + least).view(num_layers, num_heads)
+
+
 def lukv_curve(path: str) -> torch.Tensor:
-    """``[99, layers, KV heads]`` float32 prune ratios of a LU-KV curve file (``ConfigError`` naming
-    ``--lukv_curve`` when it is not one)."""
+    """``[99, layers, KV heads]`` float32 prune ratios of a LU-KV curve file, read once while it is
+    unchanged (``ConfigError`` naming ``--lukv_curve`` when it is not one)."""
+    return read_file_once(path, "--lukv_curve", _read_curve)
+
+
+def _read_curve(path: str) -> torch.Tensor:
     try:
-        curve = torch.from_numpy(np.load(path, allow_pickle=False)).float()
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"--lukv_curve {path!r}: not a .npy array ({error})") from None
-    if curve.dim() != 3 or curve.shape[0] != 99:
-        raise ConfigError(f"--lukv_curve {path!r}: expected [99, layers, KV heads] prune ratios, got "
-                          f"{list(curve.shape)}")
-    return curve
+        curve = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as error:
+        raise ValueError(f"not a .npy array ({error})") from None
+    if not isinstance(curve, np.ndarray):
+        curve.close()
+        raise ValueError("not a .npy array (an .npz archive?)")
+    if curve.dtype.kind not in "fiu":
+        raise ValueError(f"holds {curve.dtype} values, not prune ratios")
+    if curve.ndim != 3 or curve.shape[0] != 99:
+        raise ValueError(f"expected [99, layers, KV heads] prune ratios, got {list(curve.shape)}")
+    ratios = finite_floats("--lukv_curve", path, {"the curve": torch.from_numpy(curve.astype(np.float32))})["the curve"]
+    if bool(((ratios < 0) | (ratios > 1)).any()):
+        raise ValueError(f"prune ratios must lie in [0, 1]; the curve holds {float(ratios.min()):g} to "
+                         f"{float(ratios.max()):g}")
+    return ratios
 
 
 @register("allocation")
@@ -299,14 +356,8 @@ class HeadKVAllocation(Allocation):
         super().__post_init__()
 
     def validate(self) -> None:
-        if self.head_scores is None:
-            return
-        if not os.path.isfile(self.head_scores):
-            raise ConfigError(f"--head_scores {self.head_scores!r} is not a file")
-        try:
-            read_head_score_file(self.head_scores)
-        except ValueError as error:
-            raise ConfigError(f"--head_scores: {error}") from None
+        if self.head_scores is not None:
+            read_file_once(self.head_scores, "--head_scores", read_head_score_file)
 
     def check(self, config) -> None:
         if self.head_scores is None:
@@ -315,6 +366,12 @@ class HeadKVAllocation(Allocation):
                 "restkv.benchmarks.head_scores --model_path MODEL --out "
                 "data/heads_score/MODEL_retrieval_reasoning_heads.json)"
             )
+
+    def check_model(self, config, model) -> None:
+        try:
+            load_head_scores(self.head_scores, model.num_layers, model.num_heads)
+        except ValueError as error:
+            raise ConfigError(f"--head_scores: {error}") from None
 
     def candidate_counts(self, layer, scores, shape, available):
         path = os.path.abspath(self.head_scores)

@@ -136,6 +136,8 @@ _SWITCHED_RUN_OPTIONS = {
 class ModelShape:
     """What a config is checked against when it is given to a model (``CompressionConfig.check_model``).
 
+    hidden_size: the width of the hidden states the attention reads (what files of per-layer
+    weights on them, KVzap's and Fast KVzip's, must take).
     sliding_windows: per layer, the sliding window of its attention, or None (full attention).
     element_size: bytes of one cached number (the model's dtype).
     """
@@ -144,6 +146,7 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    hidden_size: int
     sliding_windows: tuple[int | None, ...]
     element_size: int
 

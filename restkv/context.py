@@ -75,14 +75,16 @@ class LayerPlan:
 
 def plan_layer(config: Any, valid: torch.Tensor, layer_idx: int = 0, num_layers: int = 1,
                sliding_window: int | None = None, budgets: list[int] | None = None,
-               context_span: tuple[int, int] | None = None) -> LayerPlan:
+               context_span: tuple[int, int] | None = None, seen: list[int] | None = None) -> LayerPlan:
     """The prefill plan of layer ``layer_idx`` for a left-padded prompt with real tokens ``valid``.
 
     ``config`` is a ``restkv.config.CompressionConfig``; ``budgets`` overrides its budget of
     each row (a layer compressed again keeps the budget of all the tokens it has seen);
     ``context_span``: the row-local ``(start, stop)`` of the context, every token outside it
-    protected too (``restkv.context_span``). Raises ``ConfigError`` when a row that must be
-    compressed cannot keep more than its protected tokens (a ratio budget on a short row).
+    protected too (``restkv.context_span``); ``seen``: the tokens each row has seen, where the layer
+    holds fewer (a recompression; default: its visible tokens), which a layer's own budget counts
+    (``layer_budgets``). Raises ``ConfigError`` when a row that must be compressed cannot keep more
+    than its protected tokens (a ratio budget on a short row).
     """
     if not 0 <= layer_idx < num_layers:
         raise ValueError(f"layer_idx {layer_idx} must lie in 0..{num_layers - 1} (num_layers {num_layers})")
@@ -97,13 +99,15 @@ def plan_layer(config: Any, valid: torch.Tensor, layer_idx: int = 0, num_layers:
     budgets = [min(int(b), int(c)) for b, c in zip(wanted, counts)]
     window = config.run.window_size
     protected_counts = [policy.protected_count(window, budget) for budget in budgets]
+    layered = layer_budgets(config, budgets, seen or counts, layer_idx, num_layers)
     compress = policy.evicts and policy.compresses_layer(layer_idx) and any(
-        budget < count for budget, count in zip(budgets, counts)
+        budget < count for budget, count in zip(layered, counts)
     )
     if compress:
         for count, budget, protected in zip(counts, budgets, protected_counts):
             if count > budget:
                 policy.check_row(config, count, budget, protected)
+    budgets = layered
     start = torch.tensor([length - c for c in protected_counts], device=valid.device)
     protected = (torch.arange(length, device=valid.device)[None, :] >= start[:, None]) & visible
     if context_span is not None:
@@ -116,6 +120,16 @@ def plan_layer(config: Any, valid: torch.Tensor, layer_idx: int = 0, num_layers:
                         f"and the window) fill the budget of {budget}: raise the budget")
     return LayerPlan(valid, visible, torch.tensor(budgets, device=valid.device), protected, compress,
                      layer_idx, num_layers, window, config.run.seed, sliding_window)
+
+
+def layer_budgets(config: Any, budgets: list[int], seen: list[int], layer_idx: int, num_layers: int) -> list[int]:
+    """Each row's budget on layer ``layer_idx``: the allocation's for the layer (``Allocation.layer_budget``:
+    ``--allocation per_layer``'s ratio of the ``seen`` tokens) within the run's ``budgets``, never below
+    the row's protected tokens (they stay whatever the ratio)."""
+    window = config.run.window_size
+    return [min(budget, max(config.allocator.layer_budget(budget, int(count), layer_idx, num_layers),
+                            config.policy.protected_count(window, budget)))
+            for budget, count in zip(budgets, seen)]
 
 
 def _around(valid: torch.Tensor, visible: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
@@ -184,6 +198,8 @@ class ScoringContext:
     def __post_init__(self) -> None:
         if self.observation is None:
             self.observation = WindowObservation(self)
+        if self.rotary is not None:  # a model called without position_ids gives every row one [1, N, d] table
+            self.rotary = tuple(table.expand(self.key.shape[0], -1, -1) for table in self.rotary)
 
     @classmethod
     def of(cls, query, key, value, plan: LayerPlan, scaling: float | None = None, softcap=None,

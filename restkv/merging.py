@@ -122,7 +122,8 @@ class SimilarityMerge(Options):
     name = "similarity"
 
     merge_similarity_threshold: float = option(
-        0.0, "--merge similarity: an evicted token merges only into a kept key at least this cosine-similar")
+        0.0, "--merge similarity: an evicted token merges only into a kept key at least this cosine-similar",
+        minimum=-1, maximum=1)
     merge_fraction: float = option(1.0, "--merge similarity: the share of the mergeable evicted tokens (the most "
                                         "similar) that merge", minimum=0, maximum=1)
 

@@ -350,7 +350,7 @@ def model_shape(modules: list[torch.nn.Module]) -> ModelShape:
     element = weight if weight is not None else next(first.parameters())
     return ModelShape(
         num_layers=first.config.num_hidden_layers, num_heads=first.config.num_attention_heads,
-        num_kv_heads=first.config.num_key_value_heads, head_dim=first.head_dim,
+        num_kv_heads=first.config.num_key_value_heads, head_dim=first.head_dim, hidden_size=first.config.hidden_size,
         sliding_windows=tuple(LayerParams.of(module).sliding_window for module in modules),
         element_size=element.element_size(),
     )

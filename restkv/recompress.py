@@ -41,7 +41,7 @@ import torch
 
 from restkv.allocation import LayerShape, RowShape
 from restkv.compress import LayerState, compress_layer
-from restkv.context import ScoringContext, plan_layer
+from restkv.context import ScoringContext, layer_budgets, plan_layer
 from restkv.selection import gather_columns
 from restkv.storage import exact_tokens, joined_view
 
@@ -79,13 +79,15 @@ class HeldSequences:
                       softcap: float | None, o_proj_weight: torch.Tensor | None, layer_idx: int, num_layers: int,
                       protected: torch.Tensor | None = None) -> list[ScoringContext]:
         """One scoring context per KV head over its own sequence (``queries`` ``[B, H, w, d]``: the
-        newest tokens'); ``protected`` ``[B, H_kv, M]``: tokens kept whatever their score."""
+        newest tokens'), each row keeping ``budgets`` (the layer's, ``layer_budgets``); ``protected``
+        ``[B, H_kv, M]``: tokens kept whatever their score."""
         num_kv_heads = self.counts.shape[1]
         groups = queries.shape[1] // num_kv_heads
         contexts = []
         for head in range(num_kv_heads):
             plan = plan_layer(config, self.positions[:, head] >= 0, layer_idx, num_layers,
-                              budgets=[b - int(s) for b, s in zip(budgets, self.slots[:, head].tolist())])
+                              budgets=[b - int(s) for b, s in zip(budgets, self.slots[:, head].tolist())],
+                              seen=seen_tokens(layer))
             if protected is not None:
                 plan = dataclasses.replace(plan, protected=plan.protected | protected[:, head])
             contexts.append(ScoringContext.of(
@@ -98,15 +100,18 @@ class HeldSequences:
 
 def recompress(layer, queries: torch.Tensor, config: Any, budgets: list[int], scaling: float,
                softcap: float | None, o_proj_weight: torch.Tensor | None, layer_idx: int, num_layers: int) -> None:
-    """Evict ``layer``'s exact tokens (kept and appended) down to ``budgets[b]`` per KV head (summary
-    entries counted), scored by ``queries`` ``[B, H, w, d]`` (the newest tokens' post-RoPE
-    queries); the layer is rewritten in place. Nothing happens when every head fits its budget."""
+    """Evict ``layer``'s exact tokens (kept and appended) down to ``budgets[b]`` per KV head (the layer's
+    own share of it, ``layer_budgets``; summary entries counted), scored by ``queries`` ``[B, H, w, d]``
+    (the newest tokens' post-RoPE queries); the layer is rewritten in place. Nothing happens when every
+    head fits its budget."""
     held = HeldSequences.of(layer)
+    budgets = layer_budgets(config, budgets, seen_tokens(layer), layer_idx, num_layers)
     if held.fit(budgets):
         return
     if held.lined_up:  # one compression of the whole layer
         plan = plan_layer(config, held.positions[:, 0] >= 0, layer_idx, num_layers,
-                          budgets=[b - int(s) for b, s in zip(budgets, held.slots[:, 0].tolist())])
+                          budgets=[b - int(s) for b, s in zip(budgets, held.slots[:, 0].tolist())],
+                          seen=seen_tokens(layer))
         ctx = ScoringContext.of(queries, held.keys, held.values, plan, scaling, softcap, o_proj_weight,
                                 positions=held.positions, prompt_padding=layer.prompt_padding)
         layer.replace(compress_layer(config, ctx, previous=layer.summaries))
@@ -118,6 +123,12 @@ def recompress(layer, queries: torch.Tensor, config: Any, budgets: list[int], sc
         shared = torch.stack(scores).mean(dim=0)
         scores = [shared] * len(contexts)
     layer.replace(_compress_heads(config, layer, contexts, scores, _head_allocation(config, contexts, scores)))
+
+
+def seen_tokens(layer) -> list[int]:
+    """The tokens each row of ``layer`` (a ``CompressedLayer``) has seen: its prompt so far and the
+    generated ones, of which it holds only some (what a layer's own budget counts)."""
+    return (layer.tokens_seen - layer.prompt_padding).tolist()
 
 
 def _head_allocation(config, contexts: list[ScoringContext], scores: list[torch.Tensor]) -> list:
@@ -164,8 +175,9 @@ def rank_chunk(config: Any, chunks: dict[int, ScoredChunk], budgets: list[int], 
         held = HeldSequences.of(chunk.layer)
         scores = _held_scores(chunk, held)
         protected = torch.isposinf(scores)
-        contexts = held.head_contexts(chunk.layer, chunk.queries, config, budgets, chunk.scaling, chunk.softcap,
-                                      chunk.o_proj_weight, index, num_layers, protected)
+        contexts = held.head_contexts(chunk.layer, chunk.queries, config,
+                                      layer_budgets(config, budgets, seen_tokens(chunk.layer), index, num_layers),
+                                      chunk.scaling, chunk.softcap, chunk.o_proj_weight, index, num_layers, protected)
         scores = scores.masked_fill(protected, 0.0)
         prepared[index] = (held, contexts, [scores[:, head : head + 1] for head in range(len(contexts))], protected)
     if config.allocator.model_wide:  # one ranking over every (layer, KV head)

@@ -15,6 +15,7 @@ from restkv.head_scores import load_head_scores, save_head_scores
 from tiny_models import (
     FAMILY_BACKENDS,
     assert_patch_reproduces_unpatched,
+    assert_refused_when_configured,
     assert_rows_match_single_row_runs,
     greedy,
     left_padded,
@@ -37,6 +38,20 @@ def random_head_scores(path, layers, heads, seed=0):
     generator = torch.Generator().manual_seed(seed)
     scores = torch.rand(layers, heads, 3, generator=generator) ** 3  # skewed, as real head scores are
     return write_head_scores(path, scores.tolist())
+
+
+def write_curve(path, curve):
+    """A LU-KV budget curve file: ``[99, layers, KV heads]`` prune ratios."""
+    import numpy as np
+
+    np.save(path, np.asarray(curve))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_lukv_curve(tmp_path_factory):
+    """A curve for the tiny test models (3 layers x 2 KV heads) that prunes half of every head."""
+    return write_curve(tmp_path_factory.mktemp("lukv") / "tiny.npy", torch.full((99, 3, 2), 0.5))
 
 
 @pytest.fixture(scope="module")
@@ -370,13 +385,14 @@ def test_every_scorer_composes_with_every_allocation(method, allocation, tiny_he
         assert totals == 3 * 2 * 40  # pyramid and HeadKV: exact over the model
 
 
-def test_rows_that_fit_keep_everything_whatever_the_allocation(tiny_head_scores):
+def test_rows_that_fit_keep_everything_whatever_the_allocation(tiny_head_scores, tiny_lukv_curve):
     query, key, value = random_qkv(batch=2, heads=4, kv_heads=2, length=100, seed=9)
     mask = torch.ones(2, 100, dtype=torch.long)
     mask[1, :70] = 0  # row 1 has 30 tokens, under the budget of 40
-    for allocation in ["pyramid", "adakv", "headkv"]:
+    for allocation, file in [("pyramid", {}), ("adakv", {}), ("headkv", dict(head_scores=tiny_head_scores)),
+                             ("lukv", dict(lukv_curve=tiny_lukv_curve))]:
         out = compress_kv(query, key, value, dict(method="snapkv", allocation=allocation, max_capacity_prompts=40,
-                                                  window_size=8, head_scores=tiny_head_scores),
+                                                  window_size=8, **file),
                           layer_idx=1, num_layers=3, attention_mask=mask)
         assert kept(out, row=1, head=0) == list(range(30)) and kept(out, row=1, head=1) == list(range(30))
 
@@ -496,13 +512,23 @@ def test_per_layer_ratios_give_each_layer_its_ratio_of_the_row_capped_by_the_run
     query, key, value = random_qkv(heads=4, kv_heads=2, length=100, seed=5)
     options = dict(method="snapkv", allocation="per_layer", layer_ratios=(0.2, 0.5, 0.9), max_capacity_prompts=60,
                    window_size=8)
-    counts = [stored_counts(compress_kv(query, key, value, options, layer_idx=layer, num_layers=4))[0].tolist()
-              for layer in range(4)]
-    assert counts == [[60, 60], [50, 50], [10, 10], [60, 60]]  # 80 capped at 60; beyond the list: the budget
+    counts = [stored_counts(compress_kv(query, key, value, options, layer_idx=layer, num_layers=3))[0].tolist()
+              for layer in range(3)]
+    assert counts == [[60, 60], [50, 50], [10, 10]]  # 80 capped at 60
     with pytest.raises(ConfigError, match="give --layer_ratios"):
         CompressionConfig(method="snapkv", allocation="per_layer", max_capacity_prompts=60)
     with pytest.raises(ConfigError, match="--layer_ratios must be fractions"):
         CompressionConfig(method="snapkv", allocation="per_layer", layer_ratios=(1.5,), max_capacity_prompts=60)
+
+
+@pytest.mark.parametrize("ratios", [(0.5,) * 30, (0.5, 0.5)])
+def test_per_layer_ratios_are_one_per_layer_of_the_model(ratios):
+    options = dict(method="snapkv", allocation="per_layer", layer_ratios=ratios, max_capacity_prompts=32,
+                   window_size=4)
+    assert_refused_when_configured(options, f"--layer_ratios gives {len(ratios)} ratios; the model has 3 layers")
+    query, key, value = random_qkv(length=50)
+    with pytest.raises(ConfigError, match=f"--layer_ratios gives {len(ratios)} ratios; the model has 3 layers"):
+        compress_kv(query, key, value, options, layer_idx=0, num_layers=3)
 
 
 def test_lukv_heads_keep_their_curve_share_with_the_layer_total_rounded_by_largest_remainders(tmp_path):
@@ -521,14 +547,87 @@ def test_lukv_heads_keep_their_curve_share_with_the_layer_total_rounded_by_large
 
 
 def test_lukv_curve_errors_name_the_flag(tmp_path):
-    import numpy as np
-
     with pytest.raises(ConfigError, match="give --lukv_curve"):
         CompressionConfig(method="snapkv", allocation="lukv", compression_ratio=0.5)
     (tmp_path / "bad.npy").write_text("not numpy")
-    with pytest.raises(ConfigError, match="--lukv_curve .*not a .npy array"):
+    with pytest.raises(ConfigError, match="--lukv_curve .*bad.npy.*: not a .npy array"):
         CompressionConfig(method="snapkv", allocation="lukv", lukv_curve=str(tmp_path / "bad.npy"), compression_ratio=0.5)
-    np.save(tmp_path / "flat.npy", np.zeros((10, 2), dtype=np.float32))
+    flat = write_curve(tmp_path / "flat.npy", torch.zeros(10, 2))
     with pytest.raises(ConfigError, match=r"expected \[99, layers, KV heads\]"):
-        CompressionConfig(method="snapkv", allocation="lukv", lukv_curve=str(tmp_path / "flat.npy"),
-                          compression_ratio=0.5)
+        CompressionConfig(method="snapkv", allocation="lukv", lukv_curve=flat, compression_ratio=0.5)
+
+
+def _npz(path):
+    import numpy as np
+
+    np.savez(path, curve=np.zeros((99, 3, 2)))
+    return str(path)
+
+
+@pytest.mark.parametrize("write, message", [
+    (lambda path: path.write_bytes(b"") or str(path), "not a .npy array"),
+    (lambda path: _npz(path.with_suffix(".npz")), "not a .npy array"),
+    (lambda path: write_curve(path, [[["a", "b"]] * 3] * 99), "holds <U1 values, not prune ratios"),
+    (lambda path: write_curve(path, torch.full((99, 3, 2), float("nan"))), "the curve holds NaN"),
+    (lambda path: write_curve(path, -torch.ones(99, 3, 2)), r"prune ratios must lie in \[0, 1\]; the curve holds -1"),
+    (lambda path: write_curve(path, torch.full((99, 3, 2), 1.5)), r"prune ratios must lie in \[0, 1\]; .* 1.5"),
+])
+def test_a_curve_that_is_not_one_is_refused_when_the_config_is_built(tmp_path, write, message):
+    """Negative ratios would keep every token (compression off), NaN fail at the first prefill."""
+    path = write(tmp_path / "curve.npy")
+    with pytest.raises(ConfigError, match=f"--lukv_curve .*curve.np.*{message}"):
+        CompressionConfig(method="snapkv", allocation="lukv", lukv_curve=path, max_capacity_prompts=32, window_size=4)
+
+
+def test_a_curve_of_another_model_is_refused_when_the_model_is_configured(tmp_path):
+    path = write_curve(tmp_path / "other.npy", torch.full((99, 30, 2), 0.5))
+    assert_refused_when_configured(dict(method="snapkv", allocation="lukv", lukv_curve=path, max_capacity_prompts=32,
+                                        window_size=4),
+                                   r"--lukv_curve .*other.npy.*: the curve is \[99, 30, 2\]; the model needs "
+                                   r"\[99, 3, 2\]")
+    query, key, value = random_qkv(length=60)
+    with pytest.raises(ConfigError, match=r"the curve is \[99, 30, 2\]; the model needs \[99, 3, 2\]"):
+        compress_kv(query, key, value, dict(method="snapkv", allocation="lukv", lukv_curve=path,
+                                            max_capacity_prompts=32, window_size=4), layer_idx=0, num_layers=3)
+
+
+def test_lukv_never_keeps_more_than_the_runs_budget_in_all(tmp_path):
+    """A curve whose rows keep more than their ratio says (here about 55% where the run keeps 32%) is
+    scaled down: the heads share the model's budget in proportion to the curve's keep rates."""
+    curve = torch.rand(99, 3, 2, generator=torch.Generator().manual_seed(0)) * 0.9
+    path = write_curve(tmp_path / "loose.npy", curve)
+    query, key, value = random_qkv(heads=4, kv_heads=2, length=200, seed=3)
+    options = dict(method="snapkv", allocation="lukv", lukv_curve=path, max_capacity_prompts=64, window_size=8)
+    counts = torch.stack([stored_counts(compress_kv(query, key, value, options, layer_idx=layer, num_layers=3))[0]
+                          for layer in range(3)])
+    assert int(counts.sum()) == 3 * 2 * 64 and bool((counts >= 8).all())
+    keep = 1 - curve[67]  # ratio 68%: 64 of 200 tokens
+    order = torch.argsort(keep.flatten(), stable=True)
+    assert counts.flatten()[order].tolist() == sorted(counts.flatten().tolist())  # more kept where the curve keeps more
+
+
+def test_a_curve_rewritten_in_place_is_read_again(tmp_path):
+    path = tmp_path / "curve.npy"
+    query, key, value = random_qkv(heads=4, kv_heads=2, length=200, seed=3)
+    options = dict(method="snapkv", allocation="lukv", lukv_curve=str(path), max_capacity_prompts=64, window_size=8)
+    kept_counts = []
+    for prune in (0.9, 0.7):
+        write_curve(path, torch.full((99, 3, 2), prune))
+        out = compress_kv(query, key, value, options, layer_idx=0, num_layers=3)
+        kept_counts.append(stored_counts(out)[0].tolist())
+    assert kept_counts == [[20, 20], [60, 60]]
+
+
+@pytest.mark.parametrize("options", [dict(prefill_chunk_size=64), dict(decode_budget=48)])
+def test_lukv_refuses_compressing_layers_again(options, tiny_lukv_curve):
+    flag = "--" + next(iter(options))
+    with pytest.raises(ConfigError, match=f"--allocation lukv .*; {flag}"):
+        CompressionConfig(method="snapkv", allocation="lukv", lukv_curve=tiny_lukv_curve, max_capacity_prompts=32,
+                          window_size=4, **options)
+
+
+def test_head_scores_of_another_model_are_refused_when_the_model_is_configured(tmp_path):
+    path = random_head_scores(tmp_path / "other.json", 30, 9)
+    assert_refused_when_configured(dict(method="headkv", head_scores=path, max_capacity_prompts=32, window_size=4),
+                                   "--head_scores: .*other.json.* has 270 heads, the model has 3 layers x 4 query "
+                                   "heads")

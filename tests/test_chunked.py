@@ -282,6 +282,34 @@ def test_a_ratio_budget_is_the_whole_prompts_from_the_first_chunk():
     assert held[1:] == [(72, 20), (136, 20), (200, 20)]  # chunks end at 8, 72, 136, 200 (counted from the end)
 
 
+PER_LAYER = dict(method="snapkv", allocation="per_layer", layer_ratios=(0.2, 0.5, 0.8), max_capacity_prompts=120,
+                 window_size=8)
+
+
+@pytest.mark.parametrize("chunk", [50, 64, 96])
+def test_per_layer_ratios_count_every_token_of_the_prompt_not_those_held_at_each_chunk(chunk):
+    """Each layer keeps its ratio of the 200-token prompt, at most the budget: [120, 100, 40] per KV head,
+    as in one pass (the ratio of the tokens held at each chunk kept up to twice as many)."""
+    model = tiny_model("llama")
+    prompt = random_prompt(1, 200)
+    replace_for("llama")(**PER_LAYER)
+    single = [layer.kept_counts.tolist() for layer in prefill(model, prompt).layers]
+    replace_for("llama")(**PER_LAYER, prefill_chunk_size=chunk)
+    chunked = [layer.kept_counts.tolist() for layer in prefill(model, prompt).layers]
+    assert single == chunked == [[[120, 120]], [[100, 100]], [[40, 40]]]
+
+
+def test_per_layer_ratios_under_a_decode_budget_count_every_token_seen():
+    """After the prompt (100 tokens: [80, 50, 20] kept) and 4 generated tokens, layers 1 and 2 keep their
+    ratio of the 104 tokens seen: 52 and 20 (under the decode budget of 60 the ratio of the tokens held
+    left them at 54 and 24); layer 0, above budget + interval, was compressed to the budget at the first."""
+    model = tiny_model("llama")
+    replace_for("llama")(**{**PER_LAYER, "max_capacity_prompts": 90}, decode_budget=60, decode_interval=4)
+    out = greedy(model, random_prompt(1, 100), new_tokens=5)
+    held = [layer.kept_counts.tolist()[0] + [layer.tail_length] for layer in output_cache(out).layers]
+    assert held == [[60, 60, 3], [52, 52, 0], [20, 20, 0]]  # per KV head, and the tokens appended since
+
+
 @pytest.mark.parametrize("length", [100, 68, 66])
 def test_a_last_chunk_shorter_than_the_window_scores_with_the_newest_window_across_chunks(length):
     """Issue 19 bug 1: the last chunk (4 or 2 tokens here) holds fewer queries than the window; the

@@ -133,3 +133,13 @@ def test_files_lists_every_file_an_active_option_names():
     assert CompressionConfig(method="headkv", max_capacity_prompts=64, head_scores=scores).files() == {
         "head_scores": scores}
     assert CompressionConfig(method="snapkv", max_capacity_prompts=64).files() == {}
+
+
+def test_every_option_that_names_a_file_is_fingerprinted():
+    """A file option not declared names_file lets a resumed run mix the results of two files."""
+    from restkv.config import flat_option_specs
+
+    for name, declarations in flat_option_specs().items():
+        for part, spec in declarations:
+            if spec.kind is str and spec.choices is None and " file" in spec.help:
+                assert spec.names_file, f"--{name} of {part.__name__} names a file but is not declared names_file"

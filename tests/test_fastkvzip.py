@@ -8,7 +8,7 @@ from restkv import CompressionConfig, ConfigError
 from restkv.cache import kept_positions
 from restkv.compat import output_cache
 from restkv.policies.fastkvzip import GATE_PARAMETERS, gate_scores, gates_of
-from tiny_models import greedy, random_prompt, replace_for, tiny_model
+from tiny_models import assert_refused_when_configured, greedy, random_prompt, replace_for, tiny_model
 
 
 def random_gates(layers=3, hidden=64, heads=2, groups=2, width=16, sinks=16, seed=0):
@@ -62,3 +62,35 @@ def test_fastkvzip_needs_its_gates(tmp_path):
     with pytest.raises(ConfigError, match="--fastkvzip_gates .* must hold, per layer, q_proj.weight"):
         CompressionConfig(method="fastkvzip", max_capacity_prompts=20, window_size=2,
                           fastkvzip_gates=str(tmp_path / "half.pt"))
+
+
+@pytest.mark.parametrize("shape, message", [
+    (dict(hidden=32), r"gate0.q_proj.weight is \[64, 32\]; the model needs \[64, 64\]"),
+    (dict(groups=1), r"gate0.q_proj.weight is \[32, 64\]; the model needs \[64, 64\]"),
+    (dict(heads=4), "holds 3 gates of 4 KV heads; the model has 3 layers of 2"),
+])
+def test_gates_of_another_model_are_refused_when_the_model_is_configured(tmp_path, shape, message):
+    torch.save({"module": random_gates(**shape)}, tmp_path / "other.pt")
+    assert_refused_when_configured(dict(method="fastkvzip", max_capacity_prompts=20, window_size=2,
+                                        fastkvzip_gates=str(tmp_path / "other.pt")),
+                                   f"--fastkvzip_gates .*other.pt.*{message}")
+
+
+def test_gates_that_are_no_gates_are_refused_when_the_config_is_built(tmp_path):
+    def refused(gates, message):
+        torch.save({"module": gates}, tmp_path / "bad.pt")
+        with pytest.raises(ConfigError, match=f"--fastkvzip_gates .*bad.pt.*{message}"):
+            CompressionConfig(method="fastkvzip", max_capacity_prompts=20, window_size=2,
+                              fastkvzip_gates=str(tmp_path / "bad.pt"))
+
+    refused([{name: 1.0 for name in GATE_PARAMETERS}] * 3, "q_proj.weight must be a tensor of floating-point numbers")
+    gates = random_gates()
+    gates[2]["k_base"] = torch.full((2, 1, 16, 16), float("nan"))
+    refused(gates, "k_base holds NaN")
+    gates = random_gates()
+    gates[1]["k_norm.weight"] = torch.ones(8)
+    refused(gates, r"gate1.k_norm.weight is \[8\]; gate 0 makes it \[16\]")
+    (tmp_path / "bad.pt").write_text("not a checkpoint")
+    with pytest.raises(ConfigError, match="--fastkvzip_gates .*bad.pt.* cannot be read"):
+        CompressionConfig(method="fastkvzip", max_capacity_prompts=20, window_size=2,
+                          fastkvzip_gates=str(tmp_path / "bad.pt"))

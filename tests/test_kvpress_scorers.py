@@ -14,7 +14,8 @@ from restkv.compat import output_cache
 from restkv.context import ScoringContext, plan_layer, valid_from_mask
 from restkv.policies.pyramidkv import kvpress_pyramid_totals
 from test_policies import dense_attention
-from tiny_models import greedy, random_prompt, random_qkv, replace_for, rope_tables, tiny_model
+from tiny_models import (assert_refused_when_configured, greedy, random_prompt, random_qkv, replace_for, rope_tables,
+                         tiny_model)
 
 PORTED = ["keydiff", "lagkv", "cur", "noncausal_attn", "finch", "qfilter", "expected_attention", "leverage", "compactor",
           "capkv"]
@@ -272,6 +273,29 @@ def test_expected_attention_on_tensors_needs_the_rope_tables():
         compress_kv(query, key, value, dict(method="expected_attention", max_capacity_prompts=16, window_size=4))
 
 
+@pytest.mark.parametrize("method", ["expected_attention", "capkv"])
+def test_future_query_scorers_read_rope_tables_shared_by_the_rows_of_a_batch(method):
+    """A model called without position_ids gives one ``[1, N, d]`` table to every row of a left-padded
+    batch: each row is scored as with its own copy of the table."""
+    query, key, value = random_qkv(batch=2, length=40, seed=12)
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :15] = 0
+    cos, sin = rope_tables(query[:1])
+    options = dict(method=method, max_capacity_prompts=10, window_size=4)
+    shared = scores_of(options, query, key, value, mask, rotary=(cos, sin))
+    torch.testing.assert_close(shared, scores_of(options, query, key, value, mask,
+                                                 rotary=(cos.expand(2, -1, -1), sin.expand(2, -1, -1))))
+
+
+def test_future_positions_are_bounded_by_the_documented_maximum():
+    from restkv.policies.future_queries import MAX_FUTURE_POSITIONS
+
+    CompressionConfig(method="expected_attention", max_capacity_prompts=32, window_size=4,
+                      future_positions=MAX_FUTURE_POSITIONS)
+    with pytest.raises(ConfigError, match=rf"--future_positions must lie in \[1, {MAX_FUTURE_POSITIONS}\]; got 10+$"):
+        CompressionConfig(method="expected_attention", max_capacity_prompts=32, window_size=4, future_positions=10**9)
+
+
 # ---------------------------------------------------------------- leverage scores, Compactor
 def hat_diagonal(keys: torch.Tensor) -> torch.Tensor:
     """``[H, n]`` z-scored ``diag(X (X^T X + 0.01 I)^-1 X^T)`` of the row-centred ``keys`` ``[H, n, d]``."""
@@ -388,6 +412,18 @@ def test_qfilter_file_errors_name_the_flag(tmp_path):
     query, key, value = random_qkv(length=30)
     with pytest.raises(ConfigError, match=r"--qfilter_file .* holds filters \[3, 4, 16\]"):
         compress_kv(query, key, value, dict(method="qfilter", max_capacity_prompts=10, window_size=0, qfilter_file=wrong))
+
+
+def test_qfilter_file_of_another_model_is_refused_when_the_model_is_configured(tmp_path):
+    for filters, needed in ((torch.randn(30, 2, 16), r"\[30, 2, 16\]"), (torch.randn(3, 2, 8), r"\[3, 2, 8\]")):
+        path = write_filters(tmp_path / "other.safetensors", filters)
+        assert_refused_when_configured(dict(method="qfilter", max_capacity_prompts=32, window_size=4,
+                                            qfilter_file=path),
+                                       rf"--qfilter_file .*other.safetensors.*: q_filters is {needed}; the model "
+                                       r"needs \[3, 2, 16\]")
+    nan = write_filters(tmp_path / "nan.safetensors", torch.full((3, 2, 16), float("nan")))
+    with pytest.raises(ConfigError, match="--qfilter_file .*nan.safetensors.*: q_filters holds NaN"):
+        CompressionConfig(method="qfilter", max_capacity_prompts=32, qfilter_file=nan)
 
 
 # ---------------------------------------------------------------- PyramidKV, kvpress' schedule

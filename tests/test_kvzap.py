@@ -7,7 +7,8 @@ from safetensors.torch import save_file
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.cache import kept_positions
 from restkv.compat import output_cache
-from tiny_models import assert_model_compresses, greedy, random_prompt, random_qkv, replace_for, tiny_model
+from tiny_models import (assert_model_compresses, assert_refused_when_configured, greedy, random_prompt, random_qkv,
+                         replace_for, tiny_model)
 
 
 def surrogate_file(path, layers=3, hidden=64, kv_heads=2, mlp=True, seed=0):
@@ -87,3 +88,31 @@ def test_kvzap_compresses_a_model_with_the_other_parts(tmp_path, extra):
     path, _ = surrogate_file(tmp_path / "kvzap.safetensors")
     assert_model_compresses({"method": "kvzap", "max_capacity_prompts": 30, "window_size": 8, "kvzap_weights": path,
                              **extra})
+
+
+@pytest.mark.parametrize("shape, message", [
+    (dict(hidden=32), r"layers.0.0.weight is \[16, 32\]; the model needs \[\*, 64\]"),
+    (dict(hidden=32, mlp=False), r"layers.0.weight is \[2, 32\]; the model needs \[\*, 64\]"),
+    (dict(kv_heads=4), "holds 3 surrogates of 4 KV heads; the model has 3 layers of 2"),
+    (dict(layers=4), "holds 4 surrogates of 2 KV heads; the model has 3 layers of 2"),
+])
+def test_surrogates_of_another_model_are_refused_when_the_model_is_configured(tmp_path, shape, message):
+    path, _ = surrogate_file(tmp_path / "other.safetensors", **shape)
+    assert_refused_when_configured(dict(method="kvzap", max_capacity_prompts=20, window_size=4, kvzap_weights=path),
+                                   f"--kvzap_weights .*other.safetensors.*{message}")
+
+
+def test_surrogates_that_are_no_surrogates_are_refused_when_the_config_is_built(tmp_path):
+    path, tensors = surrogate_file(tmp_path / "nan.safetensors")
+    save_file({**tensors, "layers.1.2.weight": torch.full((2, 16), float("nan"))}, path)
+    with pytest.raises(ConfigError, match=r"--kvzap_weights .*nan.safetensors.*: layers.1.2.weight holds NaN"):
+        CompressionConfig(method="kvzap", max_capacity_prompts=20, window_size=4, kvzap_weights=path)
+    save_file({**tensors, "layers.1.0.bias": torch.zeros(3)}, path)
+    with pytest.raises(ConfigError, match=r"layers.1.0.bias is \[3\]; layers.1.0.weight needs \[16\]"):
+        CompressionConfig(method="kvzap", max_capacity_prompts=20, window_size=4, kvzap_weights=path)
+    save_file({**tensors, "layers.2.2.weight": torch.zeros(2, 8)}, path)
+    with pytest.raises(ConfigError, match=r"layers.2.2.weight is \[2, 8\]; it must read 16 numbers"):
+        CompressionConfig(method="kvzap", max_capacity_prompts=20, window_size=4, kvzap_weights=path)
+    save_file({**tensors, "layers.1.0.weight": torch.zeros(16, 64, dtype=torch.int32)}, path)
+    with pytest.raises(ConfigError, match="layers.1.0.weight must be a tensor of floating-point numbers"):
+        CompressionConfig(method="kvzap", max_capacity_prompts=20, window_size=4, kvzap_weights=path)

@@ -98,6 +98,11 @@ def test_merge_flag_is_validated():
         CompressionConfig(method="cam", max_capacity_prompts=64, cam_mode="kvpress")
     with pytest.raises(ConfigError, match="--cam_merge_tokens"):
         CompressionConfig(method="cam", max_capacity_prompts=64, cam_merge_tokens=0)
+    for threshold in (5.0, -1.5):  # a cosine lies in [-1, 1]
+        with pytest.raises(ConfigError, match=rf"--merge_similarity_threshold must lie in \[-1, 1\]; got {threshold}"):
+            CompressionConfig(method="snapkv", max_capacity_prompts=64, merge="similarity",
+                              merge_similarity_threshold=threshold)
+    CompressionConfig(method="snapkv", max_capacity_prompts=64, merge="similarity", merge_similarity_threshold=-1)
 
 
 # ---------------------------------------------------------------- CaM, paper semantics

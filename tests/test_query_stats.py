@@ -4,12 +4,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import restkv
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.benchmarks.query_stats import main
 from restkv.cache import kept_positions
 from restkv.compat import output_cache
-from tiny_models import greedy, random_prompt, random_qkv, replace_for, rope_tables, tiny_model
+from tiny_models import (assert_refused_when_configured, greedy, random_prompt, random_qkv, replace_for, rope_tables,
+                         tiny_model)
 
 
 def test_statistics_equal_to_the_prompts_own_keep_what_the_prompt_keeps(tmp_path):
@@ -32,13 +32,26 @@ def test_bad_statistics_files_are_refused_with_the_flag(tmp_path):
     with pytest.raises(ConfigError, match="--ea_stats .* is not a file"):
         CompressionConfig(method="expected_attention", max_capacity_prompts=20, ea_stats=str(tmp_path / "none"))
     save_file({"query_mean": torch.zeros(2, 4, 16)}, str(tmp_path / "half.st"))
-    with pytest.raises(ConfigError, match="must hold finite query_mean"):
+    with pytest.raises(ConfigError, match="--ea_stats .*half.st.*: must hold query_mean"):
         CompressionConfig(method="expected_attention", max_capacity_prompts=20, ea_stats=str(tmp_path / "half.st"))
     save_file({"query_mean": torch.zeros(2, 4, 16), "query_cov": torch.zeros(2, 4, 16, 16)}, str(tmp_path / "s.st"))
-    with pytest.raises(ConfigError, match=r"holds statistics \[2, 4, 16\]; the model needs \[3, 4, 16\]"):
-        with restkv.compression(tiny_model("llama"), method="expected_attention", max_capacity_prompts=20,
-                                window_size=4, ea_stats=str(tmp_path / "s.st")):
-            pass
+    assert_refused_when_configured(dict(method="expected_attention", max_capacity_prompts=20, window_size=4,
+                                        ea_stats=str(tmp_path / "s.st")),
+                                   r"--ea_stats .*s.st.*: query_mean is \[2, 4, 16\]; the model needs \[3, 4, 16\]")
+
+
+@pytest.mark.parametrize("cov, message", [
+    (-100 * torch.eye(16), r"query_cov of layer 0, head 0 is not positive semi-definite \(an eigenvalue -100\)"),
+    (torch.eye(16) + torch.triu(torch.ones(16, 16), diagonal=1), "query_cov of layer 0, head 0 is not symmetric"),
+    (torch.full((16, 16), float("nan")), "query_cov holds NaN"),
+])
+def test_statistics_whose_covariance_is_no_covariance_are_refused_when_the_config_is_built(tmp_path, cov, message):
+    good = torch.randn(50, 16, generator=torch.Generator().manual_seed(0))
+    covariances = (good.T @ good / 50).expand(2, 4, 16, 16).clone()
+    covariances[0, 0] = cov
+    save_file({"query_mean": torch.zeros(2, 4, 16), "query_cov": covariances}, str(tmp_path / "bad.st"))
+    with pytest.raises(ConfigError, match=f"--ea_stats .*bad.st.*: {message}"):
+        CompressionConfig(method="expected_attention", max_capacity_prompts=20, ea_stats=str(tmp_path / "bad.st"))
 
 
 def test_the_command_writes_statistics_expected_attention_reads(tokenizer, tmp_path):

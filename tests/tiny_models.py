@@ -207,6 +207,26 @@ def assert_model_compresses(options: dict, length: int = 90, new_tokens: int = 3
     assert all(report.compressed for report in cache_report(cache))
 
 
+def assert_refused_when_configured(options: dict, message: str, family: str = "llama") -> None:
+    """``restkv.compression`` refuses ``options`` for a tiny ``family`` model with a ``ConfigError``
+    matching ``message``, before the model runs (``check_model``: a file or setting made for another
+    model shape)."""
+    import pytest
+
+    from restkv import ConfigError, compression
+
+    model = tiny_model(family)
+
+    def ran(module, args, kwargs):
+        raise AssertionError("the model ran before the error was found")
+
+    hook = model.register_forward_pre_hook(ran, with_kwargs=True)
+    with pytest.raises(ConfigError, match=message):
+        with compression(model, **options):
+            pass
+    hook.remove()
+
+
 def greedy(model, input_ids, attention_mask=None, new_tokens=5):
     """Greedy generation of exactly ``new_tokens`` tokens (never stopping early on EOS, so rows
     stay comparable), returning the sequences, the per-step logits and the cache."""

@@ -50,10 +50,10 @@ def _read_pattern(path: str) -> tuple[tuple[float, ...], ...]:
         with open(path) as handle:
             data = json.load(handle)
         if not isinstance(data, dict) or "head_scores" not in data:
-            raise ValueError(f"{path}: a DuoAttention pattern is a JSON object with 'head_scores' [layers][KV heads]")
+            raise ValueError("a DuoAttention pattern is a JSON object with 'head_scores' [layers][KV heads]")
         table = np.asarray(data["head_scores"], dtype=float)
     if table.ndim != 2 or table.size == 0 or not np.isfinite(table).all():
-        raise ValueError(f"{path}: head scores must be a finite [layers][KV heads] table; got shape {table.shape}")
+        raise ValueError(f"head scores must be a finite [layers][KV heads] table; got shape {table.shape}")
     return tuple(map(tuple, np.clip(table, 0.0, 1.0).tolist()))
 
 
@@ -89,14 +89,8 @@ class DuoAllocation(Allocation):
         super().__post_init__()
 
     def validate(self) -> None:
-        if self.duo_pattern is None:
-            return
-        if not os.path.isfile(self.duo_pattern):
-            raise ConfigError(f"--duo_pattern {self.duo_pattern!r} is not a file")
-        try:
+        if self.duo_pattern is not None:
             read_duo_pattern(self.duo_pattern)
-        except ValueError as error:
-            raise ConfigError(f"--duo_pattern: {error}") from None
 
     def check(self, config) -> None:
         if self.duo_pattern is None:

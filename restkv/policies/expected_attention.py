@@ -30,7 +30,7 @@ import torch
 from restkv.context import ScoringContext
 from restkv.options import ConfigError, option, register
 from restkv.policies.future_queries import FutureQueries
-from restkv.weights_file import load_safetensors, read_file_once
+from restkv.weights_file import check_shape, finite_floats, load_safetensors, read_file_once
 
 
 @register("method")
@@ -51,12 +51,9 @@ class ExpectedAttention(FutureQueries):
             query_stats_of(self.ea_stats)
 
     def check_model(self, config, model) -> None:
-        if self.ea_stats is not None:
-            mean = query_stats_of(self.ea_stats)[0]
-            if tuple(mean.shape) != (model.num_layers, model.num_heads, model.head_dim):
-                raise ConfigError(f"--ea_stats {self.ea_stats} holds statistics {list(mean.shape)}; the model needs "
-                                  f"[{model.num_layers}, {model.num_heads}, {model.head_dim}]: compute them with "
-                                  "python -m restkv.benchmarks.query_stats")
+        if self.ea_stats is not None:  # the covariance's shape follows the mean's (checked when read)
+            check_shape("--ea_stats", self.ea_stats, "query_mean", query_stats_of(self.ea_stats)[0].shape,
+                        (model.num_layers, model.num_heads, model.head_dim))
 
     def future_scores(self, ctx, queries, keys, values, rotation):
         scores = self.expected_attention(ctx, queries, keys, rotation)
@@ -98,7 +95,30 @@ def query_stats_of(path: str) -> tuple[torch.Tensor, torch.Tensor]:
 def _read_stats(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     tensors = load_safetensors(path, "--ea_stats")
     mean, cov = tensors.get("query_mean"), tensors.get("query_cov")
-    if mean is None or cov is None or mean.dim() != 3 or tuple(cov.shape) != (*mean.shape, mean.shape[-1]) \
-            or not bool(torch.isfinite(mean).all() and torch.isfinite(cov).all()):
-        raise ConfigError(f"--ea_stats {path!r} must hold finite query_mean [L, H, d] and query_cov [L, H, d, d]")
-    return mean.float(), cov.float()
+    if mean is None or cov is None or mean.dim() != 3 or tuple(cov.shape) != (*mean.shape, mean.shape[-1]):
+        raise ValueError("must hold query_mean [L, H, d] and query_cov [L, H, d, d] (python -m "
+                         "restkv.benchmarks.query_stats computes them)")
+    stats = finite_floats("--ea_stats", path, {"query_mean": mean, "query_cov": cov})
+    _check_covariance(stats["query_cov"])
+    return stats["query_mean"], stats["query_cov"]
+
+
+#: relative tolerance of the covariance checks (float32 statistics of real queries are symmetric and
+#: positive semi-definite up to rounding)
+COVARIANCE_TOLERANCE = 1e-4
+
+
+def _check_covariance(cov: torch.Tensor) -> None:
+    """A covariance of every layer and head ``[L, H, d, d]`` is symmetric and positive semi-definite
+    (its eigenvalues >= 0, up to ``COVARIANCE_TOLERANCE`` of its largest): ``ValueError`` naming the
+    first that is not."""
+    cov = cov.double()
+    scale = cov.abs().amax(dim=(-2, -1)).clamp(min=torch.finfo(torch.float32).tiny)
+    asymmetric = (cov - cov.transpose(-2, -1)).abs().amax(dim=(-2, -1)) > COVARIANCE_TOLERANCE * scale
+    lowest = torch.linalg.eigvalsh((cov + cov.transpose(-2, -1)) / 2)[..., 0]
+    indefinite = lowest < -COVARIANCE_TOLERANCE * scale
+    for name, bad in (("not symmetric", asymmetric), ("not positive semi-definite", indefinite)):
+        if bool(bad.any()):
+            layer, head = (int(i) for i in bad.nonzero()[0])
+            detail = f" (an eigenvalue {float(lowest[layer, head]):.3g})" if bad is indefinite else ""
+            raise ValueError(f"query_cov of layer {layer}, head {head} is {name}{detail}: not a covariance")

@@ -26,7 +26,7 @@ import torch
 from restkv.context import ScoringContext
 from restkv.options import ConfigError, option, register
 from restkv.policies.base import KeepsSinks, Policy, check_weights_fit, layer_weights
-from restkv.weights_file import read_file_once
+from restkv.weights_file import check_shape, finite_floats, load_safetensors, read_file_once
 
 GATE_PARAMETERS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "q_norm.weight", "k_norm.weight", "k_base", "b")
 
@@ -62,6 +62,11 @@ class FastKVzip(KeepsSinks, Policy):
     def check_model(self, config, model) -> None:
         gates = gates_of(self.fastkvzip_gates)
         check_weights_fit("--fastkvzip_gates", self.fastkvzip_gates, "gates", len(gates), gates[0]["b"].shape[0], model)
+        _, sinks, width = gates[0]["k_base"].shape[1:]
+        needed = gate_shapes(model.num_kv_heads, model.num_heads // model.num_kv_heads, width, sinks,
+                             model.hidden_size)
+        for name, shape in needed.items():  # every layer's are layer 0's (checked when read)
+            check_shape("--fastkvzip_gates", self.fastkvzip_gates, f"gate0.{name}", gates[0][name].shape, shape)
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         gate = layer_weights("--fastkvzip_gates", self.fastkvzip_gates, "gates", gates_of(self.fastkvzip_gates),
@@ -89,24 +94,41 @@ def gate_scores(gate: dict[str, torch.Tensor], hidden: torch.Tensor) -> torch.Te
     return score.mean(dim=-1)
 
 
+def gate_shapes(heads: int, groups: int, width: int, sinks: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    """The shape of each gate parameter for ``heads`` KV heads of ``groups`` queries each, ``width``-dim
+    queries and keys, ``sinks`` learned sink keys and hidden states of ``hidden`` numbers."""
+    return {"q_proj.weight": (heads * groups * width, hidden), "q_proj.bias": (heads * groups * width,),
+            "k_proj.weight": (heads * width, hidden), "q_norm.weight": (width,), "k_norm.weight": (width,),
+            "k_base": (heads, 1, sinks, width), "b": (heads, 1, groups)}
+
+
 def gates_of(path: str) -> list[dict[str, torch.Tensor]]:
     """Per layer, the gate's parameters (float32), read once while the file is unchanged."""
     return read_file_once(path, "--fastkvzip_gates", _read_gates)
 
 
 def _read_gates(path: str) -> list[dict[str, torch.Tensor]]:
-    try:
-        if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            tensors = load_file(path)
-            count = len({name.split(".", 1)[0] for name in tensors if name.startswith("gate")})
-            layers = [{name: tensors.get(f"gate{layer}.{name}") for name in GATE_PARAMETERS} for layer in range(count)]
-        else:
-            layers = torch.load(path, map_location="cpu", weights_only=True)["module"]
-    except Exception as error:  # any unreadable file is the flag's error
-        raise ConfigError(f"--fastkvzip_gates {path!r} cannot be read: {error}") from None
-    if not layers or any(not isinstance(layer, dict) or any(layer.get(name) is None for name in GATE_PARAMETERS)
-                         for layer in layers):
+    if path.endswith(".safetensors"):
+        tensors = load_safetensors(path, "--fastkvzip_gates")
+        count = len({name.split(".", 1)[0] for name in tensors if name.startswith("gate")})
+        layers = [{name: tensors.get(f"gate{layer}.{name}") for name in GATE_PARAMETERS} for layer in range(count)]
+    else:
+        layers = torch.load(path, map_location="cpu", weights_only=True)["module"]
+    complete = [isinstance(layer, dict) and all(layer.get(name) is not None for name in GATE_PARAMETERS)
+                for layer in (layers if isinstance(layers, (list, tuple)) else ())]
+    if not complete or not all(complete):
         raise ConfigError(f"--fastkvzip_gates {path!r} must hold, per layer, {', '.join(GATE_PARAMETERS)}")
-    return [{name: layer[name].float() for name in GATE_PARAMETERS} for layer in layers]
+    gates = [finite_floats("--fastkvzip_gates", path, {name: layer[name] for name in GATE_PARAMETERS})
+             for layer in layers]
+    first = gates[0]
+    if first["b"].dim() != 3 or first["k_base"].dim() != 4 or first["k_proj.weight"].dim() != 2:
+        raise ValueError("gate0: b must be [KV heads, 1, groups], k_base [KV heads, 1, sinks, width], k_proj.weight "
+                         "[KV heads x width, hidden]")
+    heads, _, groups = first["b"].shape
+    needed = gate_shapes(heads, groups, first["k_base"].shape[-1], first["k_base"].shape[2],
+                         first["k_proj.weight"].shape[1])
+    for layer, gate in enumerate(gates):
+        for name, shape in needed.items():
+            if tuple(gate[name].shape) != shape:
+                raise ValueError(f"gate{layer}.{name} is {list(gate[name].shape)}; gate 0 makes it {list(shape)}")
+    return gates

@@ -24,6 +24,11 @@ from restkv.policies.row_local import score_rows
 from restkv.rope import following_rotation, rotation_matrix, unrotate
 
 
+#: the most positions ``--future_positions`` may average (128k, a long-context model's whole window): the
+#: mean rotation is taken over a float64 table of that many positions per row and layer
+MAX_FUTURE_POSITIONS = 131072
+
+
 @dataclass(frozen=True)
 class FutureQueries(KeepsSinks, GroupedScores):
     """A scorer that models the queries to come by the prompt's own (after the sinks), turned by the
@@ -33,7 +38,7 @@ class FutureQueries(KeepsSinks, GroupedScores):
 
     future_positions: int = option(
         512, "Expected Attention, CAPKV: positions after the prompt whose mean RoPE rotation turns the prompt's "
-        "queries", minimum=1)
+        f"queries (at most {MAX_FUTURE_POSITIONS})", minimum=1, maximum=MAX_FUTURE_POSITIONS)
 
     def check(self, config) -> None:
         super().check(config)

@@ -25,7 +25,7 @@ import torch
 from restkv.context import ScoringContext
 from restkv.options import ConfigError, option, register
 from restkv.policies.base import Policy, check_weights_fit, layer_weights
-from restkv.weights_file import load_safetensors, read_file_once
+from restkv.weights_file import check_shape, finite_floats, load_safetensors, read_file_once
 
 
 @register("method")
@@ -53,6 +53,8 @@ class KVzap(Policy):
         layers = surrogates_of(self.kvzap_weights)
         check_weights_fit("--kvzap_weights", self.kvzap_weights, "surrogates", len(layers), layers[0][-1][0].shape[0],
                           model)
+        first = "layers.0.weight" if len(layers[0]) == 1 else "layers.0.0.weight"
+        check_shape("--kvzap_weights", self.kvzap_weights, first, layers[0][0][0].shape, (None, model.hidden_size))
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         surrogate = layer_weights("--kvzap_weights", self.kvzap_weights, "surrogates", surrogates_of(self.kvzap_weights),
@@ -81,8 +83,28 @@ def _read_surrogates(path: str) -> list[list[tuple[torch.Tensor, torch.Tensor]]]
         names = [f"{prefix}weight"] if f"{prefix}weight" in tensors else [f"{prefix}0.weight", f"{prefix}2.weight"]
         if not all(name in tensors and name.replace("weight", "bias") in tensors for name in names):
             break
-        layers.append([(tensors[name].float(), tensors[name.replace("weight", "bias")].float()) for name in names])
+        layers.append([(name, name.replace("weight", "bias")) for name in names])
     if not layers or len(layers) * 2 < sum(name.endswith("weight") for name in tensors):
         raise ConfigError(f"--kvzap_weights {path!r} holds no KVzapModel layers (layers.{{l}}.weight and .bias, or "
                           "layers.{l}.0.* and layers.{l}.2.*)")
-    return layers
+    floats = finite_floats("--kvzap_weights", path, {name: tensors[name] for layer in layers for pair in layer
+                                                     for name in pair})
+    surrogates = [[(floats[weight], floats[bias]) for weight, bias in layer] for layer in layers]
+    for layer, maps in zip(layers, surrogates):
+        _check_maps(layer, maps, surrogates[0])
+    return surrogates
+
+
+def _check_maps(names: list[tuple[str, str]], maps: list[tuple[torch.Tensor, torch.Tensor]],
+                first: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """A layer's maps chain (each weight ``[out, in]``, its bias ``[out]``, one's out the next one's
+    in) and read and predict as many numbers as the first layer's (``ValueError`` naming the tensor)."""
+    width = first[0][0].shape[-1]
+    for (weight_name, bias_name), (weight, bias) in zip(names, maps):
+        if weight.dim() != 2 or weight.shape[1] != width:
+            raise ValueError(f"{weight_name} is {list(weight.shape)}; it must read {width} numbers: [*, {width}]")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"{bias_name} is {list(bias.shape)}; {weight_name} needs [{weight.shape[0]}]")
+        width = weight.shape[0]
+    if width != first[-1][0].shape[0]:
+        raise ValueError(f"{names[-1][0]} predicts {width} KV heads; layers.0 predicts {first[-1][0].shape[0]}")

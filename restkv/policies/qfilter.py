@@ -21,7 +21,7 @@ import torch
 from restkv.context import ScoringContext
 from restkv.options import ConfigError, option, register
 from restkv.policies.base import Policy
-from restkv.weights_file import load_safetensors, read_file_once
+from restkv.weights_file import check_shape, finite_floats, load_safetensors, read_file_once
 
 
 @register("method")
@@ -31,8 +31,8 @@ class QFilter(Policy):
     observes_queries = False
 
     qfilter_file: str | None = option(
-        None, "Q-Filters: safetensors file of the filters, a tensor q_filters [layers, KV heads, head_dim]"
-    )
+        None, "Q-Filters: safetensors file of the filters, a tensor q_filters [layers, KV heads, head_dim]",
+        names_file=True)
 
     def validate(self) -> None:
         if self.qfilter_file is not None:
@@ -43,6 +43,10 @@ class QFilter(Policy):
         if self.qfilter_file is None:
             raise ConfigError("--method qfilter needs --qfilter_file FILE (a safetensors file holding q_filters "
                               "[layers, KV heads, head_dim])")
+
+    def check_model(self, config, model) -> None:
+        check_shape("--qfilter_file", self.qfilter_file, "q_filters", filters_of(self.qfilter_file).shape,
+                    (model.num_layers, model.num_kv_heads, model.head_dim))
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         filters = filters_of(self.qfilter_file)
@@ -61,8 +65,7 @@ def filters_of(path: str) -> torch.Tensor:
 
 
 def _read_filters(path: str) -> torch.Tensor:
-    tensors = load_safetensors(path, "--qfilter_file")
-    filters = tensors.get("q_filters")
-    if filters is None or filters.dim() != 3 or not bool(torch.isfinite(filters).all()):
-        raise ConfigError(f"--qfilter_file {path!r} must hold a finite tensor q_filters [layers, KV heads, head_dim]")
-    return filters.float()
+    filters = load_safetensors(path, "--qfilter_file").get("q_filters")
+    if filters is None or filters.dim() != 3:
+        raise ValueError("must hold a tensor q_filters [layers, KV heads, head_dim]")
+    return finite_floats("--qfilter_file", path, {"q_filters": filters})["q_filters"]
