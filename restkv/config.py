@@ -264,19 +264,16 @@ class CompressionConfig:
     def _check_recompression(self) -> None:
         """Chunked prefill and decode-time compression score a layer again and again with its
         newest queries: they need a window of them and a scorer that can rescore."""
-        run = self.run
-        # The newest tokens a scorer protects are the ones whose queries score the rest.
-        window = self.policy.protected_count(run.window_size, (run.decode_budget or 0) + run.window_size + 1)
-        if run.prefill_chunk_size is not None and self.policy.observes_queries and run.prefill_chunk_size < window:
+        run, policy = self.run, self.policy
+        # A chunk's last window_size queries score what the layer holds (and are the window it protects).
+        if (run.prefill_chunk_size is not None and policy.observes_queries
+                and run.prefill_chunk_size < policy.protected_count(run.window_size, run.prefill_chunk_size)):
             raise ConfigError(
                 f"--prefill_chunk_size {run.prefill_chunk_size} must be at least --window_size {run.window_size}: "
                 "each chunk's last window_size queries score what the layer holds"
             )
-        if run.decode_budget is not None and run.decode_budget <= window:
-            raise ConfigError(
-                f"--decode_budget {run.decode_budget} must exceed --window_size {run.window_size} (the newest "
-                "tokens are always kept)"
-            )
+        if run.decode_budget is not None and not policy.compressible_to(run.window_size, run.decode_budget):
+            raise ConfigError(f"--decode_budget {run.decode_budget} must exceed {policy.always_kept(run.window_size)}")
         if self.compresses_after_prefill and run.decode_budget is not None:
             causes = self.deferring_flags()
             raise ConfigError(f"--decode_budget compresses as tokens come; {' and '.join(causes)} "

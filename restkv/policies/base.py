@@ -115,6 +115,10 @@ class Policy(Options):
         """Most recent tokens always kept, out of a row budget of ``budget`` tokens."""
         return window_size
 
+    def always_kept(self, window_size: int) -> str:
+        """What the method keeps whatever the budget, as the flag that sets it (for messages)."""
+        return f"--window_size {window_size} (the newest tokens are always kept)"
+
     def compresses_layer(self, layer_idx: int) -> bool:
         """False for layers the method leaves untouched."""
         return True
@@ -218,6 +222,9 @@ class KeepsSinks(SinkOptions):
     def compressible_to(self, window_size: int, budget: int) -> bool:
         return self.n_sink < budget
 
+    def always_kept(self, window_size: int) -> str:
+        return f"--n_sink {self.n_sink} (the first --n_sink tokens are always kept)"
+
     def mark_sinks(self, ctx, scores: torch.Tensor, score: float) -> torch.Tensor:
         """``scores`` with ``score`` at each row's first ``n_sink`` tokens, found by their row-local
         positions (a chunk scored after the first holds none of them)."""
@@ -229,8 +236,7 @@ class KeepsSinks(SinkOptions):
         if not self.compressible_to(config.run.window_size, budget):
             raise ConfigError(
                 f"a row of {length} tokens keeps {budget} tokens (--compression_ratio "
-                f"{config.run.compression_ratio}), which does not exceed --n_sink {self.n_sink} (the first --n_sink "
-                "tokens are always kept)"
+                f"{config.run.compression_ratio}), which does not exceed {self.always_kept(config.run.window_size)}"
             )
 
 
