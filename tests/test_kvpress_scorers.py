@@ -358,6 +358,14 @@ def test_finch_refuses_the_reconstruction_observation():
         CompressionConfig(method="finch", max_capacity_prompts=40, observation="reconstruction")
 
 
+
+def test_finch_refuses_an_empty_question_window():
+    """The window is Finch's question: without one nothing scores the context (the prefill once raised a
+    RuntimeError on the empty window)."""
+    with pytest.raises(ConfigError, match="--method finch scores the context by the attention of the question.*"
+                                          "--window_size 0"):
+        CompressionConfig(method="finch", max_capacity_prompts=32, window_size=0)
+
 # ---------------------------------------------------------------- Q-Filters
 def write_filters(path, filters):
     from safetensors.torch import save_file
