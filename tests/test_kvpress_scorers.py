@@ -89,6 +89,18 @@ def test_lagkv_keeps_the_sinks_and_the_newest_tokens_when_the_budget_is_below_th
     assert kept(out) == [0, 1, 2, 3] + list(range(41 - 8, 41))
 
 
+
+def test_lagkv_refuses_a_budget_that_does_not_exceed_its_sinks():
+    """As kvzip and streamingllm: a fixed budget at once, a ratio's on the row it leaves too few (a 5-token row
+    at 0.5 once kept 2 of its 4 sinks)."""
+    with pytest.raises(ConfigError, match="--n_sink 4 must be smaller than --max_capacity_prompts 4"):
+        CompressionConfig(method="lagkv", max_capacity_prompts=4)
+    query, key, value = random_qkv(batch=2, length=60, seed=1)
+    mask = torch.ones(2, 60, dtype=torch.long)
+    mask[1, :55] = 0
+    with pytest.raises(ConfigError, match="a row of 5 tokens keeps 2 tokens .* does not exceed --n_sink 4"):
+        compress_kv(query, key, value, dict(method="lagkv", compression_ratio=0.5), attention_mask=mask)
+
 def test_lagkv_kvpress_scores_flatten_the_sinks_and_tail_and_ramp_short_prompts():
     _, key, value = random_qkv(length=40, seed=1)
     policy = CompressionConfig(method="lagkv", max_capacity_prompts=10, lag_size=16, lagkv_kvpress_scores=True).policy
