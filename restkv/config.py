@@ -44,7 +44,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from restkv.observation import OBSERVATIONS, RECONSTRUCTION_REDUCTIONS
+from restkv.observation import OBSERVATIONS, RECONSTRUCTION_CHUNK, RECONSTRUCTION_REDUCTIONS
 from restkv.options import (
     KIND_FLAGS, ConfigError, Options, OptionSpec, lookup, option, option_specs, registered, registry_version,
 )
@@ -90,8 +90,10 @@ class RunOptions(Options):
         "question); default: the method's own (reconstruction for kvzip, window for the rest)",
         OBSERVATIONS,
     )
-    reconstruction_chunk: int = option(
-        2048, "--observation reconstruction: context tokens repeated per extra forward", minimum=1
+    reconstruction_chunk: int | None = option(
+        RECONSTRUCTION_CHUNK, "--observation reconstruction: context tokens repeated per extra forward; default: "
+        "the method's own (KVzip's 2048; 512 for kvgrad, KVgrad's; the whole context at once for kvcompose, "
+        "KVCompose's single replay)", minimum=1
     )
     reconstruction_reduce: str = option(
         "max",
@@ -229,7 +231,10 @@ class CompressionConfig:
                 f"--observation reconstruction chooses the queries that score the prompt; --method {run.method} "
                 "does not score with queries"
             )
-        set_(self, "run", dataclasses.replace(run, allocation=allocation, observation=observation))
+        chunk = (run.reconstruction_chunk if explicit.get("reconstruction_chunk") is not None
+                 else policy_cls.default_reconstruction_chunk)
+        set_(self, "run", dataclasses.replace(run, allocation=allocation, observation=observation,
+                                              reconstruction_chunk=chunk))
         set_(self, "policy", policy)
         set_(self, "allocator", allocation_cls(**given[allocation_cls]))
         set_(self, "merger", merge_cls(**given[merge_cls]) if merge_cls else None)

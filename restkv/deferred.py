@@ -253,7 +253,7 @@ def _reconstruct(model_forward: Callable, model, cache, pending: PendingPrefill)
     first = max((waiting.first_column or 0) - padding, 0)  # the first token these layers wait on (row-local)
     start, stop = context_span(cache) or (0, real)  # the context alone, not its template
     sink_end = max(start, getattr(config.policy, "n_sink", 0))
-    size = config.run.reconstruction_chunk
+    size = config.run.reconstruction_chunk or max(stop - start, 1)  # None: the whole context at once
     pieces = [(piece, min(piece + size, stop, real)) for piece in range(max(start, first), min(stop, real), size)]
     prompt = reconstruction_prompt(model) if config.policy.repeats_with_instruction else NO_PROMPT
     tokens = context[0, padding:]

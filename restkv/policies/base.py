@@ -29,6 +29,7 @@ import torch
 
 from restkv.adaptive_pooling import adaptive_pool
 from restkv.context import ScoringContext
+from restkv.observation import RECONSTRUCTION_CHUNK
 from restkv.options import ConfigError, Options, option
 from restkv.selection import Reservation
 
@@ -62,6 +63,9 @@ class Policy(Options):
     #: under ``--observation reconstruction``, the repetition follows the reconstruction prompt's
     #: instruction (KVzip's); False: the bare context is repeated (KVCompose's replay)
     repeats_with_instruction: ClassVar[bool] = True
+    #: under ``--observation reconstruction``, the context tokens one repetition forward reads unless
+    #: ``--reconstruction_chunk`` says (None: the whole context at once)
+    default_reconstruction_chunk: ClassVar[int | None] = RECONSTRUCTION_CHUNK
     #: under ``--observation reconstruction``, each reconstruction query's attention is weighted by
     #: the gradient norm of the last hidden states at its attention output (KVgrad, ``restkv.replay_gradients``)
     weights_by_gradient: ClassVar[bool] = False
