@@ -132,6 +132,7 @@ def test_cur_multiplies_windowed_key_and_value_leverages():
     torch.testing.assert_close(scores[0, 0], expected)
     averaged = scores_of(dict(method="cur", max_capacity_prompts=2, n_sink=0, cur_local_window=0,
                               cur_leverage="kv_avg"), key, key, value)
+    # each normalised over the row before they are averaged (kvpress' use_local_approximation=False: raw)
     k2, v2 = torch.tensor([1.0, 2, 1, 3, 1]) / 8, torch.tensor([2.0, 2, 1, 1, 4]) / 10
     torch.testing.assert_close(averaged[0, 0], (k2 + v2) / 2 / ((k2 + v2) / 2).sum())
 
