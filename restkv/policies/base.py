@@ -79,6 +79,9 @@ class Policy(Options):
     #: scores with weights fitted to one model's layers and heads (``learned_zip``), so it cannot
     #: score a layer of any other shape
     fitted_to_a_model: ClassVar[bool] = False
+    #: ranks the context alone as KVzip does without reading reconstruction queries (``learned_zip``): the
+    #: template around a given context span is kept whatever its score (``restkv.context_span``)
+    ranks_context_alone: ClassVar[bool] = False
     #: reads the RoPE tables the keys were rotated with (``ScoringContext.rotary``): keys or queries
     #: before RoPE, or rotations to other positions; ``compress_kv`` needs its ``rotary`` then
     needs_rotary: ClassVar[bool] = False
