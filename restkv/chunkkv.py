@@ -49,7 +49,8 @@ class ChunkSelection(Options):
     name = "chunkkv"
     switch_help = "ChunkKV: keep whole chunks of --chunkkv_length consecutive tokens, the same for every head"
 
-    chunkkv_length: int = option(20, "--chunkkv: tokens per chunk", minimum=1)
+    chunkkv_length: int = option(20, "--chunkkv: tokens per chunk (at most what a fixed budget holds beside the "
+                                     "window)", minimum=1)
     chunkkv_entropy_gate: bool = option(
         False, "--chunkkv: keep only the best --chunkkv_spiky_tokens of a high-scoring chunk whose score entropy is "
         "below the median (kvpress' EntropyGatedChunkKVPress), spending the rest of the budget on more chunks")
