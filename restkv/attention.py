@@ -55,7 +55,7 @@ from restkv.cache import CompressedLayer, native_layer
 from restkv.compat import CACHE_ARGUMENT, output_cache, with_cache
 from restkv.compress import compress_layer, exact_tokens_only_conflicts, prunes_fitting_layers
 from restkv.context import LayerPlan, ScoringContext, plan_layer, valid_from_mask
-from restkv.context_span import context_span
+from restkv.context_span import protected_span
 from restkv.deferred import (PendingLayer, chunk_budgets, chunked_prompt, defer_layer, finish_prefill, kept_hidden,
                              observe_chunk, observe_held_chunk, pending_of, query_weights, trailing_queries)
 from restkv.handles import cache_state, has_class_config, module_config
@@ -614,7 +614,7 @@ def _plan_to_compress(module, config, cache, layer, query, attention_mask, param
     # A chunked prompt's first chunk may be all padding for a shorter row (its chunks end where the row's own do).
     in_chunks = chunked_prompt(cache) is not None
     valid = key_validity(attention_mask, query.shape[0], query.shape[2], query.device, in_chunks)
-    budgets, span = None, context_span(cache) if config.run.observation == "reconstruction" else None
+    budgets, span = None, protected_span(config, cache)
     if in_chunks:  # a sliding-window layer keeps its window whole (the config checked the prompt's budget reaches it)
         budgets = valid.sum(dim=-1).tolist() if params.sliding_window is not None else chunk_budgets(config, cache)
     plan = plan_layer(config, valid, module.layer_idx, module.config.num_hidden_layers, params.sliding_window, budgets,

@@ -5,15 +5,19 @@ A token means little without its neighbours; ChunkKV keeps the prompt by chunks 
 shorter). A chunk's score is the mean over its tokens of the scorer's scores summed over the KV
 heads, one ranking for every head; the protected tokens (the window) stay, and the best chunks
 are added whole, in score order, while the budget holds them (the first that does not fit ends
-the selection), so every head keeps the same positions and may keep fewer than the budget.
+the selection), so every head keeps the same positions and may keep fewer than the budget. A
+chunk longer than a fixed budget holds beside the window is refused; where only a row's budget
+(a ratio's, a layer schedule's) holds no chunk whole, the best chunk gives its best tokens. Under
+chunked prefill or decode budgets the chunks stay the prompt's positions: a layer compressed again
+ranks the pieces of them it holds.
 It wraps any scorer with a budget shared alike by the heads (uniform or per-layer allocations);
 a head-adaptive or model-wide allocation is refused.
 
 Where this differs from kvpress' ``ChunkKVPress``: kvpress keeps ``int(n_chunks x (1 - r))``
 chunks whatever their size, the window's among them (its scorer ranks the window first); at a
 small budget that drops part of the window (``../shared/golden_kvpress`` §12: at ratio 0.8 on 384
-tokens it keeps 3 of the 4 window chunks, 44 tokens). Here the window always stays and the
-count follows the budget in tokens.
+tokens it keeps 3 of the 4 window chunks, 44 tokens), and at least one chunk whole, past the
+budget. Here the window always stays and the count follows the budget in tokens.
 
 ``--chunkkv_entropy_gate`` is kvpress' EntropyGatedChunkKVPress: a chunk that matters because of
 one or two tokens spends its whole length on them. Each chunk's normalised entropy of its
@@ -45,7 +49,8 @@ class ChunkSelection(Options):
     name = "chunkkv"
     switch_help = "ChunkKV: keep whole chunks of --chunkkv_length consecutive tokens, the same for every head"
 
-    chunkkv_length: int = option(20, "--chunkkv: tokens per chunk", minimum=1)
+    chunkkv_length: int = option(20, "--chunkkv: tokens per chunk (at most what a fixed budget holds beside the "
+                                     "window)", minimum=1)
     chunkkv_entropy_gate: bool = option(
         False, "--chunkkv: keep only the best --chunkkv_spiky_tokens of a high-scoring chunk whose score entropy is "
         "below the median (kvpress' EntropyGatedChunkKVPress), spending the rest of the budget on more chunks")
@@ -61,15 +66,34 @@ class ChunkSelection(Options):
         if config.allocator.head_adaptive:
             raise ConfigError(f"--chunkkv keeps the same chunks in every head; --allocation {config.run.allocation} "
                               "gives the heads different budgets")
+        if not self.chunkkv_entropy_gate:  # the gate takes a chunk's best tokens where it cannot take it whole
+            self.check_chunks_fit(config)
+
+    def check_chunks_fit(self, config) -> None:
+        """Refuse a chunk longer than a fixed budget holds beside the protected tokens: no whole chunk fits."""
+        window = config.run.window_size
+        for flag in ("max_capacity_prompts", "decode_budget"):
+            budget = getattr(config.run, flag)
+            if budget is None:
+                continue
+            protected = config.policy.protected_count(window, budget)
+            if self.chunkkv_length > budget - protected:
+                room = (f"the {budget - protected} tokens --{flag} {budget} leaves beside the protected --window_size "
+                        f"{window}" if protected else f"--{flag} {budget}")
+                raise ConfigError(f"--chunkkv_length {self.chunkkv_length} must not exceed {room} (no whole chunk "
+                                  "would fit)")
 
     def rescore(self, config, ctx, scores: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores that rank the chosen tokens first, and each head's count: the protected tokens and
         the chosen chunks (or, with the entropy gate, exactly the budget)."""
         length = scores.shape[-1]
         ranked, counts = scores.float().clone(), keep.clone()
+        # Row-local positions (the same in every head): a layer compressed again holds tokens of several chunks.
+        every = torch.arange(length, device=scores.device).expand(*scores.shape[:2], -1)
+        local = ctx.positions_of(every)[:, 0].long() - ctx.row_padding.to(scores.device)[:, None]
         for row, visible in enumerate(ctx.plan.visible_counts.tolist()):
             columns = slice(length - visible, length)
-            token_chunk = torch.arange(visible, device=scores.device) // self.chunkkv_length
+            token_chunk = torch.unique(local[row, columns] // self.chunkkv_length, return_inverse=True)[1]
             summed = scores[row, :, columns].float().sum(dim=0)
             protected = ctx.protected[row, columns]
             choose = self.gated_tokens if self.chunkkv_entropy_gate else self.whole_chunks
@@ -85,16 +109,21 @@ class ChunkSelection(Options):
 
     @staticmethod
     def whole_chunks(summed, protected, token_chunk, budget: int) -> torch.Tensor:
-        """``[n]`` bool: the best chunks' unprotected tokens, whole, while the budget holds them."""
+        """``[n]`` bool: the best chunks' unprotected tokens, whole, while the budget holds them; a
+        budget that holds no chunk whole takes the best chunk's best tokens."""
         chunk_scores = chunk_means(summed, token_chunk)
         free = torch.bincount(token_chunk, weights=(~protected).float(), minlength=chunk_scores.shape[0]).long()
         held, chosen = int(protected.sum()), torch.zeros_like(protected)
         for chunk in torch.sort(chunk_scores, descending=True, stable=True).indices.tolist():
             if free[chunk] == 0:
                 continue
+            members = (token_chunk == chunk) & ~protected
             if held + int(free[chunk]) > budget:
+                if not chosen.any():
+                    best = members.nonzero().squeeze(-1)
+                    chosen[best[torch.sort(summed[best], descending=True, stable=True).indices[: budget - held]]] = True
                 break
-            chosen |= (token_chunk == chunk) & ~protected
+            chosen |= members
             held += int(free[chunk])
         return chosen
 

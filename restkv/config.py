@@ -44,7 +44,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from restkv.observation import OBSERVATIONS, RECONSTRUCTION_REDUCTIONS
+from restkv.observation import OBSERVATIONS, RECONSTRUCTION_CHUNK, RECONSTRUCTION_REDUCTIONS
 from restkv.options import (
     KIND_FLAGS, ConfigError, Options, OptionSpec, lookup, option, option_specs, registered, registry_version,
 )
@@ -90,8 +90,10 @@ class RunOptions(Options):
         "question); default: the method's own (reconstruction for kvzip, window for the rest)",
         OBSERVATIONS,
     )
-    reconstruction_chunk: int = option(
-        2048, "--observation reconstruction: context tokens repeated per extra forward", minimum=1
+    reconstruction_chunk: int | None = option(
+        RECONSTRUCTION_CHUNK, "--observation reconstruction: context tokens repeated per extra forward; default: "
+        "the method's own (KVzip's 2048; 512 for kvgrad, KVgrad's; the whole context at once for kvcompose, "
+        "KVCompose's single replay)", minimum=1
     )
     reconstruction_reduce: str = option(
         "max",
@@ -232,7 +234,10 @@ class CompressionConfig:
                 f"--observation reconstruction chooses the queries that score the prompt; --method {run.method} "
                 "does not score with queries"
             )
-        set_(self, "run", dataclasses.replace(run, allocation=allocation, observation=observation))
+        chunk = (run.reconstruction_chunk if explicit.get("reconstruction_chunk") is not None
+                 else policy_cls.default_reconstruction_chunk)
+        set_(self, "run", dataclasses.replace(run, allocation=allocation, observation=observation,
+                                              reconstruction_chunk=chunk))
         set_(self, "policy", policy)
         set_(self, "allocator", allocation_cls(**given[allocation_cls]))
         set_(self, "merger", merge_cls(**given[merge_cls]) if merge_cls else None)
@@ -267,19 +272,16 @@ class CompressionConfig:
     def _check_recompression(self) -> None:
         """Chunked prefill and decode-time compression score a layer again and again with its
         newest queries: they need a window of them and a scorer that can rescore."""
-        run = self.run
-        # The newest tokens a scorer protects are the ones whose queries score the rest.
-        window = self.policy.protected_count(run.window_size, (run.decode_budget or 0) + run.window_size + 1)
-        if run.prefill_chunk_size is not None and self.policy.observes_queries and run.prefill_chunk_size < window:
+        run, policy = self.run, self.policy
+        # A chunk's last window_size queries score what the layer holds (and are the window it protects).
+        if (run.prefill_chunk_size is not None and policy.observes_queries
+                and run.prefill_chunk_size < policy.protected_count(run.window_size, run.prefill_chunk_size)):
             raise ConfigError(
                 f"--prefill_chunk_size {run.prefill_chunk_size} must be at least --window_size {run.window_size}: "
                 "each chunk's last window_size queries score what the layer holds"
             )
-        if run.decode_budget is not None and run.decode_budget <= window:
-            raise ConfigError(
-                f"--decode_budget {run.decode_budget} must exceed --window_size {run.window_size} (the newest "
-                "tokens are always kept)"
-            )
+        if run.decode_budget is not None and not policy.compressible_to(run.window_size, run.decode_budget):
+            raise ConfigError(f"--decode_budget {run.decode_budget} must exceed {policy.always_kept(run.window_size)}")
         if self.compresses_after_prefill and run.decode_budget is not None:
             causes = self.deferring_flags()
             raise ConfigError(f"--decode_budget compresses as tokens come; {' and '.join(causes)} "

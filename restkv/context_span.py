@@ -6,9 +6,10 @@ question and the template's closing after the context are what the answer reads 
 they are kept too. A caller that knows where the context lies says so on the cache the prompt
 is prefilled into (``set_context_span``; the generation helpers take ``context_span=``, the
 runners pass what the prompt's builder knows, ``EncodedPrompt.context_span``). Under
-``--observation reconstruction`` every token outside the span is then protected (kept
-whatever its score, within the budget) and the repetition is the span alone; without a span
-the whole prompt is the context.
+``--observation reconstruction``, and for a method that predicts KVzip's ranking without the
+repetition (``learned_zip``), every token outside the span is then protected (kept whatever its
+score, within the budget) and the repetition is the span alone; without a span the whole prompt
+is the context.
 """
 
 from __future__ import annotations
@@ -41,3 +42,12 @@ def set_context_span(cache, span, prompt_length: int | None = None) -> None:
 def context_span(cache) -> tuple[int, int] | None:
     """The span ``set_context_span`` gave ``cache``, or None."""
     return cache_state(cache).context_span if cache is not None else None
+
+
+def protected_span(config, cache) -> tuple[int, int] | None:
+    """The span of ``cache``'s context whose surroundings ``config`` keeps whatever their score (see
+    the module docstring), or None: under the reconstruction observation, or for a method that ranks
+    the context as KVzip does (``Policy.ranks_context_alone``)."""
+    if config.run.observation == "reconstruction" or config.policy.ranks_context_alone:
+        return context_span(cache)
+    return None

@@ -62,7 +62,7 @@ from restkv.cache import CompressedLayer
 from restkv.compat import with_cache
 from restkv.compress import compress_layer
 from restkv.context import LayerPlan, ScoringContext
-from restkv.context_span import context_span
+from restkv.context_span import context_span, protected_span
 from restkv.handles import cache_state
 from restkv.observation import ReconstructionObservation, ReconstructionStats
 from restkv.reconstruction_prompt import NO_PROMPT, reconstruction_prompt
@@ -253,7 +253,7 @@ def _reconstruct(model_forward: Callable, model, cache, pending: PendingPrefill)
     first = max((waiting.first_column or 0) - padding, 0)  # the first token these layers wait on (row-local)
     start, stop = context_span(cache) or (0, real)  # the context alone, not its template
     sink_end = max(start, getattr(config.policy, "n_sink", 0))
-    size = config.run.reconstruction_chunk
+    size = config.run.reconstruction_chunk or max(stop - start, 1)  # None: the whole context at once
     pieces = [(piece, min(piece + size, stop, real)) for piece in range(max(start, first), min(stop, real), size)]
     prompt = reconstruction_prompt(model) if config.policy.repeats_with_instruction else NO_PROMPT
     tokens = context[0, padding:]
@@ -362,9 +362,9 @@ def _rank_chunk(cache, config, layers: dict[int, PendingLayer], contexts: dict[i
 
 def _outside_span(cache, layer: PendingLayer, padding: torch.Tensor) -> torch.Tensor:
     """``[B, n]`` the layer's pending tokens outside the context span (the template around it,
-    protected under reconstruction whatever follows); ``padding`` ``[B]``: each row's."""
+    protected whatever follows, ``protected_span``); ``padding`` ``[B]``: each row's."""
     valid = layer.plan.valid
-    span = context_span(cache) if layer.reconstructed else None
+    span = protected_span(layer.config, cache)
     if span is None:
         return torch.zeros_like(valid)
     columns = (layer.first_column or 0) + torch.arange(valid.shape[-1], device=valid.device)

@@ -3,11 +3,14 @@
 The prompt is cut into chunks of ``--chunk_press_length`` tokens (the row's first token opens the first, the last
 may be shorter); each chunk is scored by the method as if it were the whole prompt (its own
 keys, values and queries: a window scorer reads the chunk's last ``--window_size`` queries, a
-sink-keeping one keeps the chunk's first tokens) and keeps its share of the budget,
-``floor(n_chunk x budget / L)`` tokens per KV head (at least 1), so every part of a long prompt
-keeps the same density and no chunk's scores compete with another's; a chunk whose share does
-not exceed what the method protects in it (a short last chunk and the window) keeps its newest
-tokens. Scoring is per chunk, so the cost
+sink-keeping one keeps the chunk's first tokens) and keeps its share of the row's budget, as
+kvpress gives it: ``max(1, int(n_chunk (1 - r)))`` tokens per KV head at the row's ratio ``r``
+(``--compression_ratio``; under a token budget ``B`` of ``L`` tokens, ``1 - B / L``), so every part of a
+long prompt keeps the same density and no chunk's scores compete with another's. The shares
+never exceed the budget: where kvpress' one token per chunk would (chunks shorter than ``1 / (1 -
+r)`` tokens), the budget is split by the chunks' ends, ``floor(end B / L) - floor(start B / L)``
+per chunk. A chunk whose share does not exceed what the method protects in it (a short last
+chunk and the window) keeps its newest tokens. Scoring is per chunk, so the cost
 of an attention scorer falls from the prompt's length to the chunk's.
 
 It needs the prompt's own queries at its prefill: a deferring setting (reconstruction, a
@@ -20,15 +23,17 @@ settings too.
 Where this differs from kvpress' ``ChunkPress``: kvpress hands the inner press the RoPE tables
 of the whole prompt, so a SnapKV chunk's recomputed window queries sit at the prompt's last
 positions (``../shared/golden_kvpress`` §12); here the queries keep their own positions.
-A chunk keeps ``max(1, int(n_chunk (1 - r)))`` tokens there, the same share for a ratio budget.
+Where kvpress' shares of short chunks sum to more than the budget, it keeps them all.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
+from restkv.config import kept_at_ratio
 from restkv.context import ScoringContext, plan_layer
 from restkv.options import ConfigError, Options, option, register
 from restkv.policies.base import require_ranking
@@ -66,16 +71,15 @@ class IndependentChunks(Options):
         ranked = torch.zeros_like(scores, dtype=torch.float32)
         counts = keep.clone()
         for row, visible in enumerate(ctx.plan.visible_counts.tolist()):
-            first, budget = length - visible, int(ctx.budgets[row])
-            total = 0
-            for start in range(first, length, self.chunk_press_length):
-                stop = min(start + self.chunk_press_length, length)
-                share = max(1, (stop - start) * budget // visible)
-                chosen = (self.global_choice(ctx, scores, row, slice(start, stop), share) if self.chunk_press_global
-                          else self.chunk_choice(config, ctx, row, slice(start, stop), share))
-                ranked[row, :, start:stop] = chosen.float()
-                total += share
-            counts[row] = min(total, visible)
+            starts = range(length - visible, length, self.chunk_press_length)
+            sizes = [min(self.chunk_press_length, length - start) for start in starts]
+            shares = chunk_shares(config, sizes, int(ctx.budgets[row]))
+            for start, size, share in zip(starts, sizes, shares):
+                columns = slice(start, start + size)
+                chosen = (self.global_choice(ctx, scores, row, columns, share) if self.chunk_press_global
+                          else self.chunk_choice(config, ctx, row, columns, share))
+                ranked[row, :, columns] = chosen.float()
+            counts[row] = sum(shares)
         return ranked, counts
 
     @staticmethod
@@ -110,6 +114,23 @@ class IndependentChunks(Options):
         last_cos, last_sin = (table[row : row + 1, -window:] for table in ctx.rotary)
         turned = rotate(unrotate(query[:, :, -window:], cos, sin), last_cos, last_sin)
         return torch.cat([query[:, :, :-window], turned], dim=2)
+
+
+def chunk_shares(config, sizes: list[int], budget: int) -> list[int]:
+    """Each chunk's share of a row's ``budget`` (chunks of ``sizes`` tokens, in order): kvpress'
+    ``max(1, int(n (1 - r)))`` at the row's ratio ``r`` (the run's ``--compression_ratio`` when the row
+    keeps its budget, else ``1 - budget / L``). Where those exceed the budget (chunks shorter than
+    ``1 / (1 - r)`` tokens, one token each), the budget is split by the chunks' ends instead:
+    ``floor(end x budget / L) - floor(start x budget / L)``, exactly the budget in all."""
+    length, ratio = sum(sizes), config.run.compression_ratio
+    if ratio is not None and kept_at_ratio(length, ratio) == budget:
+        shares = [max(1, kept_at_ratio(size, ratio)) for size in sizes]
+    else:
+        shares = [max(1, size * budget // length) for size in sizes]
+    if sum(shares) <= budget:
+        return shares
+    marks = [end * budget // length for end in itertools.accumulate(sizes, initial=0)]
+    return [stop - start for start, stop in zip(marks, marks[1:])]
 
 
 def check_pieces_scored_at_prefill(config, flag: str, pieces: str, uniform: str, deferring: bool = True) -> None:

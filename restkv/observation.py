@@ -32,6 +32,9 @@ from restkv.temporal import aggregate_queries
 
 OBSERVATIONS = ("window", "reconstruction")
 RECONSTRUCTION_REDUCTIONS = ("max", "mean")
+#: context tokens one reconstruction forward repeats, unless the method or ``--reconstruction_chunk``
+#: says otherwise (KVzip's)
+RECONSTRUCTION_CHUNK = 2048
 
 
 class ObservedLayer(Protocol):

@@ -3,7 +3,8 @@
 Instead of a fixed count, a token older than the protected window stays if its score reaches
 ``--dms_threshold``: how much is kept follows the content, per layer and KV head (ragged). The
 budget caps it (a head keeps at most its allocated count, the best-scored first), and a prompt
-within the budget is kept whole, as for every method. The threshold is on the scorer's own
+within the budget is kept whole, as for every method (also a row of a padded batch whose other
+rows are compressed). The threshold is on the scorer's own
 scale (``-||k||`` for ``l2norm``, an attention weight for ``snapkv``...); DMS's trained
 evictors are not part of it.
 
@@ -41,6 +42,9 @@ class ThresholdEviction(Options):
 
     def rescore(self, config, ctx, scores: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The scores as they are; each head's count lowered to its protected tokens and the
-        candidates that reach the threshold."""
+        candidates that reach the threshold, in the rows that exceed their budget (a row of a
+        padded batch that fits is kept whole, as alone)."""
         reaching = ((scores >= self.dms_threshold) & ctx.candidates[:, None]).sum(dim=-1)
-        return scores, torch.minimum(keep, ctx.protected.sum(dim=-1, keepdim=True) + reaching.to(keep.device))
+        thresholded = torch.minimum(keep, ctx.protected.sum(dim=-1, keepdim=True) + reaching.to(keep.device))
+        fits = (ctx.plan.visible_counts <= ctx.budgets).to(keep.device)[:, None]
+        return scores, torch.where(fits, keep, thresholded)

@@ -126,6 +126,22 @@ def prefill_calls(monkeypatch):
 
 
 @pytest.fixture
+def repeated_pieces(monkeypatch) -> list:
+    """The context pieces the reconstruction forwards repeat, ``(start, stop)`` row-local, as they run
+    (restkv.deferred)."""
+    import restkv.deferred
+
+    real, pieces = restkv.deferred._repeated, []
+
+    def recording(piece, last, *args):
+        pieces.append((piece, last))
+        return real(piece, last, *args)
+
+    monkeypatch.setattr(restkv.deferred, "_repeated", recording)
+    return pieces
+
+
+@pytest.fixture
 def reconstruction_run(monkeypatch):
     """A query-agnostic run with reconstruction observation: its ``flags``, the reconstruction
     ``passes`` made (restkv.deferred, one per compressed context), and ``check(folder, records,

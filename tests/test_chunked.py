@@ -215,6 +215,31 @@ def test_a_small_decode_budget_bounds_the_cache_and_keeps_positions_right():
     assert output_cache(out).layers[0].tokens_seen == 79
 
 
+@pytest.mark.parametrize("method", ["streamingllm", "simlayerkv"])
+def test_a_decode_budget_of_a_sink_keeping_method_keeps_the_sinks_and_the_newest_tokens(method):
+    """StreamingLLM's protected tokens are its sinks and the newest budget - n_sink: a decode budget
+    must exceed the sinks, not the window (every budget was once refused: "must exceed --window_size")."""
+    model = tiny_model("llama")
+    lazy = dict(simlayer_threshold=0.0) if method == "simlayerkv" else {}  # every layer lazy
+    replace_for("llama")(method=method, max_capacity_prompts=24, window_size=4, n_sink=4, decode_budget=20,
+                         decode_interval=5, **lazy)
+    cache = output_cache(model.generate(random_prompt(1, 50), max_new_tokens=12, min_new_tokens=12,
+                                        do_sample=False, return_dict_in_generate=True))
+    for layer in cache.layers:
+        compressed_at = layer.tokens_seen - layer.tail_length  # the tokens seen at the last compression
+        assert layer.kept_columns[0].tolist() == [[0, 1, 2, 3, *range(compressed_at - 16, compressed_at)]] * 2
+
+
+@pytest.mark.parametrize("options, fragment", [
+    (dict(method="streamingllm", n_sink=8, decode_budget=8), "--decode_budget 8 must exceed --n_sink 8 \\(the first"),
+    (dict(method="duo_attention", duo_pattern="data/duo_patterns/smollm2-135m.json", decode_budget=500),
+     "--allocation duo keeps each head's prefill count; --decode_budget 500"),
+])
+def test_a_decode_budget_is_checked_against_what_the_method_protects(options, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        CompressionConfig(max_capacity_prompts=32, window_size=4, **options)
+
+
 def test_rows_of_a_batch_stay_independent_under_decode_compression():
     model = tiny_model("llama")
     replace_for("llama")(method="snapkv", max_capacity_prompts=20, window_size=4, decode_budget=16,

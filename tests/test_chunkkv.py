@@ -29,6 +29,30 @@ def test_chunkkv_keeps_the_window_and_the_best_whole_chunks_the_budget_holds():
         assert set(i for i in out.indices[0, head].tolist() if i >= 0) == expected
 
 
+
+@pytest.mark.parametrize("budget", ["max_capacity_prompts", "decode_budget"])
+def test_chunkkv_refuses_chunks_longer_than_a_budget_holds_beside_the_window(budget):
+    """No whole 40-token chunk fits the 28 tokens a budget of 32 leaves beside a window of 4: only the window
+    was kept."""
+    with pytest.raises(ConfigError, match=f"--chunkkv_length 40 must not exceed the 28 tokens --{budget} 32 "
+                                          "leaves beside the protected --window_size 4"):
+        CompressionConfig(**{"method": "snapkv", "max_capacity_prompts": 64, "window_size": 4, "chunkkv": True,
+                             "chunkkv_length": 40, budget: 32})
+
+
+def test_a_row_budget_below_one_chunk_keeps_the_best_chunks_best_tokens():
+    """A ratio's budget is a row's: a chunk longer than what it leaves beside the window gives its best
+    tokens (kvpress keeps at least one chunk whole, past the budget), never the window alone."""
+    from restkv.chunkkv import ChunkSelection
+
+    summed = torch.arange(30, dtype=torch.float32).remainder(7)
+    summed[10:20] += 1  # chunk 1 has the best mean: 4 5 6 7 1 2 3 4 5 6
+    protected = torch.zeros(30, dtype=torch.bool)
+    protected[27:] = True
+    chosen = ChunkSelection.whole_chunks(summed, protected, torch.arange(30) // 10, 8)
+    assert set(chosen.nonzero().squeeze(-1).tolist()) == {13, 12, 19, 11, 18}  # its 5 best beside the 3 protected
+
+
 def test_chunkkv_refuses_budgets_that_differ_by_head_and_positional_methods():
     with pytest.raises(ConfigError, match="--chunkkv keeps the same chunks in every head; --allocation adakv"):
         CompressionConfig(method="snapkv", allocation="adakv", max_capacity_prompts=40, chunkkv=True)
@@ -42,6 +66,21 @@ def test_chunkkv_refuses_budgets_that_differ_by_head_and_positional_methods():
 def test_chunkkv_compresses_a_model_with_the_other_parts(extra):
     assert_model_compresses({"method": "snapkv", "max_capacity_prompts": 30, "window_size": 8, "chunkkv": True,
                              "chunkkv_length": 8, **extra})
+
+
+def test_under_chunked_prefill_the_chunks_are_the_prompts_positions_not_the_held_tokens():
+    """Each prefill chunk (13, then 3 x 40 tokens) ranks the held tokens with the new ones: the chunks stay
+    the prompt's 10-position pieces, kept whole (cut over the held tokens, parts of two were kept)."""
+    from restkv.cache import kept_positions
+    from restkv.generation import prefill
+    from tiny_models import random_prompt, replace_for, tiny_model
+
+    model = tiny_model("llama")
+    replace_for("llama")(method="l2norm", l2norm_skip_layers=(), max_capacity_prompts=47, window_size=0, chunkkv=True,
+                         chunkkv_length=10, prefill_chunk_size=40)
+    for layer in kept_positions(prefill(model, random_prompt(1, 133))):
+        kept = set(layer.exact[0][0])
+        assert all(set(range(p - p % 10, min(p - p % 10 + 10, 133))) <= kept for p in kept), sorted(kept)
 
 
 def test_the_entropy_gate_keeps_a_spiky_chunks_best_tokens_and_spends_the_rest_on_more_chunks():

@@ -21,6 +21,37 @@ def test_each_chunk_keeps_its_share_of_its_own_best_keys():
         assert set(i for i in out.indices[0, head].tolist() if i >= 0) == expected
 
 
+
+def l2norm_chunk_choice(key, chunk, shares):
+    """Per KV head, the smallest-norm ``share`` keys of each ``chunk``-token chunk (l2norm scored alone)."""
+    norms = key[0].norm(dim=-1)
+    return [{start + int(i) for start, share in zip(range(0, norms.shape[-1], chunk), shares)
+             for i in torch.argsort(norms[head, start : start + chunk], stable=True)[:share]}
+            for head in range(norms.shape[0])]
+
+
+def test_under_a_ratio_each_chunk_keeps_kvpress_share_of_its_own_length():
+    """kvpress keeps max(1, int(n (1 - r))) of a chunk of n: 50 of each 100-token chunk of 383 tokens at 0.5, 41
+    of the last 83 (the share of the row's 191, floor(100 x 191 / 383) = 49, once kept 188)."""
+    query, key, value = random_qkv(length=383, seed=44)
+    out = compress_kv(query, key, value, dict(method="l2norm", compression_ratio=0.5, window_size=0,
+                                              l2norm_skip_layers=(), chunk_press=True, chunk_press_length=100))
+    for head, expected in enumerate(l2norm_chunk_choice(key, 100, (50, 50, 50, 41))):
+        assert {i for i in out.indices[0, head].tolist() if i >= 0} == expected
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_chunks_too_short_for_a_token_each_share_the_budget_without_exceeding_it(chunk):
+    """A chunk of n < 120 / 32 tokens has no whole token of the budget's share (kvpress keeps one of each, 120,
+    60 or 40 against a budget of 32): the budget is split by the chunks' ends instead, 32 in all."""
+    query, key, value = random_qkv(length=120, seed=45)
+    out = compress_kv(query, key, value, dict(method="l2norm", max_capacity_prompts=32, window_size=0,
+                                              l2norm_skip_layers=(), chunk_press=True, chunk_press_length=chunk))
+    ends = [min(end, 120) * 32 // 120 for end in range(0, 120 + chunk, chunk)]
+    shares = [b - a for a, b in zip(ends, ends[1:])]
+    for head, expected in enumerate(l2norm_chunk_choice(key, chunk, shares)):
+        assert len(expected) == 32 and {i for i in out.indices[0, head].tolist() if i >= 0} == expected
+
 def test_a_window_scorer_reads_each_chunks_own_last_queries():
     """SnapKV in 50-token chunks keeps each chunk's last --window_size tokens (its own window)."""
     query, key, value = random_qkv(length=100, seed=42)

@@ -70,3 +70,15 @@ def test_the_model_replays_the_bare_context_and_keeps_the_models_budget(unstruct
     counts = [[len(head) for head in layer.exact[0]] for layer in kept_positions(cache)]
     assert sum(map(sum, counts)) == 3 * 2 * 20
     assert all(len(set(layer)) == 1 for layer in counts) or unstructured
+
+
+def test_the_replay_reads_the_whole_context_at_once_as_kvcompose_does(repeated_pieces):
+    """KVCompose replays the context once (KVzip's 2048-token chunks were the default: a 2100-token context was
+    scored in two pieces whose queries never saw each other); --reconstruction_chunk still splits it."""
+    model = tiny_model("llama", max_position_embeddings=4400)
+    for chunk, expected in (({}, [(0, 2100)]),
+                            ({"reconstruction_chunk": 2048}, [(0, 2048), (2048, 2100)])):
+        repeated_pieces.clear()
+        replace_for("llama")(method="kvcompose", max_capacity_prompts=20, **chunk)
+        greedy(model, random_prompt(1, 2100), new_tokens=1)
+        assert repeated_pieces == expected

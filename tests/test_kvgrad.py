@@ -19,6 +19,19 @@ def test_kvgrad_keeps_the_models_budget_across_layers_and_leaves_no_parameter_gr
     assert all(parameter.grad is None for parameter in model.parameters())
 
 
+def test_kvgrad_repeats_the_context_in_its_references_chunks_of_512(repeated_pieces):
+    """KVgrad's reference and kvpress' KVgradPress repeat 512 tokens at a time (KVzip's 2048 was the default);
+    --reconstruction_chunk still chooses."""
+    model = tiny_model("llama")
+    for chunk, expected in (({}, [(0, 512), (512, 600)]),
+                            ({"reconstruction_chunk": 300}, [(0, 300), (300, 600)])):
+        repeated_pieces.clear()
+        replace_for("llama")(method="kvgrad", max_capacity_prompts=20, **chunk)
+        with torch.no_grad():
+            greedy(model, random_prompt(1, 600), new_tokens=1)
+        assert repeated_pieces == expected
+
+
 def test_gradient_weights_change_what_kvzip_plus_keeps():
     """KVgrad is KVzip+ with each query weighted by its gradient norm instead of 1 / ||h||."""
     kept = {}

@@ -90,6 +90,18 @@ def test_lagkv_keeps_the_sinks_and_the_newest_tokens_when_the_budget_is_below_th
     assert kept(out) == [0, 1, 2, 3] + list(range(41 - 8, 41))
 
 
+
+def test_lagkv_refuses_a_budget_that_does_not_exceed_its_sinks():
+    """As kvzip and streamingllm: a fixed budget at once, a ratio's on the row it leaves too few (a 5-token row
+    at 0.5 once kept 2 of its 4 sinks)."""
+    with pytest.raises(ConfigError, match="--n_sink 4 must be smaller than --max_capacity_prompts 4"):
+        CompressionConfig(method="lagkv", max_capacity_prompts=4)
+    query, key, value = random_qkv(batch=2, length=60, seed=1)
+    mask = torch.ones(2, 60, dtype=torch.long)
+    mask[1, :55] = 0
+    with pytest.raises(ConfigError, match="a row of 5 tokens keeps 2 tokens .* does not exceed --n_sink 4"):
+        compress_kv(query, key, value, dict(method="lagkv", compression_ratio=0.5), attention_mask=mask)
+
 def test_lagkv_kvpress_scores_flatten_the_sinks_and_tail_and_ramp_short_prompts():
     _, key, value = random_qkv(length=40, seed=1)
     policy = CompressionConfig(method="lagkv", max_capacity_prompts=10, lag_size=16, lagkv_kvpress_scores=True).policy
@@ -121,6 +133,7 @@ def test_cur_multiplies_windowed_key_and_value_leverages():
     torch.testing.assert_close(scores[0, 0], expected)
     averaged = scores_of(dict(method="cur", max_capacity_prompts=2, n_sink=0, cur_local_window=0,
                               cur_leverage="kv_avg"), key, key, value)
+    # each normalised over the row before they are averaged (kvpress' use_local_approximation=False: raw)
     k2, v2 = torch.tensor([1.0, 2, 1, 3, 1]) / 8, torch.tensor([2.0, 2, 1, 1, 4]) / 10
     torch.testing.assert_close(averaged[0, 0], (k2 + v2) / 2 / ((k2 + v2) / 2).sum())
 
@@ -381,6 +394,14 @@ def test_finch_refuses_the_reconstruction_observation():
     with pytest.raises(ConfigError, match="--observation reconstruction"):
         CompressionConfig(method="finch", max_capacity_prompts=40, observation="reconstruction")
 
+
+
+def test_finch_refuses_an_empty_question_window():
+    """The window is Finch's question: without one nothing scores the context (the prefill once raised a
+    RuntimeError on the empty window)."""
+    with pytest.raises(ConfigError, match="--method finch scores the context by the attention of the question.*"
+                                          "--window_size 0"):
+        CompressionConfig(method="finch", max_capacity_prompts=32, window_size=0)
 
 # ---------------------------------------------------------------- Q-Filters
 def write_filters(path, filters):

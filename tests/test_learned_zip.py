@@ -160,6 +160,17 @@ def test_a_left_padded_row_keeps_what_it_keeps_alone(tiny_weights):
     assert [layer.exact[1] for layer in together] == [layer.exact[0] for layer in alone]
 
 
+@pytest.mark.parametrize("chunked", [dict(), dict(prefill_chunk_size=32)])
+def test_the_template_around_the_context_is_kept_as_kvzip_keeps_it(tiny_weights, chunked):
+    """KVzip keeps the prompt's template (before and after the context span) whatever its score; a prediction of
+    its ranking must too (it kept a few of the template's tokens)."""
+    model = tiny_model("llama")
+    replace_for("llama")(method="learned_zip", max_capacity_prompts=30, learned_zip_weights=tiny_weights, **chunked)
+    kept = kept_positions(prefill(model, random_prompt(1, 80, seed=9), context_span=(10, 70)))
+    template = set(range(10)) | set(range(70, 80))
+    assert all(template <= set(head) for layer in kept for head in layer.exact[0])
+    assert sum(len(head) for layer in kept for head in layer.exact[0]) == 3 * 2 * 30
+
 @pytest.mark.parametrize("options, refusal", [
     (dict(residual=True), None),
     (dict(quant_method="kivi"), None),

@@ -8,8 +8,10 @@ from restkv import CompressionConfig, compress_kv
 from tiny_models import assert_model_compresses, random_qkv
 
 
-@pytest.mark.parametrize("focus, lazy", [(1, True), (30, False)])
+@pytest.mark.parametrize("focus, lazy", [(1, True), (62, True), (30, False), (99, False)])
 def test_a_layer_is_lazy_when_its_last_query_reads_the_sinks_and_the_newest_tokens(focus, lazy):
+    """As kvpress: the newest tokens are the 40 - 4 + 1 = 37 before the last query, 62..98; its own key is
+    not one of them (it was counted, the window ending at 99)."""
     query, key, value = random_qkv(length=100, seed=51)
     key = key * 0.1
     key[0, :, focus] = query[0, ::2, -1] * 3.0  # the last query of each group's first head finds this key

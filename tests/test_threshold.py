@@ -25,6 +25,19 @@ def test_the_window_and_every_token_reaching_the_threshold_stay_up_to_the_budget
     assert max(counts) < budget if budget == 90 else max(counts) == budget  # the threshold binds, then the budget
 
 
+def test_a_padded_row_within_its_budget_is_kept_whole_as_it_is_alone():
+    """A batch compresses for its longer row; the shorter one fits the budget and keeps every token, as alone
+    (the threshold once thinned it)."""
+    query, key, value = random_qkv(batch=2, length=100, seed=32)
+    mask = torch.ones(2, 100, dtype=torch.long)
+    mask[1, :40] = 0
+    options = dict(method="l2norm", l2norm_skip_layers=(), max_capacity_prompts=80, window_size=0, dms=True,
+                   dms_threshold=-8.0)
+    out = compress_kv(query, key, value, options, attention_mask=mask)
+    alone = compress_kv(query[1:, :, 40:], key[1:, :, 40:], value[1:, :, 40:], options)
+    assert (out.indices[1] >= 0).sum(dim=-1).tolist() == (alone.indices[0] >= 0).sum(dim=-1).tolist() == [60, 60]
+    assert (out.indices[0] >= 0).sum(dim=-1).max() < 80  # the long row is thresholded
+
 def test_dms_needs_a_threshold_and_a_scorer():
     with pytest.raises(ConfigError, match="give --dms_threshold"):
         CompressionConfig(method="snapkv", max_capacity_prompts=40, dms=True)

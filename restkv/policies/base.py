@@ -29,6 +29,7 @@ import torch
 
 from restkv.adaptive_pooling import adaptive_pool
 from restkv.context import ScoringContext
+from restkv.observation import RECONSTRUCTION_CHUNK
 from restkv.options import ConfigError, Options, option
 from restkv.selection import Reservation
 
@@ -62,6 +63,9 @@ class Policy(Options):
     #: under ``--observation reconstruction``, the repetition follows the reconstruction prompt's
     #: instruction (KVzip's); False: the bare context is repeated (KVCompose's replay)
     repeats_with_instruction: ClassVar[bool] = True
+    #: under ``--observation reconstruction``, the context tokens one repetition forward reads unless
+    #: ``--reconstruction_chunk`` says (None: the whole context at once)
+    default_reconstruction_chunk: ClassVar[int | None] = RECONSTRUCTION_CHUNK
     #: under ``--observation reconstruction``, each reconstruction query's attention is weighted by
     #: the gradient norm of the last hidden states at its attention output (KVgrad, ``restkv.replay_gradients``)
     weights_by_gradient: ClassVar[bool] = False
@@ -75,6 +79,9 @@ class Policy(Options):
     #: scores with weights fitted to one model's layers and heads (``learned_zip``), so it cannot
     #: score a layer of any other shape
     fitted_to_a_model: ClassVar[bool] = False
+    #: ranks the context alone as KVzip does without reading reconstruction queries (``learned_zip``): the
+    #: template around a given context span is kept whatever its score (``restkv.context_span``)
+    ranks_context_alone: ClassVar[bool] = False
     #: reads the RoPE tables the keys were rotated with (``ScoringContext.rotary``): keys or queries
     #: before RoPE, or rotations to other positions; ``compress_kv`` needs its ``rotary`` then
     needs_rotary: ClassVar[bool] = False
@@ -114,6 +121,10 @@ class Policy(Options):
     def protected_count(self, window_size: int, budget: int) -> int:
         """Most recent tokens always kept, out of a row budget of ``budget`` tokens."""
         return window_size
+
+    def always_kept(self, window_size: int) -> str:
+        """What the method keeps whatever the budget, as the flag that sets it (for messages)."""
+        return f"--window_size {window_size} (the newest tokens are always kept)"
 
     def compresses_layer(self, layer_idx: int) -> bool:
         """False for layers the method leaves untouched."""
@@ -218,6 +229,9 @@ class KeepsSinks(SinkOptions):
     def compressible_to(self, window_size: int, budget: int) -> bool:
         return self.n_sink < budget
 
+    def always_kept(self, window_size: int) -> str:
+        return f"--n_sink {self.n_sink} (the first --n_sink tokens are always kept)"
+
     def mark_sinks(self, ctx, scores: torch.Tensor, score: float) -> torch.Tensor:
         """``scores`` with ``score`` at each row's first ``n_sink`` tokens, found by their row-local
         positions (a chunk scored after the first holds none of them)."""
@@ -229,8 +243,7 @@ class KeepsSinks(SinkOptions):
         if not self.compressible_to(config.run.window_size, budget):
             raise ConfigError(
                 f"a row of {length} tokens keeps {budget} tokens (--compression_ratio "
-                f"{config.run.compression_ratio}), which does not exceed --n_sink {self.n_sink} (the first --n_sink "
-                "tokens are always kept)"
+                f"{config.run.compression_ratio}), which does not exceed {self.always_kept(config.run.window_size)}"
             )
 
 

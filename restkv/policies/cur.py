@@ -13,7 +13,10 @@ No attention is read.
 Where this differs from kvpress' ``CURPress``: ``G`` comes from a generator seeded with
 ``--seed`` and the layer (kvpress draws it from the global torch RNG on every call, so its
 choice changes with whatever ran before); windows are counted from each row's own first
-token; a window whose norms are all zero scores 0 (kvpress divides by zero); the recent
+token; ``--cur_local_window 0`` normalises the key and the value norms over the whole row, where
+kvpress' ``use_local_approximation=False`` leaves them raw (the same ranking except under
+``kv_avg``, where raw norms weigh keys and values by their scale, not by their leverage); a window
+whose norms are all zero scores 0 (kvpress divides by zero); the recent
 ``--window_size`` tokens are kept as for every restkv scorer (kvpress protects only the sinks:
 ``--window_size 0`` reproduces it).
 """
@@ -42,7 +45,9 @@ class CUR(SinkOptions, Policy):
 
     cur_leverage: str = option("kv_product", "CUR: how the key and value leverages combine", LEVERAGES)
     cur_local_window: int = option(
-        16, "CUR: tokens per window within which the squared norms are normalised (0: the whole row)", minimum=0
+        16, "CUR: tokens per window within which the squared norms are normalised (0: the whole row; kvpress' "
+        "use_local_approximation=False leaves them raw, which for kv_avg weighs keys and values by their scale)",
+        minimum=0
     )
     cur_random_projection: bool = option(
         False, "CUR: project keys and values on a seeded Gaussian matrix before taking their norms"

@@ -38,6 +38,9 @@ class Finch(GroupedScores):
 
     def check(self, config) -> None:
         super().check(config)
+        if config.run.window_size == 0:
+            raise ConfigError(f"--method {self.name} scores the context by the attention of the question, its last "
+                              "--window_size tokens: --window_size 0 leaves none")
         if config.run.observation == "reconstruction":
             raise ConfigError(f"--method {self.name} weights each window query's attention row; --observation "
                               "reconstruction keeps no row per query (use --observation window)")

@@ -8,7 +8,7 @@ Where this differs from kvpress' ``KeyDiffPress``: the anchor averages the keys 
 own tokens (kvpress averages every cached row, which only batch size 1 makes the same), and
 the recent ``--window_size`` tokens are kept as for every restkv scorer (kvpress protects
 none: ``--window_size 0`` reproduces it). The paper evicts block by block as the prompt is
-read; kvpress gets that from its ``BlockPress`` wrapper, which restkv does not have yet.
+read, as kvpress' ``BlockPress`` wrapper does: ``--block_press`` here (``restkv.block_scoring``).
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ hold as many tokens each, so a layer is one dense block). ``--kvcompose_unstruct
 head's sorted scores across the model instead, so each (layer, head) keeps its own count (ragged).
 
 As kvpress' ``KVComposePress`` (``agg_task max, agg_group mean, agg_head mean``,
-``keep_token_lower_bound 0``). Its replay attends to the context in one piece
-(``--reconstruction_chunk`` at least the context); kvpress masks the unstructured variant's
-evicted entries at full memory, here they are removed.
+``keep_token_lower_bound 0``): the replay reads the whole context in one forward (its keys twice
+over: ``--reconstruction_chunk N`` bounds that, each piece then scored without the others);
+kvpress masks the unstructured variant's evicted entries at full memory, here they are removed.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class KVCompose(GroupedScores):
     allocation = "kvcompose"
     default_observation = "reconstruction"
     repeats_with_instruction = False
+    default_reconstruction_chunk = None
 
     kvcompose_head_mean: bool = option(True, "KVCompose: add to each token's score its mean over the layer's KV heads")
     kvcompose_vnorm: bool = option(False, "KVCompose: multiply each token's score by its value's norm")

@@ -9,9 +9,9 @@ where ``A_{p,c} ||v_c W_o^h||`` is what the token writes into the residual strea
 ``||dPhi/da_p||`` how sensitive ``Phi = sum_p ||h_p||^2`` (the last decoder layer's output over
 the repeated tokens) is to the attention output at ``p`` (``restkv.replay_gradients``: one
 backward pass per reconstruction chunk, the cached context held constant). Everything else is
-KVzip's: the reconstruction prompt and chunks (``--reconstruction_chunk``; KVgrad's reference
-runs 512), the first ``--n_sink`` tokens kept, one ranking across layers and KV heads
-(``--kvzip_layerwise``: per layer).
+KVzip's: the reconstruction prompt and chunks (``--reconstruction_chunk``, 512 by default as in
+KVgrad's reference and kvpress), the first ``--n_sink`` tokens kept, one ranking across layers
+and KV heads (``--kvzip_layerwise``: per layer).
 
 As kvpress' ``KVgradPress``. Cost: each reconstruction chunk runs forward and backward, then
 forward again to fold the weighted attention (kvpress recomputes the attention instead), about
@@ -31,6 +31,7 @@ from restkv.policies.kvzip import KVzip
 class KVgrad(KVzip):
     name = "kvgrad"
     weights_by_gradient = True
+    default_reconstruction_chunk = 512
 
     def check(self, config) -> None:
         super().check(config)

@@ -11,7 +11,9 @@ every partition competes on the same footing. The last full partition and the re
 window is protected: the tail plays that role.
 
 Ranking: sinks first, then the tail, newest first, then the scored tokens by score. When the
-budget cannot hold the sinks and the whole tail, the sinks and the newest tokens stay.
+budget cannot hold the sinks and the whole tail, the sinks and the newest tokens stay; a budget
+that does not exceed the sinks is refused (a fixed one at once, a ratio's on the row it leaves
+too few), as for kvzip.
 
 Where this differs from kvpress' ``LagKVPress`` (same defaults: 4 sinks, lag 128, ranks):
 kvpress scores the sinks and the tail 1, the same value, so with a budget below them (the
@@ -32,7 +34,7 @@ import torch
 
 from restkv.context import ScoringContext
 from restkv.options import option, register
-from restkv.policies.base import Policy, SinkOptions
+from restkv.policies.base import KeepsSinks, Policy
 from restkv.policies.row_local import score_rows
 
 #: score of a sink: above every other score, so the sinks always stay
@@ -43,7 +45,7 @@ UNSCORED = 2.0
 
 @register("method")
 @dataclass(frozen=True)
-class LagKV(SinkOptions, Policy):
+class LagKV(KeepsSinks, Policy):
     name = "lagkv"
     observes_queries = False
 
@@ -60,6 +62,10 @@ class LagKV(SinkOptions, Policy):
 
     def protected_count(self, window_size: int, budget: int) -> int:
         return 0
+
+    def check(self, config) -> None:
+        super().check(config)
+        self.check_sinks(config)
 
     def score(self, ctx: ScoringContext) -> torch.Tensor:
         return score_rows(ctx, lambda row, columns: self.row_scores(ctx.key[row, :, columns].float(),

@@ -6,8 +6,8 @@ scores instead from what the prefill already holds: per layer and KV head, a lin
 token's pre-RoPE key and value to its KVzip score's logarithm (``restkv.learned_scores``),
 fitted by ``python -m restkv.train_scorer --target kvzip`` on text the project generates. The
 scoring costs one small matrix product per layer; everything else is KVzip's: no observation
-window, the first ``--n_sink`` tokens always kept, and one ranking of every (layer, KV head,
-token) across the model (``--max_capacity_prompts`` x layers x KV heads entries, ragged per
+window, the first ``--n_sink`` tokens always kept, the template around a given context span kept
+(``restkv.context_span``), and one ranking of every (layer, KV head, token) across the model (``--max_capacity_prompts`` x layers x KV heads entries, ragged per
 layer and head). Under ``--prefill_chunk_size`` the kept tokens' predicted scores are ranked
 again beside each new chunk's (``restkv.recompress.rank_chunk``): a token's score is fixed once
 its key is read, so the ranking is the single pass's, in bounded memory.
@@ -40,6 +40,7 @@ class LearnedZip(KeepsSinks, Policy):
     observes_queries = False
     fitted_to_a_model = True
     needs_rotary = True
+    ranks_context_alone = True
 
     learned_zip_weights: str | None = option(
         None, "learned_zip: weights file (python -m restkv.train_scorer); default: the ones shipped for SmolLM2-135M",

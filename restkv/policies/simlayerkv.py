@@ -2,13 +2,15 @@
 
 A layer is lazy when its last prompt queries (``--simlayer_last_queries``) put more than
 ``--simlayer_threshold`` of their attention, averaged over heads and queries, on the first
-``--n_sink`` tokens and the newest ``budget - n_sink + last_queries`` ones: it barely reads the
-rest, so it keeps what StreamingLLM keeps (the sinks and the newest ``budget - n_sink``). A
-layer that is not lazy keeps every token, whatever the budget: memory follows how many layers
-are lazy (per row of a batch), not the budget alone.
+``--n_sink`` tokens and the ``budget - n_sink + last_queries`` tokens before those queries (their
+own keys are not counted): it barely reads the rest, so it keeps what StreamingLLM keeps (the
+sinks and the newest ``budget - n_sink``). A layer that is not lazy keeps every token, whatever
+the budget: memory follows how many layers are lazy (per row of a batch), not the budget alone.
 
 As kvpress' ``SimLayerKVPress`` (its ``n_recent`` is ``budget - n_sink + n_last`` here, its
-``lazy_threshold`` 1.0 turns the method off); the paper's decode-time variant is not built.
+``lazy_threshold`` 1.0 turns the method off); the paper's decode-time variant is not built: with
+``--prefill_chunk_size`` or ``--decode_budget`` each compression tells the layer's laziness again
+from the newest queries.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class SimLayerAllocation(SinkOptions, Allocation):
 
     def lazy_share(self, ctx: ScoringContext, row: int, budget: int) -> float:
         """The share of row ``row``'s last queries' attention (mean over heads and queries) on its
-        sinks and its newest ``budget - n_sink + last_queries`` tokens."""
+        sinks and the ``budget - n_sink + last_queries`` tokens before those queries."""
         length = ctx.key.shape[2]
         visible = int(ctx.plan.visible_counts[row])
         columns = slice(length - visible, length)
@@ -64,6 +66,7 @@ class SimLayerAllocation(SinkOptions, Allocation):
         causal = torch.arange(visible, device=key.device)[None] > torch.arange(visible - last, visible,
                                                                               device=key.device)[:, None]
         weights = logits.masked_fill(causal, float("-inf")).softmax(dim=-1).mean(dim=(0, 1))
-        recent = min(budget - self.n_sink + last, visible)
-        sinks = min(self.n_sink, visible - recent)
-        return float(weights[:sinks].sum() + weights[visible - recent :].sum())
+        before = visible - last  # the last queries' own keys are not counted (kvpress')
+        recent = min(budget - self.n_sink + last, before)
+        sinks = min(self.n_sink, before - recent)
+        return float(weights[:sinks].sum() + weights[before - recent : before].sum())
