@@ -23,7 +23,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from restkv.benchmarks.errors import command_line
-from restkv.benchmarks.flags import check_minimums
+from restkv.benchmarks.flags import check_minimums, check_output_path
 from restkv.benchmarks.haystack import synthetic_prose
 from restkv.config import CompressionConfig
 from restkv.models import check_model_path, load_model, load_tokenizer, model_path_errors
@@ -87,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Compr
                                window_size=args.window_size, decode_budget=args.decode_budget,
                                decode_interval=args.decode_interval)
     check_model_path(args.model_path)
+    check_output_path(args.out, "--out")
     return args, config
 
 
