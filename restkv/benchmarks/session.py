@@ -10,9 +10,10 @@ option) also seeds Python, NumPy and torch.
 
 **No silent no-compression.** After each sample the cache is inspected: if the compressed
 prefill was longer than the budget, every layer that the method compresses at that length must
-hold fewer entries than tokens seen, else the run stops with ``CompressionNotApplied``; every
-compressed layer must have been built with the run's config, else ``CompressionMismatch``.
-Tokens seen / stored go in the line.
+be one restkv built and (unless its allocation keeps layers or heads whole by design,
+``Allocation.may_keep_whole``) hold fewer entries than tokens seen in some KV head, else the run
+stops with ``CompressionNotApplied``; every compressed layer must have been built with the run's
+config, else ``CompressionMismatch``. Tokens seen / stored go in the line.
 
 **Prompts too short to compress.** Under ``--compression_ratio`` a short prompt may keep no
 more tokens than the method always keeps (its window, KVzip's sinks); the library refuses such
