@@ -159,7 +159,8 @@ def test_an_output_path_is_checked_without_writing_anything(tmp_path):
 
     (tmp_path / "a_file").write_text("")
     (tmp_path / "a_folder").mkdir()
-    assert check_output_path(str(tmp_path / "new" / "deeper" / "out.json"), "--out") == tmp_path / "new" / "deeper" / "out.json"
+    deeper = tmp_path / "new" / "deeper" / "out.json"
+    assert check_output_path(str(deeper), "--out") == deeper  # its folders are made when it is written
     assert check_output_path(str(tmp_path / "a_file"), "--out") == tmp_path / "a_file"  # overwritten when done
     assert check_output_path(str(tmp_path / "a_folder"), "--save_dir", folder=True) == tmp_path / "a_folder"
     assert check_output_path(str(tmp_path / "new_folder"), "--save_dir", folder=True) == tmp_path / "new_folder"

@@ -149,6 +149,8 @@ def test_a_value_outside_a_flags_choices_is_the_usage_line_before_any_model_work
                     "--decode_steps", "1", "--out", "{tmp}/rows.json"]),
     ("answer_nll", ["--length", "400", "--tasks", "niah_single_1", "--num_samples", "1", "--methods", "snapkv",
                     "--save_dir", "{tmp}"]),
+    ("long_generation", ["--prompt_tokens", "64", "--new_tokens", "4", "--max_capacity_prompts", "48",
+                         "--decode_budget", "48", "--window_size", "8", "--out", "{tmp}/rows.json"]),
 ])
 def test_a_model_type_restkv_does_not_serve_is_one_error_line(script, argv, tiny_folder_of, tmp_path):
     """GPT-2 reached replace_for_model's ValueError: a traceback after the model had loaded."""

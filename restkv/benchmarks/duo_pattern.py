@@ -9,9 +9,10 @@ DuoAttention trains a gate per KV head; this is the training-free score kvpress 
 has no trained pattern (``DuoAttentionPress(on_the_fly_scoring=True)``): over ``--num_texts``
 texts (the library's synthetic prose with facts, or ``--text_file``), each layer's mean query and
 mean key before RoPE are repeated over ``--span`` positions and rotated there (with the layer's own
-RoPE and attention scaling; kvpress turns every layer with the model's rotary embedding and scales by
-``1 / sqrt(d)``: the same where the layers share one RoPE and use the usual scaling); a head's score is the area under the cumulative attention curve of the last
-query over those keys, averaged over its query group and the texts. A head whose RoPE makes the
+RoPE and attention scaling; kvpress turns every layer with the model's rotary embedding and scales
+by ``1 / sqrt(d)``: the same where the layers share one RoPE and use the usual scaling); a head's
+score is the area under the cumulative attention curve of the last query over those keys, averaged
+over its query group and the texts. A head whose RoPE makes the
 repeated query look far back scores high (retrieval); one that reads only its neighbours scores
 low (streaming). The file records ``--sink_size`` and ``--recent_size`` (kvpress' 128 and 256 for
 this score) for the run: ``--n_sink`` and ``--max_capacity_prompts`` of the sum.
@@ -96,9 +97,10 @@ def main(argv: list[str] | None = None) -> Path:
     scores = compute_pattern(model, texts, args.span, args.qk_norm)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"sink_size": args.sink_size, "recent_size": args.recent_size,
-                               "head_scores": [[round(float(v), 6) for v in row] for row in scores],
-                               "made_with": " ".join(["python -m restkv.benchmarks.duo_pattern", *(argv or sys.argv[1:])])})
-                   + "\n")
+                                    "head_scores": [[round(float(v), 6) for v in row] for row in scores],
+                                    "made_with": " ".join(["python -m restkv.benchmarks.duo_pattern",
+                                                           *(argv or sys.argv[1:])])})
+                        + "\n")
     print(args.out)
     return args.out
 

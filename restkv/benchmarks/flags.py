@@ -179,8 +179,9 @@ def check_output_path(path: str | os.PathLike, flag: str, folder: bool = False) 
     can write there when its work is done: not a path of the other kind, in a folder that exists or
     can be made, with write permission. ``FlagError`` naming ``flag`` otherwise. Every command checks
     its output paths with this while its flags are parsed (a path found bad only when the results
-    are saved loses the work); nothing is created."""
-    target = Path(path).expanduser()
+    are saved loses the work); nothing is created. The path is the one the command writes, as given
+    (no ``~`` expansion: a shell has done it)."""
+    target = Path(path)
     wanted, other = ("folder", "file") if folder else ("file", "folder")
     if target.exists():
         if target.is_dir() != folder:
