@@ -84,6 +84,11 @@ class Allocation(Options):
     head_adaptive: ClassVar[bool] = False
     #: a boolean option of the allocation that also selects it (the release's ``--use_pyramid``)
     selected_by: ClassVar[str | None] = None
+    #: may keep every token of a layer, or of some of its KV heads, by design under a budget that
+    #: compresses the prompt (DuoAttention's retrieval heads, SimLayerKV's layers that are not lazy, a
+    #: LU-KV curve's unpruned heads): a check that a compressing prefill compressed (the runners') can
+    #: then ask only that restkv built the layers
+    may_keep_whole: ClassVar[bool] = False
 
     def layer_budget(self, budget: int, seen: int, layer_idx: int, num_layers: int) -> int:
         """The tokens per KV head layer ``layer_idx`` keeps of a row whose budget is ``budget`` (window
@@ -214,6 +219,7 @@ class LUKVAllocation(Allocation):
 
     name = "lukv"
     head_adaptive = True
+    may_keep_whole = True
 
     lukv_curve: str | None = option(
         None, "LU-KV: .npy budget curve [99, layers, KV heads] of prune ratios in [0, 1] (row r - 1: ratio r "

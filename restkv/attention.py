@@ -59,6 +59,7 @@ from restkv.context_span import protected_span
 from restkv.deferred import (PendingLayer, chunk_budgets, chunked_prompt, defer_layer, finish_prefill, kept_hidden,
                              observe_chunk, observe_held_chunk, pending_of, query_weights, trailing_queries)
 from restkv.handles import cache_state, has_class_config, module_config
+from restkv.options import ConfigError
 from restkv.recompress import recompress
 from restkv.rope import rotate
 from restkv.seams import derives_values
@@ -358,21 +359,23 @@ def _probe_rotation(module: torch.nn.Module, position_embeddings, hidden_states:
 
 
 def undoable_rotary(module: torch.nn.Module, position_embeddings, hidden_states: torch.Tensor, head_dim: int):
-    """``layer_rotary``, for a reader that cannot do without pre-RoPE queries and keys: a one-line error
-    naming the model type and layer where the rotation cannot be undone."""
+    """``layer_rotary``, for a reader that cannot do without pre-RoPE queries and keys: a one-line
+    ``ConfigError`` (the model cannot serve the reader; commands report it as such) naming the model
+    type and layer where the rotation cannot be undone."""
     rotary = layer_rotary(module, position_embeddings, hidden_states, head_dim)
     if rotary is None:
-        raise ValueError(f"no pre-RoPE queries and keys: {_rotation_not_undone(module)}")
+        raise ConfigError(f"no pre-RoPE queries and keys: {_rotation_not_undone(module)}")
     return rotary
 
 
 def check_pre_rope(module: torch.nn.Module, config) -> None:
     """Refuse a method that reads keys or queries before RoPE on a layer whose rotation ``restkv.rope``
-    cannot undo (``layer_rotary`` gave None): when the config meets the model (``probe_rotations``), or
-    at the prefill of a family patched without a model."""
+    cannot undo (``layer_rotary`` gave None), as a ``ConfigError`` (the config and the model do not go
+    together): when the config meets the model (``probe_rotations``), or at the prefill of a family
+    patched without a model."""
     readers = [flag for part in config.parts for flag in part.pre_rope_flags()]
     if readers:
-        raise ValueError(f"{', '.join(readers)} read{'s' if len(readers) == 1 else ''} keys before RoPE; "
+        raise ConfigError(f"{', '.join(readers)} read{'s' if len(readers) == 1 else ''} keys before RoPE; "
                          f"{_rotation_not_undone(module)}")
 
 

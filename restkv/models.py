@@ -90,11 +90,24 @@ def check_model_path(model_path: str) -> None:
 
 def load_frozen(model_path: str, dtype: str = "float32"):
     """``(model, tokenizer)`` of a training command: the model without gradients; a path that does
-    not load is a ``ValueError`` naming ``--model_path`` (``model_path_errors``)."""
+    not load, or a model restkv does not serve, is a ``ValueError`` naming ``--model_path``
+    (``model_path_errors``, ``check_supported``)."""
     with model_path_errors(model_path):
         tokenizer = load_tokenizer(model_path)
         model = load_model(model_path, dtype=dtype).requires_grad_(False)
+    check_supported(model, model_path)
     return model, tokenizer
+
+
+def check_supported(model_or_config, model_path: str) -> None:
+    """A model (or its config) of a type restkv does not serve (``restkv.monkeypatch.family_of``) is a
+    bad ``--model_path``: one line naming the model type and why, before the command works on it."""
+    from restkv.monkeypatch import family_of
+
+    try:
+        family_of(model_or_config)
+    except ValueError as error:
+        raise ModelPathError(f"--model_path {model_path}: {error}") from None
 
 
 @contextlib.contextmanager

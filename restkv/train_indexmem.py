@@ -36,9 +36,11 @@ import torch
 from tqdm import tqdm
 
 from restkv.attention import attention_inputs, undoable_rotary
+from restkv.benchmarks.flags import check_output_path
 from restkv.indexmem import (FUSIONS, INDEXER_FORMS, MEMORY_INPUTS, QUERY_REDUCTIONS, Architecture, IndexMemLayer,
                              IndexMemWeights)
 from restkv.models import check_model_path, load_frozen
+from restkv.options import ConfigError
 from restkv.partial import Probe, reference_kernel
 from restkv.rope import unrotate
 from restkv.scoring import pool_scores, reduce_groups, window_attention
@@ -84,9 +86,7 @@ def check_args(args: argparse.Namespace) -> None:
     check_model_path(args.model_path)
     if args.text_file is not None and not Path(args.text_file).is_file():
         raise ValueError(f"--text_file {args.text_file!r}: no such file")
-    folder = Path(args.output).expanduser().parent
-    if not folder.is_dir():
-        raise ValueError(f"--output {args.output}: no such folder {folder}")
+    check_output_path(args.output, "--output")
     if not 0 < args.kept_fraction < 1:
         raise ValueError(f"--kept_fraction must lie in (0, 1); got {args.kept_fraction}")
     if not (math.isfinite(args.lr) and args.lr > 0):
@@ -298,7 +298,11 @@ def main(argv: list[str] | None = None) -> IndexMemWeights:
         raise SystemExit(f"error: {error}") from None
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    weights = train(model, sequences, args)
+    try:
+        weights = train(model, sequences, args)
+    except ConfigError as error:  # a layer whose RoPE restkv cannot undo (no pre-RoPE keys), at the first sequence
+        raise SystemExit(f"error: {error}") from None
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     weights.save(args.output)
     info = weights.training
     print(f"wrote {args.output}: {info['steps']} steps on {info['tokens']} tokens of {info['text']} in "

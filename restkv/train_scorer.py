@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from restkv.benchmarks.flags import check_output_path
 from restkv.deferred import listening_to_scores
 from restkv.generation import prefill
 from restkv.head_scores import head_key, save_head_scores
@@ -72,10 +73,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.text_file is not None and not Path(args.text_file).is_file():
         raise ValueError(f"--text_file {args.text_file!r}: no such file")
     for flag in ("output", "head_scores_output"):
-        path = getattr(args, flag)
-        folder = Path(path).expanduser().parent if path is not None else None
-        if folder is not None and not folder.is_dir():
-            raise ValueError(f"--{flag} {path}: no such folder {folder}")
+        if getattr(args, flag) is not None:
+            check_output_path(getattr(args, flag), f"--{flag}")
     for flag in ("num_sequences", "reconstruction_chunk"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be at least 1; got {getattr(args, flag)}")
@@ -196,6 +195,10 @@ def main(argv: list[str] | None = None) -> ScorerWeights:
         ids = torch.tensor(opening + text)[None]
         with listening_to_scores(collected), torch.no_grad():
             prefill(model, ids, context_span=(len(opening), ids.shape[1]))
+        unscored = sorted(set(range(model_shape.num_layers)) - set(collected.layers))
+        if unscored:
+            raise SystemExit(f"error: KVzip scores no token of layers {unscored} (sliding-window layers it does not "
+                             "compress): learned_zip needs every layer's scores")
         for name, value in head_importance(collected, model_shape.num_heads).items():
             heads.setdefault(name, []).append(value)
         if number < fitted:
@@ -203,9 +206,6 @@ def main(argv: list[str] | None = None) -> ScorerWeights:
                 fits.add(index, x, target, mask)
         else:
             checks.append(collected)
-    if int(fits.tokens.min()) == 0:
-        raise SystemExit("error: some layers were never scored by KVzip (sliding-window layers are not): learned_zip "
-                         "needs every layer's scores")
     weight, error = fits.solve(args.ridge)
     training = {"model_path": args.model_path, "target": args.target, "text": args.text_file or "synthetic prose+facts",
                 "sequences": fitted, "seq_len": args.seq_len, "tokens": int(fits.tokens.sum()),
@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> ScorerWeights:
     if checks:
         recalls = [held_out_recall(weights, collected, args.check_ratio) for collected in checks]
         training["held_out_recall"] = sum(recalls) / len(recalls)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     save(args.output, weights)
     if args.head_scores_output is not None:
         save_head_scores(args.head_scores_output, heads)

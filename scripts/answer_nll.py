@@ -31,12 +31,12 @@ from tqdm import tqdm
 from restkv.benchmarks import ruler, ruler_data
 from restkv.benchmarks.benchmark import Sample
 from restkv.benchmarks.errors import FlagError, command_line
-from restkv.benchmarks.flags import check_minimums
+from restkv.benchmarks.flags import ATTN_IMPLEMENTATIONS, check_attn_implementation, check_minimums, check_output_path
 from restkv.benchmarks.prompts import encode_prompt
 from restkv.benchmarks.scoring import format_table
 from restkv.config import config_from_spec
 from restkv.generation import answer_nll
-from restkv.models import check_model_path, load_model, load_tokenizer, model_path_errors
+from restkv.models import check_model_path, check_supported, load_model, load_tokenizer, model_path_errors
 from restkv.monkeypatch import replace_for_model
 from restkv.reconstruction_prompt import set_reconstruction_prompt
 
@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="METHOD or METHOD+SWITCH... (snapkv+residual)")
     parser.add_argument("--compression_ratios", type=float, nargs="+", default=[0.9, 0.8])
     parser.add_argument("--settings", nargs="+", choices=["aware", "agnostic"], default=["aware", "agnostic"])
-    parser.add_argument("--attn_implementation", default="sdpa")
+    parser.add_argument("--attn_implementation", default="sdpa", choices=ATTN_IMPLEMENTATIONS)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--save_dir", default="results/answer_nll")
     args = parser.parse_args(argv)
@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for spec in args.methods:
             config_from_spec(spec, compression_ratio=ratio)
     check_model_path(args.model_path)
+    check_attn_implementation(args.attn_implementation)
+    check_output_path(args.save_dir, "--save_dir", folder=True)
     return args
 
 
@@ -88,6 +90,7 @@ def main(argv: list[str] | None = None, model=None, tokenizer=None) -> list[dict
     with model_path_errors(args.model_path):
         tokenizer = tokenizer or load_tokenizer(args.model_path)
         model = model or load_model(args.model_path, attn_implementation=args.attn_implementation)
+    check_supported(model, args.model_path)
     set_reconstruction_prompt(model, tokenizer)
     samples = load_samples(args, tokenizer)
     out = Path(args.save_dir) / "answer_nll.jsonl"

@@ -48,14 +48,14 @@ from typing import Callable, TypeVar
 import torch
 
 from restkv.benchmarks.errors import FlagError, command_line
-from restkv.benchmarks.flags import check_minimums
+from restkv.benchmarks.flags import ATTN_IMPLEMENTATIONS, check_attn_implementation, check_minimums, check_output_path
 from restkv.benchmarks.haystack import synthetic_prose
 from restkv.cache import cache_report
 from restkv.compat import with_cache
 from restkv.compress import compress_kv
 from restkv.config import config_from_spec
 from restkv.generation import prefill
-from restkv.models import check_model_path, load_model, load_tokenizer, model_path_errors
+from restkv.models import DTYPES, check_model_path, check_supported, load_model, load_tokenizer, model_path_errors
 from restkv.monkeypatch import replace_for_model
 from restkv.reconstruction_prompt import set_reconstruction_prompt
 
@@ -70,8 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     (``FlagError``/``ConfigError``: one ``error:`` line from ``main``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default="smollm2-135m")
-    parser.add_argument("--attn_implementation", default="sdpa")
-    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--attn_implementation", default="sdpa", choices=ATTN_IMPLEMENTATIONS)
+    parser.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192], help="prompt tokens")
     parser.add_argument("--methods", nargs="+", default=["fullkv", "snapkv"], help="METHOD or METHOD+SWITCH...")
     parser.add_argument("--baseline", default=None, help="method the ratios refer to (default: snapkv if run)")
@@ -101,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_methods(args.methods, {length: budgets_for(args, length) for length in args.lengths})
     if args.config is None:
         check_model_path(args.model_path)
+    check_attn_implementation(args.attn_implementation)
+    check_output_path(args.out, "--out")
     args.baseline = args.baseline or ("snapkv" if "snapkv" in args.methods else args.methods[0])
     if args.baseline not in args.methods:
         raise FlagError(f"--baseline {args.baseline} is not among --methods")
@@ -232,6 +234,7 @@ def load(args: argparse.Namespace, max_positions: int):
     with model_path_errors(args.model_path):
         model = load_model(args.model_path, attn_implementation=args.attn_implementation, dtype=args.dtype)
         tokenizer = load_tokenizer(args.model_path)
+    check_supported(model, args.model_path)
     set_reconstruction_prompt(model, tokenizer)
     return model, tokenizer
 

@@ -34,7 +34,8 @@ from efficiency import check_methods, format_table, interleaved_runs, make_promp
 from model_shapes import CONFIGS, build_model  # noqa: E402
 
 from restkv.benchmarks.errors import command_line  # noqa: E402
-from restkv.benchmarks.flags import check_minimums  # noqa: E402
+from restkv.benchmarks.flags import (ATTN_IMPLEMENTATIONS, check_attn_implementation, check_minimums,  # noqa: E402
+                                     check_output_path)
 
 T = TypeVar("T")
 
@@ -50,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget", type=int, default=1024, help="tokens kept per layer and KV head")
     parser.add_argument("--decode_steps", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--attn_implementation", choices=["sdpa", "flash_attention_2", "eager"], default="sdpa")
+    parser.add_argument("--attn_implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="weights and activations (default: bfloat16 on a GPU, float32 on a CPU)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -61,6 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # Every number and every method before the model is built (one error: line from main).
     check_minimums(args, {"lengths": 1, "budget": 1, "decode_steps": 1, "repeats": 1})
     check_methods(args.methods, {length: [args.budget] for length in args.lengths})
+    check_attn_implementation(args.attn_implementation)
+    for flag in ("out", "summary"):
+        if getattr(args, flag) is not None:
+            check_output_path(getattr(args, flag), f"--{flag}")
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = DTYPES[args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32")]
     return args

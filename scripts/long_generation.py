@@ -23,10 +23,10 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from restkv.benchmarks.errors import command_line
-from restkv.benchmarks.flags import check_minimums
+from restkv.benchmarks.flags import check_minimums, check_output_path
 from restkv.benchmarks.haystack import synthetic_prose
 from restkv.config import CompressionConfig
-from restkv.models import check_model_path, load_model, load_tokenizer, model_path_errors
+from restkv.models import check_model_path, check_supported, load_model, load_tokenizer, model_path_errors
 from restkv.monkeypatch import compression, replace_for_model
 
 
@@ -87,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Compr
                                window_size=args.window_size, decode_budget=args.decode_budget,
                                decode_interval=args.decode_interval)
     check_model_path(args.model_path)
+    check_output_path(args.out, "--out")
     return args, config
 
 
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None, model=None, tokenizer=None) -> dict:
     with model_path_errors(args.model_path):
         tokenizer = tokenizer or load_tokenizer(args.model_path)
         model = model or load_model(args.model_path)
+    check_supported(model, args.model_path)
     prompt = tokenizer(synthetic_prose(args.prompt_tokens), return_tensors="pt").input_ids[:, : args.prompt_tokens]
     replace_for_model(model, **config.to_dict())  # checked against the model before the full-cache run
     with torch.no_grad():

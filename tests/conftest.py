@@ -94,6 +94,32 @@ def tiny_model_dir(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="session")
+def tiny_folder_of(tmp_path_factory):
+    """``tiny_folder_of(family)``: a tiny random model folder over SmolLM2's vocabulary, of a
+    ``tiny_models`` family or of ``gpt2`` (a model type restkv does not serve: no ``o_proj``)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from restkv.models import load_tokenizer
+    from tiny_models import tiny_model
+
+    folders = {}
+
+    def folder_of(family: str):
+        if family not in folders:
+            tokenizer = load_tokenizer("smollm2-135m")
+            if family == "gpt2":
+                model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4))
+            else:
+                model = tiny_model(family, vocab_size=len(tokenizer))
+            folders[family] = tmp_path_factory.mktemp(f"tiny-{family}")
+            model.save_pretrained(folders[family])
+            tokenizer.save_pretrained(folders[family])
+        return folders[family]
+
+    return folder_of
+
+
 @pytest.fixture(scope="module")
 def ruler_dir(tmp_path_factory):
     """RULER data at 600 tokens for SmolLM2: niah_single_1 and fwe, two samples each."""

@@ -105,3 +105,49 @@ def test_the_shipped_smollm2_pattern_covers_every_kv_head():
     shipped = Path(__file__).resolve().parents[1] / "data" / "duo_patterns" / "smollm2-135m.json"
     assert read_duo_pattern(str(shipped)).shape == (30, 3)
     assert json.loads(shipped.read_text())["made_with"].startswith("python -m restkv.benchmarks.duo_pattern")
+
+
+def test_the_pattern_commands_output_path_is_checked_before_the_model_loads(no_model_loading, tmp_path):
+    from test_command_lines import one_line_error
+
+    message = one_line_error(lambda: main(["--model_path", "smollm2-135m", "--out", str(tmp_path)]))
+    assert message == f"error: --out {tmp_path}: a folder; give a file path"
+
+
+def test_the_pattern_command_on_a_rope_it_cannot_undo_is_one_error_line(tiny_folder_of, tmp_path):
+    """Cohere 2's interleaved RoPE: a ValueError traceback after the model had loaded (R5)."""
+    from test_command_lines import one_line_error
+
+    message = one_line_error(lambda: main(["--model_path", str(tiny_folder_of("cohere2")), "--num_texts", "1",
+                                           "--span", "16", "--out", str(tmp_path / "duo.json")]))
+    assert message.startswith("error: no pre-RoPE queries and keys: cohere2 layer 0 rotates them")
+
+
+def test_the_pattern_reads_queries_and_keys_after_the_qk_norms_unless_told_to_skip_them(tokenizer):
+    """By default the mean query and key are the ones attention computes (after Qwen 3's q/k norms);
+    ``--no-qk_norm`` reads them as kvpress' on-the-fly scoring does, which meant to apply the norms
+    of Gemma 3 and Qwen 3 but tests the decoder layer, not its attention, so never does."""
+    from restkv.benchmarks.duo_pattern import compute_pattern
+    from restkv.benchmarks.projections import pre_rope_projections
+
+    model = tiny_model("qwen3")
+    ids = random_prompt(1, 24)
+    hidden = {}
+    hooks = [layer.self_attn.register_forward_pre_hook(
+        lambda module, args, kwargs: hidden.__setitem__(module.layer_idx, kwargs["hidden_states"]), with_kwargs=True)
+        for layer in model.model.layers]
+    normed, plain = pre_rope_projections(model, ids), pre_rope_projections(model, ids, qk_norm=False)
+    for hook in hooks:
+        hook.remove()
+    for index, layer in enumerate(model.model.layers):
+        attention, states = layer.self_attn, hidden[index]
+        query = attention.q_proj(states).view(1, 24, -1, attention.head_dim).transpose(1, 2)[0]
+        key = attention.k_proj(states).view(1, 24, -1, attention.head_dim).transpose(1, 2)[0]
+        torch.testing.assert_close(plain[index].query, query.float())
+        torch.testing.assert_close(plain[index].key, key.float())
+        torch.testing.assert_close(normed[index].query, attention.q_norm(query).float())
+        torch.testing.assert_close(normed[index].key, attention.k_norm(key).float())
+    texts = [random_prompt(1, 24)[0].tolist()]
+    assert not torch.allclose(compute_pattern(model, texts, 24), compute_pattern(model, texts, 24, qk_norm=False))
+    llama = tiny_model("llama")  # no q/k norms: the switch changes nothing
+    torch.testing.assert_close(compute_pattern(llama, texts, 24), compute_pattern(llama, texts, 24, qk_norm=False))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -149,3 +150,66 @@ def test_default_prompt_length_of_an_unknown_model_leaves_room_for_the_answer():
 def test_top_level_scripts_are_command_lines_over_the_library(script, own_flag):
     code, text = script_help(script)
     assert code == 0 and text.startswith(f"usage: {script}") and own_flag in text
+
+
+def test_an_output_path_is_checked_without_writing_anything(tmp_path):
+    """Every command's output flag goes through this check while its flags are parsed: a path
+    found unwritable only when the results are saved loses the work (a traceback after it)."""
+    from restkv.benchmarks.flags import check_output_path
+
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "a_folder").mkdir()
+    deeper = tmp_path / "new" / "deeper" / "out.json"
+    assert check_output_path(str(deeper), "--out") == deeper  # its folders are made when it is written
+    assert check_output_path(str(tmp_path / "a_file"), "--out") == tmp_path / "a_file"  # overwritten when done
+    assert check_output_path(str(tmp_path / "a_folder"), "--save_dir", folder=True) == tmp_path / "a_folder"
+    assert check_output_path(str(tmp_path / "new_folder"), "--save_dir", folder=True) == tmp_path / "new_folder"
+    refusals = [
+        ((str(tmp_path / "a_folder"), "--out"), f"--out {tmp_path / 'a_folder'}: a folder; give a file path"),
+        ((str(tmp_path / "a_file"), "--save_dir", True), f"--save_dir {tmp_path / 'a_file'}: a file; give a folder"),
+        ((str(tmp_path / "a_file" / "x" / "out.json"), "--out"),
+         f"--out {tmp_path / 'a_file' / 'x' / 'out.json'}: cannot make its folder: {tmp_path / 'a_file'} is a file"),
+    ]
+    for args, message in refusals:
+        with pytest.raises(flags.FlagError) as refused:
+            check_output_path(*args)
+        assert str(refused.value).startswith(message)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a_file", "a_folder"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_an_output_folder_without_write_permission_is_refused(tmp_path):
+    from restkv.benchmarks.flags import check_output_path
+
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(flags.FlagError, match="--out .*: cannot write in .*locked"):
+        check_output_path(str(locked / "out.json"), "--out")
+
+
+def test_a_save_dir_that_is_a_file_stops_the_runner_while_its_flags_are_parsed(tmp_path, capsys):
+    """It was a NotADirectoryError traceback after the model had loaded."""
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit):
+        flags.parse_args(TOY, ["--method", "fullkv", "--save_dir", str(tmp_path / "a_file")])
+    assert f"--save_dir {tmp_path / 'a_file'}: a file; give a folder" in capsys.readouterr().err
+
+
+def test_flash_attention_without_flash_attn_or_cuda_is_refused_before_loading(monkeypatch, capsys):
+    """transformers' ImportError (or a CUDA error) came after the data were read and the folder claimed."""
+    import importlib.util
+
+    import torch
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "flash_attn" else real_find_spec(name, *args))
+    with pytest.raises(SystemExit):
+        flags.parse_args(TOY, ["--method", "fullkv", "--attn_implementation", "flash_attention_2"])
+    assert "--attn_implementation flash_attention_2 needs flash-attn: pip install 'restkv[flash]'" in \
+        capsys.readouterr().err
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: object())  # installed, but no GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        flags.parse_args(TOY, ["--method", "fullkv", "--attn_implementation", "flash_attention_2"])
+    assert "--attn_implementation flash_attention_2 needs a CUDA GPU" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from restkv.benchmarks.longbench_metrics import qa_f1_score
 from restkv.benchmarks.head_scores import NEEDLES, build_probe, main, probe_head_scores
 from restkv.head_scores import load_head_scores
 from restkv.models import load_tokenizer
+from test_command_lines import one_line_error
 from tiny_models import tiny_model
 
 SHIPPED = Path(__file__).resolve().parents[1] / "data" / "heads_score" / "smollm2-135m_retrieval_reasoning_heads.json"
@@ -89,8 +90,8 @@ def test_command_writes_a_loadable_score_file_for_a_tiny_model(eager_tiny, token
     out = tmp_path / "heads_score" / "tiny_retrieval_reasoning_heads.json"
     args = ["--model_path", str(folder), "--out", str(out), "--context_lengths", "60", "--depths", "0", "100",
             "--num_needles", "2", "--max_new_tokens", "3"]
-    with pytest.raises(RuntimeError, match="no probe was answered correctly"):
-        main(args)  # a random model answers nothing right; by default only correct probes count
+    message = one_line_error(lambda: main(args))  # a random model answers nothing right; only correct probes count
+    assert message.startswith("error: no probe was answered correctly") and not out.exists()
     assert main(args + ["--include_failed"]) == out
     text = out.read_text()
     assert text.count("\n") == 1
@@ -125,3 +126,34 @@ def test_shipped_smollm2_file_covers_every_query_head_and_allocates_exactly():
     assert float((means > 0).float().mean()) > 0.5
     capacities = torch.tensor(headkv_table(str(SHIPPED), 0.0, 96, 4000, 30, 9, 3, 1.01, 1.0))
     assert int(capacities.sum()) == 30 * 3 * 96 and int(capacities.min()) >= 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    # a ValueError traceback after the flags were read (R6)
+    (["--dtype", "foo"], "argument --dtype: invalid choice: 'foo'"),
+    # no step decoded: the command wrote a file of zeros and said the probes were counted (R7)
+    (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1 (each decoded step scores the heads); got 0"),
+    (["--out", "{tmp}"], "--out {tmp}: a folder; give a file path"),
+])
+def test_bad_flags_are_refused_before_the_model_loads(flags, message, no_model_loading, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--model_path", "smollm2-135m", *(flag.format(tmp=tmp_path) for flag in flags)])
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_scores_that_are_all_zero_are_not_written(eager_tiny, tokenizer, tmp_path, monkeypatch):
+    """A score file of zeros is one ``--head_scores`` refuses: the command says why instead of writing it."""
+    import restkv.benchmarks.head_scores as command
+
+    folder = tmp_path / "tiny"
+    eager_tiny.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    scored = command.probe_head_scores
+    monkeypatch.setattr(command, "probe_head_scores",
+                        lambda *args: (torch.zeros_like(scored(*args)[0]), scored(*args)[1]))
+    out = tmp_path / "scores.json"
+    message = one_line_error(lambda: main(["--model_path", str(folder), "--out", str(out), "--context_lengths", "60",
+                                           "--depths", "0", "--num_needles", "1", "--max_new_tokens", "2",
+                                           "--include_failed"]))
+    assert message.startswith("error: every head scored 0 over the 1 counted probes") and not out.exists()

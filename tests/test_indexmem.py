@@ -451,14 +451,15 @@ TRAIN_TINY = ["--num_sequences", "1", "--seq_len", "96", "--window_size", "8", "
 
 
 def test_the_training_command_writes_weights_the_method_loads(tiny_model_dir, tmp_path):
-    out = tmp_path / "weights.pt"
+    out = tmp_path / "new_folder" / "weights.pt"  # a folder it makes
     weights = train_indexmem.main(["--model_path", str(tiny_model_dir), "--output", str(out), *TRAIN_TINY])
     assert load_weights(out).arch == weights.arch and weights.training["steps"] == 1
 
 
 @pytest.mark.parametrize("flags, message", [
-    # the weights were lost: the folder was found missing only when they were saved, after the training
-    (["--output", "{tmp}/missing/weights.pt"], "--output {tmp}/missing/weights.pt: no such folder {tmp}/missing"),
+    # the weights were lost: a path found unwritable only when they were saved, after the training (R2)
+    (["--output", "{tmp}"], "--output {tmp}: a folder; give a file path"),
+    (["--output", "{tmp}/a_file/w.pt"], "--output {tmp}/a_file/w.pt: cannot make its folder: {tmp}/a_file is a file"),
     (["--lr", "-1"], "--lr must be > 0; got -1.0"),
     (["--model_path", "{tmp}/no-model"], "--model_path {tmp}/no-model: no such folder; give a local model folder, a "
                                          "hub id (org/name) or an embedded model (smollm2-135m, gemma3-270m)"),
@@ -468,9 +469,22 @@ def test_the_training_command_checks_its_flags_before_the_model_loads(flags, mes
         raise AssertionError("the model was loaded before the error was found")
 
     monkeypatch.setattr(train_indexmem, "load_frozen", refuse)
+    (tmp_path / "a_file").write_text("")
     with pytest.raises(SystemExit) as stop:
         train_indexmem.main([*TRAIN_TINY, *(flag.format(tmp=tmp_path) for flag in flags)])
     assert stop.value.code == f"error: {message.format(tmp=tmp_path)}"
+
+
+@pytest.mark.parametrize("family, message", [
+    ("gpt2", "model type 'gpt2' is not supported by restkv: GPT2Attention needs an attention that"),  # AttributeError
+    ("cohere2", "no pre-RoPE queries and keys: cohere2 layer 0 rotates them in a way restkv does not undo"),
+])
+def test_a_model_whose_queries_restkv_cannot_read_is_one_error_line(family, message, tiny_folder_of, tmp_path):
+    with pytest.raises(SystemExit) as stop:
+        train_indexmem.main(["--model_path", str(tiny_folder_of(family)), "--output", str(tmp_path / "w.pt"),
+                             *TRAIN_TINY])
+    assert str(stop.value.code).startswith("error: ") and message in stop.value.code and "\n" not in stop.value.code
+    assert not (tmp_path / "w.pt").exists()
 
 
 def test_a_hub_id_that_cannot_be_reached_is_one_line_naming_the_embedded_models():

@@ -110,7 +110,7 @@ def test_the_shipped_weights_fit_the_embedded_model_and_say_how_they_were_made()
 
 def test_the_training_command_writes_weights_the_method_loads_and_head_scores_headkv_reads(tiny_model_dir,
                                                                                              tmp_path):
-    out, heads = tmp_path / "weights.pt", tmp_path / "heads.json"
+    out, heads = tmp_path / "weights.pt", tmp_path / "new_folder" / "heads.json"  # a folder it makes
     weights = train_scorer.main(["--model_path", str(tiny_model_dir), "--output", str(out), "--num_sequences", "3",
                                  "--held_out", "1", "--seq_len", "96", "--head_scores_output", str(heads)])
     assert weights.shape == TINY_SHAPE and torch.equal(load_weights(out).weight, weights.weight)
@@ -125,7 +125,10 @@ def test_the_training_command_writes_weights_the_method_loads_and_head_scores_he
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--output", "{tmp}/missing/weights.pt"], "--output {tmp}/missing/weights.pt: no such folder {tmp}/missing"),
+    # the weights were lost: a path found unwritable only when they were saved, after the training (R2)
+    (["--output", "{tmp}"], "--output {tmp}: a folder; give a file path"),
+    (["--output", "{tmp}/a_file/w.pt"], "--output {tmp}/a_file/w.pt: cannot make its folder: {tmp}/a_file is a file"),
+    (["--head_scores_output", "{tmp}"], "--head_scores_output {tmp}: a folder; give a file path"),
     (["--held_out", "3"], "--held_out must lie in [0, --num_sequences 3); got 3"),
     (["--ridge", "-1"], "--ridge must be >= 0; got -1.0"),
     (["--seq_len", "10"], "--seq_len must be at least 64"),
@@ -135,9 +138,26 @@ def test_the_training_command_checks_its_flags_before_the_model_loads(flags, mes
         raise AssertionError("the model was loaded before the error was found")
 
     monkeypatch.setattr(train_scorer, "load_frozen", refuse)
+    (tmp_path / "a_file").write_text("")
     with pytest.raises(SystemExit) as stop:
         train_scorer.main(["--num_sequences", "3", *(flag.format(tmp=tmp_path) for flag in flags)])
     assert str(stop.value.code).startswith(f"error: {message.format(tmp=tmp_path)}")
+
+
+@pytest.mark.parametrize("family, message", [
+    ("gpt2", "model type 'gpt2' is not supported by restkv: GPT2Attention needs an attention that"),  # a traceback
+    # KVzip does not compress Cohere 2's sliding-window layers: told after every sequence had run
+    ("cohere2", "KVzip scores no token of layers [0, 2] (sliding-window layers it does not compress)"),
+])
+def test_a_model_the_scorer_cannot_be_fitted_to_is_one_error_line(family, message, tiny_folder_of, tmp_path,
+                                                                   monkeypatch):
+    prefills = []
+    monkeypatch.setattr(train_scorer, "prefill", lambda *args, **kwargs: prefills.append(prefill(*args, **kwargs)))
+    with pytest.raises(SystemExit) as stop:
+        train_scorer.main(["--model_path", str(tiny_folder_of(family)), "--output", str(tmp_path / "w.pt"),
+                           "--num_sequences", "2", "--held_out", "1", "--seq_len", "64"])
+    assert str(stop.value.code).startswith("error: ") and message in stop.value.code and "\n" not in stop.value.code
+    assert not (tmp_path / "w.pt").exists() and len(prefills) <= 1
 
 
 @pytest.fixture(scope="module")

@@ -70,3 +70,28 @@ def test_the_command_refuses_bad_flags():
     with pytest.raises(SystemExit) as stop:
         main(["--model_path", "smollm2-135m", "--text_length", "10", "--n_sink", "9"])
     assert stop.value.code == "error: --n_sink 9 leaves fewer than 2 queries of a 10-token text"
+
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_model_loads(no_model_loading, tmp_path):
+    """It was a safetensors traceback after every text had been run (R3)."""
+    from test_command_lines import one_line_error
+
+    (tmp_path / "a_file").write_text("")
+    for out, message in ((tmp_path, f"--out {tmp_path}: a folder; give a file path"),
+                         (tmp_path / "a_file" / "s.safetensors", f"{tmp_path / 'a_file'} is a file")):
+        assert message in one_line_error(lambda: main(["--model_path", "smollm2-135m", "--out", str(out)]))
+
+
+@pytest.mark.parametrize("family, message", [
+    # GPT-2 has no .layers (an AttributeError, R4) and an attention restkv does not serve
+    ("gpt2", "model type 'gpt2' is not supported by restkv: GPT2Attention needs an attention that"),
+    # Cohere 2's interleaved RoPE cannot be undone: a ValueError traceback
+    ("cohere2", "no pre-RoPE queries and keys: cohere2 layer 0 rotates them in a way restkv does not undo"),
+])
+def test_a_model_whose_queries_restkv_cannot_read_is_one_error_line(family, message, tiny_folder_of, tmp_path):
+    from test_command_lines import one_line_error
+
+    folder = tiny_folder_of(family)
+    error = one_line_error(lambda: main(["--model_path", str(folder), "--num_texts", "1", "--text_length", "32",
+                                         "--out", str(tmp_path / "stats.safetensors")]))
+    assert message in error and not (tmp_path / "stats.safetensors").exists()

@@ -11,12 +11,15 @@ import json
 import pytest
 import torch
 
-from restkv.benchmarks import runner, session
+import restkv
+
+from restkv.benchmarks import flags, runner, session
 from restkv.benchmarks.errors import CompressionNotApplied
 from restkv.benchmarks.prompts import encode_prompt
 from restkv.benchmarks.results import read_predictions
 from restkv.config import CompressionConfig
-from toy_benchmark import TOY, TOY_MULTI, lines_of, toy_multi_samples, toy_run, toy_samples
+from restkv.monkeypatch import unpatch
+from toy_benchmark import TOY, TOY_FLAGS, TOY_MULTI, lines_of, toy_multi_samples, toy_run, toy_samples
 
 
 def test_a_run_writes_one_line_per_sample_with_its_cache_record(tmp_path, tiny, tokenizer):
@@ -191,6 +194,87 @@ def test_an_unpatched_model_stops_the_run(tiny, tokenizer):
     # A prompt within the budget, or the full cache, needs no compression.
     assert session.compression_record(tiny, config, result.cache, 40)["kv_layers_compressed"] == 0
     assert session.compression_record(tiny, CompressionConfig(method="fullkv"), result.cache, 500)
+
+
+def _whole_by_design(tmp_path) -> dict[str, list[str]]:
+    """Flags of methods that keep some layers or KV heads whole under a budget by design, on the tiny
+    Llama (3 layers x 2 KV heads): DuoAttention's retrieval heads (layer 0 has only those),
+    SimLayerKV's layers that are not lazy (none is at threshold 1), a LU-KV curve's unpruned heads."""
+    import numpy as np
+
+    pattern = tmp_path / "duo.json"
+    pattern.write_text(json.dumps({"head_scores": [[1.0, 1.0], [0.0, 0.1], [0.9, 0.2]]}))
+    curve = np.full((99, 3, 2), 0.9, dtype=np.float32)
+    curve[:, 0] = 0.0  # layer 0 pruned by nothing
+    np.save(tmp_path / "curve.npy", curve)
+    return {"duo_attention": ["--method", "duo_attention", "--duo_pattern", str(pattern), "--n_sink", "4"],
+            "simlayerkv": ["--method", "simlayerkv", "--simlayer_threshold", "1.0"],
+            "lukv": ["--method", "snapkv", "--allocation", "lukv", "--lukv_curve", str(tmp_path / "curve.npy")]}
+
+
+@pytest.mark.parametrize("method", ["duo_attention", "simlayerkv", "lukv"])
+def test_methods_that_keep_layers_or_heads_whole_by_design_pass_the_compression_check(method, tmp_path, tiny,
+                                                                                       tokenizer):
+    """The check stopped every such run (R1: "layers [0, 2] kept every token: restkv's attention
+    patch is not active"); a layer the patch did not build still stops it."""
+    method_flags = _whole_by_design(tmp_path)[method]
+    folder = toy_run(tmp_path / "out", tiny, tokenizer, *method_flags, "--max_num_examples", "2")
+    records = lines_of(folder / "logs.jsonl")
+    assert len(records) == 2 and all(r["kv_layers_compressed"] < tiny.config.num_hidden_layers for r in records)
+    config = flags.compression_config_from_args(flags.parse_args(TOY, [*TOY_FLAGS, *method_flags]))
+    encoded = encode_prompt(tokenizer, toy_samples(None, "logs", None)[0], 4000)
+    unpatch()
+    unpatched = session.generate(tiny, tokenizer, encoded, 2, [2])
+    with pytest.raises(CompressionNotApplied, match=r"layers \[0, 1, 2\] .*patch is not active"):
+        session.compression_record(tiny, config, unpatched.cache, len(encoded.context_ids))
+
+
+def test_a_layer_built_by_the_patch_that_kept_everything_under_a_uniform_budget_is_not_called_unpatched(
+        tmp_path, tiny, tokenizer, monkeypatch):
+    """The patch is active (the layers are restkv's) but the method kept every token where its
+    allocation must evict: a different fault, told as such. A layer one of whose KV heads evicted
+    did compress (a head-adaptive allocation may give another head everything)."""
+    import restkv.cache
+
+    config = CompressionConfig(method="snapkv", max_capacity_prompts=48, window_size=8)
+    encoded = encode_prompt(tokenizer, toy_samples(None, "logs", None)[0], 4000)
+    with restkv.compression(tiny, config):
+        result = session.generate(tiny, tokenizer, encoded, 2, [2])
+    real_report = restkv.cache.cache_report
+    whole_in_layer_1: list[str] = []  # the report's fields set to the tokens the layer saw
+
+    def reported(cache):
+        return [dataclasses.replace(r, **{name: r.tokens_seen for name in whole_in_layer_1}) if r.layer == 1 else r
+                for r in real_report(cache)]
+
+    monkeypatch.setattr(restkv.cache, "cache_report", reported)
+    whole_in_layer_1.append("stored_max")  # one head kept all it saw
+    assert session.compression_record(tiny, config, result.cache, len(encoded.context_ids))
+    whole_in_layer_1.append("stored_min")  # every head did
+    with pytest.raises(CompressionNotApplied, match=r"layers \[1\] were built by restkv but kept every token"):
+        session.compression_record(tiny, config, result.cache, len(encoded.context_ids))
+
+
+def test_a_method_the_models_rope_refuses_is_one_error_line(tmp_path, tokenizer):
+    """Cohere 2 rotates interleaved channel pairs, which restkv does not undo: the library's refusal
+    of a method that reads keys before RoPE was a ValueError traceback (R10)."""
+    from test_command_lines import one_line_error
+    from tiny_models import tiny_model
+
+    cohere2 = tiny_model("cohere2", vocab_size=len(tokenizer))
+    message = one_line_error(lambda: toy_run(tmp_path, cohere2, tokenizer, "--method", "leverage"))
+    assert message.startswith("error: --method leverage reads keys before RoPE; cohere2 layer 0 rotates them")
+
+
+def test_a_model_type_restkv_does_not_serve_is_refused_before_it_loads(no_model_loading, tiny_folder_of, tmp_path,
+                                                                        tokenizer):
+    from test_command_lines import one_line_error
+
+    folder = tiny_folder_of("gpt2")
+    message = one_line_error(lambda: runner.main(TOY, ["--save_dir", str(tmp_path), *TOY_FLAGS, "--model_path",
+                                                       str(folder)], tokenizer=tokenizer))
+    assert message.startswith(f"error: --model_path {folder}: model type 'gpt2' is not supported by restkv: "
+                              "GPT2Attention needs an attention that")
 
 
 def test_a_cache_compressed_with_other_settings_than_the_runs_stops_the_run(tmp_path, tiny, tokenizer):

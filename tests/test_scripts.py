@@ -90,10 +90,25 @@ def test_long_generation_holds_the_decode_budget_beside_the_full_cache(tiny, tok
     ("answer_nll", ["--tasks", "nosuch"], "unknown RULER task 'nosuch'"),
     ("answer_nll", ["--length", "100"], "--length 100 leaves no room"),
     ("answer_nll", ["--model_path", "/no/model"], "--model_path /no/model: no such folder"),
+    # output paths, found unwritable only when the results were written, after the work
+    ("efficiency", ["--out", "{tmp}"], "--out {tmp}: a folder; give a file path"),
+    ("efficiency", ["--out", "/dev/null/rows.json"], "--out /dev/null/rows.json: cannot make its folder: /dev/null is"),
+    ("answer_nll", ["--save_dir", "/dev/null"], "--save_dir /dev/null: a file; give a folder path"),
+    ("gpu_bench", ["--config", "tiny", "--out", "{tmp}"], "--out {tmp}: a folder; give a file path"),
+    ("gpu_bench", ["--config", "tiny", "--summary", "{tmp}"], "--summary {tmp}: a folder; give a file path"),
+    ("long_generation", ["--out", "{tmp}"], "--out {tmp}: a folder; give a file path"),
+    # transformers' ImportError or CUDA error after the flags were read
+    ("efficiency", ["--attn_implementation", "flash_attention_2"], "--attn_implementation flash_attention_2 needs"),
+    ("answer_nll", ["--attn_implementation", "flash_attention_2"], "--attn_implementation flash_attention_2 needs"),
+    ("gpu_bench", ["--config", "tiny", "--attn_implementation", "flash_attention_2"],
+     "--attn_implementation flash_attention_2 needs"),
 ])
 def test_bad_input_to_a_script_is_one_error_line_before_any_model_work(script, argv, message, monkeypatch, tmp_path):
     """Each of these was a traceback (ConfigError, ZeroDivisionError, IndexError), some after a
     whole run of the methods before them."""
+    if "flash_attention_2" in argv and flash_attention_available():
+        pytest.skip("this machine runs flash_attention_2")
+    argv, message = [arg.format(tmp=tmp_path) for arg in argv], message.format(tmp=tmp_path)
     module = load_scripts_module(script)
 
     def refuse(*args, **kwargs):
@@ -105,6 +120,44 @@ def test_bad_input_to_a_script_is_one_error_line_before_any_model_work(script, a
     monkeypatch.chdir(tmp_path)  # nothing may be written either
     assert message in one_line_error(lambda: module.main(argv))
     assert not any(tmp_path.iterdir())
+
+
+def flash_attention_available() -> bool:
+    import importlib.util
+
+    import torch
+
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("efficiency", ["--dtype", "foo"]),
+    ("gpu_bench", ["--config", "tiny", "--attn_implementation", "flash"]),
+    ("efficiency", ["--attn_implementation", "flash"]),
+    ("answer_nll", ["--attn_implementation", "flash"]),
+])
+def test_a_value_outside_a_flags_choices_is_the_usage_line_before_any_model_work(script, argv, capsys):
+    """``--dtype foo`` was a ValueError traceback when the model loaded, a typo of an attention
+    implementation one of transformers'."""
+    with pytest.raises(SystemExit) as stop:
+        load_scripts_module(script).main(argv)
+    assert stop.value.code == 2 and f"argument {argv[-2]}: invalid choice: '{argv[-1]}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("efficiency", ["--lengths", "256", "--methods", "snapkv", "--budget_fractions", "0.5", "--repeats", "1",
+                    "--decode_steps", "1", "--out", "{tmp}/rows.json"]),
+    ("answer_nll", ["--length", "400", "--tasks", "niah_single_1", "--num_samples", "1", "--methods", "snapkv",
+                    "--save_dir", "{tmp}"]),
+    ("long_generation", ["--prompt_tokens", "64", "--new_tokens", "4", "--max_capacity_prompts", "48",
+                         "--decode_budget", "48", "--window_size", "8", "--out", "{tmp}/rows.json"]),
+])
+def test_a_model_type_restkv_does_not_serve_is_one_error_line(script, argv, tiny_folder_of, tmp_path):
+    """GPT-2 reached replace_for_model's ValueError: a traceback after the model had loaded."""
+    folder = tiny_folder_of("gpt2")
+    message = one_line_error(lambda: load_scripts_module(script).main(
+        ["--model_path", str(folder), *(arg.format(tmp=tmp_path) for arg in argv)]))
+    assert message.startswith(f"error: --model_path {folder}: model type 'gpt2' is not supported by restkv")
 
 
 def _recording_checkout(tmp_path, name: str, version_line: str):

@@ -14,8 +14,10 @@ folder (``restkv.models.check_model_path``), and the benchmark's own flags (``Be
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import typing
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from restkv.benchmarks.benchmark import Benchmark
@@ -47,6 +49,9 @@ GENERATION_ROOM = 512
 
 #: The smallest prompt limit: the middle cut keeps ``limit // 2`` tokens at each end.
 MIN_MODEL_MAX_LEN = 2
+
+#: ``--attn_implementation`` of every command that loads a model for compression
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -97,7 +102,7 @@ def build_parser(benchmark: Benchmark, add_flags: Callable[[argparse.ArgumentPar
         "--model_path", default="smollm2-135m",
         help="an embedded model (smollm2-135m, gemma3-270m), a local folder or a hub id",
     )
-    model.add_argument("--attn_implementation", default="sdpa", choices=["eager", "sdpa", "flash_attention_2"])
+    model.add_argument("--attn_implementation", default="sdpa", choices=ATTN_IMPLEMENTATIONS)
     model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"],
                        help="default: bfloat16 on CUDA, float32 on CPU")
     model.add_argument("--device_map", default=None,
@@ -153,6 +158,8 @@ def check_flags(args: argparse.Namespace, benchmark: Benchmark) -> None:
     selected_datasets(args, benchmark)
     shard_of(args)
     check_model_path(args.model_path)
+    check_attn_implementation(args.attn_implementation)
+    check_output_path(args.save_dir, "--save_dir", folder=True)
     check_minimums(args, {"model_max_len": MIN_MODEL_MAX_LEN, "max_new_tokens": 1, "max_num_examples": 1})
     if benchmark.check_flags is not None:
         benchmark.check_flags(args)
@@ -165,6 +172,45 @@ def check_minimums(args: argparse.Namespace, minimums: Mapping[str, float]) -> N
         for item in value if isinstance(value, (list, tuple)) else [value]:
             if item is not None and item < minimum:
                 raise FlagError(f"--{flag} must be >= {minimum}; got {item}")
+
+
+def check_output_path(path: str | os.PathLike, flag: str, folder: bool = False) -> Path:
+    """``path`` (a file's, or with ``folder`` a folder's) as a ``Path``, after checking that the command
+    can write there when its work is done: not a path of the other kind, in a folder that exists or
+    can be made, with write permission. ``FlagError`` naming ``flag`` otherwise. Every command checks
+    its output paths with this while its flags are parsed (a path found bad only when the results
+    are saved loses the work); nothing is created. The path is the one the command writes, as given
+    (no ``~`` expansion: a shell has done it)."""
+    target = Path(path)
+    wanted, other = ("folder", "file") if folder else ("file", "folder")
+    if target.exists():
+        if target.is_dir() != folder:
+            raise FlagError(f"{flag} {path}: a {other}; give a {wanted} path")
+        if not os.access(target, os.W_OK):
+            raise FlagError(f"{flag} {path}: no permission to write it")
+        return target
+    existing = target.absolute().parent
+    while not existing.exists():  # the folders that will be made, up to one that exists
+        existing = existing.parent
+    if not existing.is_dir():
+        raise FlagError(f"{flag} {path}: cannot make its folder: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise FlagError(f"{flag} {path}: cannot write in {existing} (no permission)")
+    return target
+
+
+def check_attn_implementation(name: str) -> None:
+    """``--attn_implementation flash_attention_2`` needs the flash-attn package and a CUDA GPU:
+    ``FlagError`` before anything loads where either is missing (transformers' own error came
+    after the data were read and the model's files loaded)."""
+    if name != "flash_attention_2":
+        return
+    import torch
+
+    if importlib.util.find_spec("flash_attn") is None:
+        raise FlagError(f"--attn_implementation {name} needs flash-attn: pip install 'restkv[flash]'")
+    if not torch.cuda.is_available():
+        raise FlagError(f"--attn_implementation {name} needs a CUDA GPU; this machine has none: use sdpa")
 
 
 def selected_datasets(args: argparse.Namespace, benchmark: Benchmark) -> list[str]:

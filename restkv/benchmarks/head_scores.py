@@ -25,10 +25,15 @@ from pathlib import Path
 
 import torch
 
-from restkv.benchmarks.errors import command_line
+from restkv.benchmarks.errors import BenchmarkError, FlagError, command_line
+from restkv.benchmarks.flags import check_output_path
 from restkv.benchmarks.longbench_metrics import qa_f1_score
 from restkv.compat import with_cache
 from restkv.head_scores import head_key, save_head_scores
+
+
+class NoHeadScores(BenchmarkError, RuntimeError):
+    """The probes gave no usable score (none counted, or every score zero): nothing is written."""
 
 
 # ---------------------------------------------------------------- offline probes
@@ -218,7 +223,7 @@ def compute_head_scores(
     log=print,
 ) -> dict[str, list[float]]:
     """Run every (needle, context length, depth) probe; each counted probe appends one score
-    per query head. Raises ``RuntimeError`` if no probe was counted."""
+    per query head. Raises ``NoHeadScores`` if no probe was counted or every score is zero."""
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
     per_head: dict[str, list[float]] = {head_key(layer, head): [] for layer in range(layers) for head in range(heads)}
     counted = 0
@@ -240,9 +245,15 @@ def compute_head_scores(
                     for name, value in zip(per_head, scores.flatten().tolist()):
                         per_head[name].append(float(f"{value:.4g}"))  # 4 digits keep the file small
     if counted == 0:
-        raise RuntimeError(
+        raise NoHeadScores(
             "no probe was answered correctly, so no head scores were collected; try shorter --context_lengths "
             "or pass --include_failed"
+        )
+    if not any(value > 0 for values in per_head.values() for value in values):
+        raise NoHeadScores(
+            f"every head scored 0 over the {counted} counted probes (no decoded token's top attention fell in a "
+            "needle): a file --head_scores would refuse, so none is written; try more --max_new_tokens or other "
+            "--context_lengths"
         )
     log(f"{counted} probes counted")
     return per_head
@@ -250,6 +261,8 @@ def compute_head_scores(
 
 @command_line
 def main(argv: list[str] | None = None) -> Path:
+    from restkv.models import DTYPES, check_model_path, load_model, load_tokenizer, model_label, model_path_errors
+
     parser = argparse.ArgumentParser(
         prog="python -m restkv.benchmarks.head_scores",
         description="Compute HeadKV retrieval-reasoning head scores with offline needle-in-a-haystack probes.",
@@ -266,8 +279,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--num_needles", type=int, default=len(NEEDLES), help=f"how many of the {len(NEEDLES)} needles")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic haystack")
     parser.add_argument("--include_failed", action="store_true", help="also count probes answered wrongly")
-    parser.add_argument("--max_new_tokens", type=int, default=50, help="decode limit per probe")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto (default per device)")
+    parser.add_argument("--max_new_tokens", type=int, default=50,
+                        help="decode limit per probe (each decoded token scores the heads)")
+    parser.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     args = parser.parse_args(argv)
     if not 1 <= args.num_needles <= len(NEEDLES):
         parser.error(f"--num_needles must lie in [1, {len(NEEDLES)}]")
@@ -275,14 +289,18 @@ def main(argv: list[str] | None = None) -> Path:
         parser.error("--depths are percentages in [0, 100]")
     if any(n < 16 for n in args.context_lengths):
         parser.error("--context_lengths must be at least 16 tokens")
-
-    from restkv.models import check_model_path, load_model, load_tokenizer, model_label, model_path_errors
+    if args.max_new_tokens < 1:
+        parser.error(f"--max_new_tokens must be >= 1 (each decoded step scores the heads); got {args.max_new_tokens}")
+    try:
+        out = check_output_path(
+            args.out or f"data/heads_score/{model_label(args.model_path)}_retrieval_reasoning_heads.json", "--out")
+    except FlagError as error:
+        parser.error(str(error))
 
     check_model_path(args.model_path)
     with model_path_errors(args.model_path):
         model = load_model(args.model_path, attn_implementation="eager", dtype=args.dtype)
         tokenizer = load_tokenizer(args.model_path)
-    out = Path(args.out or f"data/heads_score/{model_label(args.model_path)}_retrieval_reasoning_heads.json")
     scores = compute_head_scores(
         model, tokenizer, args.context_lengths, args.depths, NEEDLES[: args.num_needles],
         seed=args.seed, include_failed=args.include_failed, max_new_tokens=args.max_new_tokens,

@@ -22,7 +22,9 @@ import torch
 from tqdm import tqdm
 
 from restkv.benchmarks.errors import FlagError, command_line
+from restkv.benchmarks.flags import check_output_path
 from restkv.benchmarks.projections import model_and_texts, pre_rope_projections
+from restkv.models import model_label
 
 
 def collect_query_stats(model, texts: list[list[int]], n_sink: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise FlagError(f"--{flag} must be at least {least}; got {getattr(args, flag)}")
     if args.n_sink >= args.text_length - 1:
         raise FlagError(f"--n_sink {args.n_sink} leaves fewer than 2 queries of a {args.text_length}-token text")
+    args.out = check_output_path(args.out or f"data/query_stats/{model_label(args.model_path)}.safetensors", "--out")
     return args
 
 
@@ -66,16 +69,13 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     from safetensors.torch import save_file
 
-    from restkv.models import model_label
-
     model, texts = model_and_texts(args, args.text_length, "--text_length")
     mean, cov = collect_query_stats(model, texts, args.n_sink)
-    out = Path(args.out or f"data/query_stats/{model_label(args.model_path)}.safetensors")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"query_mean": mean.contiguous(), "query_cov": cov.contiguous()}, str(out),
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"query_mean": mean.contiguous(), "query_cov": cov.contiguous()}, str(args.out),
               metadata={"made_with": " ".join(["python -m restkv.benchmarks.query_stats", *(argv or sys.argv[1:])])})
-    print(out)
-    return out
+    print(args.out)
+    return args.out
 
 
 if __name__ == "__main__":

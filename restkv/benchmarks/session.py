@@ -10,9 +10,10 @@ option) also seeds Python, NumPy and torch.
 
 **No silent no-compression.** After each sample the cache is inspected: if the compressed
 prefill was longer than the budget, every layer that the method compresses at that length must
-hold fewer entries than tokens seen, else the run stops with ``CompressionNotApplied``; every
-compressed layer must have been built with the run's config, else ``CompressionMismatch``.
-Tokens seen / stored go in the line.
+be one restkv built and (unless its allocation keeps layers or heads whole by design,
+``Allocation.may_keep_whole``) hold fewer entries than tokens seen in some KV head, else the run
+stops with ``CompressionNotApplied``; every compressed layer must have been built with the run's
+config, else ``CompressionMismatch``. Tokens seen / stored go in the line.
 
 **Prompts too short to compress.** Under ``--compression_ratio`` a short prompt may keep no
 more tokens than the method always keeps (its window, KVzip's sinks); the library refuses such
@@ -166,8 +167,11 @@ def compression_record(model, config: CompressionConfig, cache, prefill_tokens: 
     """Tokens seen and stored by the cache, after checking it did what ``config`` claims.
 
     Raises ``CompressionNotApplied`` if a layer that had to compress the ``prefill_tokens``-token
-    prefill kept everything (under a model-wide allocation, if no layer evicted or one was not
-    held compressed: one ranking across the model may give a layer all its tokens), and
+    prefill is not one restkv built (the patch is not active), or kept every token where its
+    allocation must evict in every layer (uniform budgets: some KV head of the layer must hold fewer
+    tokens than it saw). An allocation that may keep a layer or a head whole by design
+    (``Allocation.may_keep_whole``: DuoAttention's retrieval heads, SimLayerKV's layers that are not
+    lazy) needs only the first; a model-wide one, also that some layer evicted. Raises
     ``CompressionMismatch`` if a layer was compressed with other settings than ``config`` (the
     model re-configured behind the run's back). This is the one place that reads the library's
     compression internals.
@@ -184,17 +188,23 @@ def compression_record(model, config: CompressionConfig, cache, prefill_tokens: 
         if plan_layer(config, valid, module.layer_idx, layers, LayerParams.of(module).sliding_window).compress
     ]
     reports = cache_report(cache)
-    if config.allocator.model_wide:  # one ranking across the model may leave a layer whole: the model must evict
-        missing = [layer for layer in expected if layer >= len(reports) or reports[layer].kind != "compressed"]
-        if not missing and not any(reports[layer].compressed for layer in expected):
-            missing = expected
-    else:
-        missing = [layer for layer in expected if layer >= len(reports) or not reports[layer].compressed]
-    if missing:
+    held = {layer: reports[layer] for layer in expected if layer < len(reports) and reports[layer].kind == "compressed"}
+    unpatched = [layer for layer in expected if layer not in held]
+    if unpatched:
         raise CompressionNotApplied(
             f"the prefill had {prefill_tokens} tokens, over the budget of --method {config.method}, but layers "
-            f"{missing} kept every token: restkv's attention patch is not active on this model "
+            f"{unpatched} kept every token: restkv's attention patch is not active on this model "
             "(unpatched, another model class, or a cache type restkv does not compress)"
+        )
+    allocator = config.allocator
+    if allocator.model_wide:  # one ranking across the model may leave a layer whole: the model must evict
+        whole = expected if held and not any(_evicted(report) for report in held.values()) else []
+    else:
+        whole = [] if allocator.may_keep_whole else [layer for layer, report in held.items() if not _evicted(report)]
+    if whole:
+        raise CompressionNotApplied(
+            f"the prefill had {prefill_tokens} tokens, over the budget of --method {config.method}, but layers "
+            f"{whole} were built by restkv but kept every token, which its allocation {allocator.name!r} never does"
         )
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, CompressedLayer) and layer.config is not None and layer.config != config:
@@ -210,6 +220,11 @@ def compression_record(model, config: CompressionConfig, cache, prefill_tokens: 
         "kv_tokens_stored": round(float(np.mean([r.stored_mean + r.summary_slots for r in reports])), 1) if reports else 0,
         "kv_layers_compressed": sum(r.compressed for r in reports),
     }
+
+
+def _evicted(report) -> bool:
+    """Whether some KV head of a layer holds fewer entries (summaries included) than tokens seen."""
+    return report.stored_min + report.summary_slots < report.tokens_seen
 
 
 def uncompressible_reason(config: CompressionConfig, prefill_tokens: int) -> str | None:
@@ -303,11 +318,13 @@ class BenchmarkRun:
     @classmethod
     def start(cls, benchmark: Benchmark, args: argparse.Namespace, datasets: Sequence[str], model=None,
               tokenizer=None) -> "BenchmarkRun":
-        """Check what needs no model first (every dataset's data, the folder's lock, settings and
-        data), then load (unless given) and patch the model and write ``run_meta.json``."""
+        """Check what needs no model first (a model type restkv serves, every dataset's data, the
+        folder's lock, settings and data), then load (unless given) and patch the model and write
+        ``run_meta.json``. A config the model refuses (the library's ``ConfigError``, at the patch or
+        at the first compressing prefill) ends the run in one line (``errors.command_line``)."""
         from transformers import AutoConfig
 
-        from restkv.models import load_model, load_tokenizer, model_path_errors, resolve_model_path
+        from restkv.models import check_supported, load_model, load_tokenizer, model_path_errors, resolve_model_path
         from restkv.monkeypatch import configure, replace_for_model
 
         config = compression_config_from_args(args)
@@ -317,6 +334,7 @@ class BenchmarkRun:
                 tokenizer = load_tokenizer(args.model_path)
             model_config = model.config if model is not None else AutoConfig.from_pretrained(
                 resolve_model_path(args.model_path))
+        check_supported(model_config, args.model_path)
         inputs = {
             name: DatasetInput.of(name, load_dataset_samples(benchmark, args, name, tokenizer), args.max_num_examples)
             for name in datasets

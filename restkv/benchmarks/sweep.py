@@ -32,7 +32,7 @@ from typing import Sequence
 
 from restkv.benchmarks import ruler, ruler_data, scoring
 from restkv.benchmarks.errors import command_line
-from restkv.benchmarks.flags import check_minimums
+from restkv.benchmarks.flags import ATTN_IMPLEMENTATIONS, check_minimums
 from restkv.benchmarks.flags import parse_args as parse_runner_args
 from restkv.benchmarks.results import named_in_folder, read_predictions
 from restkv.config import ConfigError, method_spec_options
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--query_agnostic; niah tasks only)")
     parser.add_argument("--max_new_tokens", type=int, help="tokens generated per answer at most (default: each "
                         "task's RULER length)")
-    parser.add_argument("--attn_implementation", default="sdpa", choices=["eager", "sdpa", "flash_attention_2"])
+    parser.add_argument("--attn_implementation", default="sdpa", choices=ATTN_IMPLEMENTATIONS)
     parser.add_argument("--save_dir", default="results/sweep")
     parser.add_argument("--num_shards", type=int, default=1)
     parser.add_argument("--shard_id", type=int, default=0)

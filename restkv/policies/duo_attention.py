@@ -76,6 +76,7 @@ class DuoAllocation(Allocation):
 
     name = "duo"
     head_adaptive = True
+    may_keep_whole = True
 
     duo_pattern: str | None = option(
         None, "DuoAttention: the head pattern file (JSON head_scores [layers][KV heads], or DuoAttention's "

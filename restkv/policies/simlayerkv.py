@@ -39,6 +39,7 @@ class SimLayerAllocation(SinkOptions, Allocation):
     """SimLayerKV's: a lazy layer's row keeps the budget (StreamingLLM's tokens), any other every token."""
 
     name = "simlayer"
+    may_keep_whole = True
 
     simlayer_threshold: float = option(
         0.9, "SimLayerKV: a layer is lazy (compressed) when its last queries give more than this share of their "
