@@ -62,7 +62,7 @@ from restkv.handles import cache_state, has_class_config, module_config
 from restkv.options import ConfigError
 from restkv.recompress import recompress
 from restkv.rope import rotate
-from restkv.seams import derives_values
+from restkv.seams import UnsupportedModel, derives_values
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def recording_forward(original: Callable) -> Callable:
             return original(self, *args, **kwargs)
         implementation = self.config._attn_implementation
         if implementation not in SERVED_KERNELS:
-            raise ValueError(f"restkv serves the {', '.join(SERVED_KERNELS)} attention implementations; this model "
+            raise UnsupportedModel(f"restkv serves the {', '.join(SERVED_KERNELS)} attention implementations; this model "
                              f"uses {implementation!r} (load it with attn_implementation='sdpa')")
         arguments = kwargs if len(args) <= 1 else signature.bind_partial(self, *args, **kwargs).arguments
         hidden_states = arguments["hidden_states"] if "hidden_states" in arguments else args[0]
@@ -464,7 +464,7 @@ def value_view(module: torch.nn.Module, cached: torch.Tensor, value: torch.Tenso
         match = next((source for source in range(cached.shape[1]) if torch.equal(value[:, head], cached[:, source])),
                      None)
         if match is None:
-            raise ValueError(f"restkv: {type(module).__name__} hands its attention kernel values that are not the "
+            raise UnsupportedModel(f"restkv: {type(module).__name__} hands its attention kernel values that are not the "
                              f"cached values of any head (head {head}): a compressed layer cannot read them")
         heads.append(match)
     return torch.tensor(heads, device=value.device)
@@ -475,7 +475,7 @@ def check_exact_tokens_only(module: torch.nn.Module, config) -> None:
     layer, compressed once at the prefill)."""
     conflicts = exact_tokens_only_conflicts(config)
     if conflicts:
-        raise ValueError(f"{', '.join(conflicts)}: {module.config.model_type}'s attention reads each head's values "
+        raise ConfigError(f"{', '.join(conflicts)}: {module.config.model_type}'s attention reads each head's values "
                          "from other heads, so restkv keeps one exact token set per layer there, compressed once at "
                          "the prefill")
 

@@ -49,7 +49,7 @@ from restkv.compat import CACHE_ARGUMENT, check_transformers_version
 from restkv.config import CompressionConfig, ConfigError, ModelShape
 from restkv.handles import (clear_class_config, has_class_config, module_config, module_config_entry,
                             restore_module_config, set_class_config, set_module_config)
-from restkv.seams import UnknownModelType, attention_classes, check_cache_layers, derives_values
+from restkv.seams import UnknownModelType, UnsupportedModel, attention_classes, check_cache_layers, derives_values
 
 #: the families the release named (``replace_gemma`` covers Gemma 1-3) -> their attention classes, as
 #: (module, class name); every other decoder is its model type, found by ``restkv.seams.attention_classes``
@@ -136,7 +136,7 @@ def family_of_type(model_type: str | None) -> str:
     try:
         classes = set(attention_classes(model_type)[0])
     except UnknownModelType:
-        raise ValueError(f"model type {model_type!r} is not supported by restkv: not a decoder-only model type of "
+        raise UnsupportedModel(f"model type {model_type!r} is not supported by restkv: not a decoder-only model type of "
                          f"this transformers (supported: {', '.join(sorted(MODEL_TYPES))} and any decoder whose "
                          "attention uses transformers' registry)") from None
     return next((family for family in FAMILIES if classes <= set(_classes(FAMILIES, family))), model_type)
@@ -196,11 +196,11 @@ def _refuse_batched_reconstruction(config: CompressionConfig, args: tuple, kwarg
     # deferring_flags() names the reconstruction observation first, as the user chose it
     flag = config.deferring_flags()[0]
     if ids is None:
-        raise ValueError(f"{flag} repeats the context by its token ids; this prefill reached the decoder as "
+        raise ConfigError(f"{flag} repeats the context by its token ids; this prefill reached the decoder as "
                          "embeddings (an image or audio prompt, or inputs_embeds), which it cannot repeat: use a "
                          "method that scores with the prompt's own queries")
     if ids.shape[0] != 1:
-        raise ValueError(f"{flag} compresses one prompt at a time: this prefill has {ids.shape[0]} rows; give "
+        raise ConfigError(f"{flag} compresses one prompt at a time: this prefill has {ids.shape[0]} rows; give "
                          "input_ids of one row")
 
 
@@ -266,7 +266,7 @@ def check_for_model(model: torch.nn.Module, config: CompressionConfig, modules: 
     config.check_model(model_shape(modules))
     implementations = sorted({module.config._attn_implementation for module in modules} - set(SERVED_KERNELS))
     if implementations:
-        raise ValueError(f"restkv serves the {', '.join(SERVED_KERNELS)} attention implementations; this model uses "
+        raise UnsupportedModel(f"restkv serves the {', '.join(SERVED_KERNELS)} attention implementations; this model uses "
                          f"{', '.join(map(repr, implementations))} (load it with attn_implementation='sdpa')")
     if config.policy.evicts:
         check_cache_layers(modules[0].config.model_type, model.config)
@@ -376,7 +376,7 @@ def _patched_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     for cls in {type(module) for module in modules} - set(_ORIGINAL_FORWARDS):  # subclasses of patched classes
         patched = next(base for base in cls.__mro__ if base in _ORIGINAL_FORWARDS)
         if cls.forward is not patched.forward:
-            raise ValueError(f"{cls.__name__} overrides forward, so restkv's patch of {patched.__name__}.forward "
+            raise UnsupportedModel(f"{cls.__name__} overrides forward, so restkv's patch of {patched.__name__}.forward "
                              "does not reach it")
     return modules
 

@@ -136,7 +136,7 @@ def check_seams(model_type: str, cls: type) -> None:
     """Refuse a decoder attention class restkv cannot serve through transformers' seams, naming the model type."""
     problems = seam_problems(cls)
     if problems:
-        raise ValueError(f"model type {model_type!r} is not supported by restkv: {cls.__name__} needs an attention "
+        raise UnsupportedModel(f"model type {model_type!r} is not supported by restkv: {cls.__name__} needs an attention "
                          f"that {'; '.join(problems)}")
 
 
@@ -155,7 +155,7 @@ def check_cache_layers(model_type: str, config) -> None:
         kinds = {cache.layer_class_to_replicate.__name__}
     odd = sorted(kinds - set(COMPRESSIBLE_CACHE_LAYERS) - set(UNTOUCHED_CACHE_LAYERS))
     if odd:
-        raise ValueError(f"model type {model_type!r} is not supported by restkv: its cache holds {', '.join(odd)} "
+        raise UnsupportedModel(f"model type {model_type!r} is not supported by restkv: its cache holds {', '.join(odd)} "
                          "layers (attention keys with another state beside them), which a compressed layer cannot "
                          "replace")
 
@@ -181,7 +181,7 @@ def attention_classes(model_type: str) -> tuple[tuple[type, ...], tuple[type, ..
     attention = tuple(sorted((cls for cls in candidates if cls.__name__.endswith("Attention") and
                               _writes_cache(cls)), key=lambda cls: cls.__name__))
     if not attention:
-        raise ValueError(f"model type {model_type!r} is not supported by restkv: no attention class of it writes a "
+        raise UnsupportedModel(f"model type {model_type!r} is not supported by restkv: no attention class of it writes a "
                          "key/value cache")
     for cls in attention:
         check_seams(model_type, cls)
@@ -192,7 +192,7 @@ def attention_classes(model_type: str) -> tuple[tuple[type, ...], tuple[type, ..
             if not isinstance(module, attention):
                 continue
             if getattr(module, "is_causal", True) is False:
-                raise ValueError(f"model type {model_type!r} is not supported by restkv: {type(module).__name__} is "
+                raise UnsupportedModel(f"model type {model_type!r} is not supported by restkv: {type(module).__name__} is "
                                  "not causal self-attention (restkv compresses a decoder's own keys and values)")
         decoders = tuple(dict.fromkeys(
             type(module) for module in built.modules()
@@ -201,7 +201,12 @@ def attention_classes(model_type: str) -> tuple[tuple[type, ...], tuple[type, ..
     return attention, decoders or (_transformers_class(model_type, MODEL_MAPPING_NAMES[model_type]),)
 
 
-class UnknownModelType(ValueError):
+class UnsupportedModel(ValueError):
+    """A model restkv cannot serve (its type's attention, its cache, its attention implementation): the
+    message names the model type and why. The benchmark commands report it in one line."""
+
+
+class UnknownModelType(UnsupportedModel):
     """A model type transformers' auto mappings do not list as a decoder-only causal LM."""
 
     def __init__(self, model_type: str) -> None:
@@ -217,7 +222,7 @@ def _transformers_class(model_type: str, name: str) -> type:
     try:
         return getattr(transformers, name)
     except Exception as error:  # a lazy import that needs a package this machine lacks
-        raise ValueError(f"model type {model_type!r} is not supported here: transformers cannot import {name} "
+        raise UnsupportedModel(f"model type {model_type!r} is not supported here: transformers cannot import {name} "
                          f"({type(error).__name__}: {str(error).strip().splitlines()[0][:120]})") from None
 
 

@@ -204,12 +204,13 @@ def _whole_by_design(tmp_path) -> dict[str, list[str]]:
 
     pattern = tmp_path / "duo.json"
     pattern.write_text(json.dumps({"head_scores": [[1.0, 1.0], [0.0, 0.1], [0.9, 0.2]]}))
-    curve = np.full((99, 3, 2), 0.9, dtype=np.float32)
-    curve[:, 0] = 0.0  # layer 0 pruned by nothing
+    curve = np.full((99, 3, 2), 1.0, dtype=np.float32)  # layers 1 and 2 keep their protected tokens alone,
+    curve[:, 0] = 0.0  # so layer 0, pruned by nothing, stays whole within the run's budget
     np.save(tmp_path / "curve.npy", curve)
     return {"duo_attention": ["--method", "duo_attention", "--duo_pattern", str(pattern), "--n_sink", "4"],
             "simlayerkv": ["--method", "simlayerkv", "--simlayer_threshold", "1.0"],
-            "lukv": ["--method", "snapkv", "--allocation", "lukv", "--lukv_curve", str(tmp_path / "curve.npy")]}
+            "lukv": ["--method", "snapkv", "--allocation", "lukv", "--lukv_curve", str(tmp_path / "curve.npy"),
+                     "--max_capacity_prompts", "100"]}  # three layers' budgets hold layer 0's whole prompt
 
 
 @pytest.mark.parametrize("method", ["duo_attention", "simlayerkv", "lukv"])

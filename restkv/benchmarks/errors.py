@@ -14,6 +14,7 @@ from typing import Callable, TypeVar
 
 from restkv.config import ConfigError
 from restkv.models import ModelPathError
+from restkv.seams import UnsupportedModel
 
 Entry = TypeVar("Entry", bound=Callable)
 
@@ -47,8 +48,9 @@ class CompressionMismatch(CompressionNotApplied):
 
 
 #: What ``command_line`` reports in one line: the errors above, a bad compression option, a
-#: model path that loads nothing, and a missing file or folder named on the command line.
-REPORTED = (BenchmarkError, ConfigError, ModelPathError, FileNotFoundError)
+#: model path that loads nothing, a model restkv does not serve, and a missing file or folder named
+#: on the command line.
+REPORTED = (BenchmarkError, ConfigError, ModelPathError, UnsupportedModel, FileNotFoundError)
 
 
 def command_line(entry: Entry) -> Entry:
