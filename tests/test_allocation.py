@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from golden import GOLDEN_DIR, kept_sets, load_case, reference_kept_sets
+from golden import kept_sets, load_case, reference_kept_sets
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.allocation import adakv_caps, headkv_table, pyramid_schedule
 from restkv.cache import cache_report
@@ -106,7 +106,6 @@ def test_pyramid_single_layer_keeps_the_uniform_budget():
     assert pyramid_schedule(128, 32, 1000, 1, reference_rounding=True) == (96,)
 
 
-@pytest.mark.skipif(not GOLDEN_DIR.exists(), reason="golden fixtures not available")
 @pytest.mark.parametrize("name, layer, stored", [("pyramidkv_l0", 0, 220), ("pyramidkv_l7", 7, 38)])
 def test_golden_pyramidkv_with_reference_rounding(name, layer, stored):
     """Same kept set per head as the original release (CPU, float32, batch 1, MHA)."""
@@ -123,7 +122,6 @@ def test_golden_pyramidkv_with_reference_rounding(name, layer, stored):
     assert kept_sets(out.indices) == reference_kept_sets(case)
 
 
-@pytest.mark.skipif(not GOLDEN_DIR.exists(), reason="golden fixtures not available")
 def test_golden_pyramidkv_default_rounding_differs_only_in_the_layer_budget():
     """The library's exact rounding (a deliberate fix: the release's floored step overshoots the
     total) gives layer 7 of 8 four candidates instead of six; the same scores choose them, so
