@@ -1,5 +1,5 @@
-"""Budget allocations (uniform, pyramid, AdaKV, HeadKV): ALGORITHMS.md 4.8-4.10 and the
-section 6 oracles, the PyramidKV golden fixtures, composition with every scorer, ragged
+"""Budget allocations (uniform, pyramid, AdaKV, HeadKV): their formulas as oracles, the
+PyramidKV golden fixtures, composition with every scorer, ragged
 storage, exactness and batch invariance."""
 
 import json
@@ -194,7 +194,7 @@ def test_adakv_normalisation_weights_each_head_by_its_top_share():
 
 def test_adakv_reference_allocation_follows_the_original_rounding():
     """cap_k = round((1 - a) n_k + floor(a B)) after a global top-H B over the normalised sorted
-    scores; B = 96, a = 0.2, H = 8 as in ALGORITHMS.md 4.9."""
+    scores; B = 96, a = 0.2, H = 8."""
     generator = torch.Generator().manual_seed(0)
     scores = torch.rand(8, 400, generator=generator) ** torch.linspace(1, 8, 8)[:, None]
     ranked = scores.sort(dim=-1, descending=True).values

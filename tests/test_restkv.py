@@ -1,4 +1,4 @@
-"""ReST-KV (``--method restkv``): config, golden fixtures, ALGORITHMS.md section 6 oracles,
+"""ReST-KV (``--method restkv``): config, golden fixtures, oracles on small tensors,
 numerics, batches and exactness."""
 
 import argparse
