@@ -1,4 +1,4 @@
-"""ReST-KV's adaptive spatial smoothing (``--pooling adaptive``, ALGORITHMS.md 2.6).
+"""ReST-KV's adaptive spatial smoothing (``--pooling adaptive``, arXiv 2605.08840).
 
 When the attention of the observation window drifts across the prompt as the window
 advances, the tokens that later queries will need sit next to the ones the window

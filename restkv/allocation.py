@@ -6,12 +6,12 @@ Each allocation is a registered part (``--allocation <name>``) that owns its opt
 (the recent window) included. Any scorer composes with any allocation:
 
 * ``uniform``: every KV head keeps the row budget ``C``.
-* ``pyramid`` (PyramidKV, ALGORITHMS.md 4.8): layer ``l`` keeps ``B_l + W`` with ``B_l``
+* ``pyramid`` (PyramidKV): layer ``l`` keeps ``B_l + W`` with ``B_l``
   falling linearly from ``n_max`` to ``n_min``; the layers sum exactly to ``N * B`` (largest
   remainder), or floor the step like the original release with ``--pyramid_reference_rounding``.
-* ``adakv`` (AdaKV, 4.9): within a layer, heads share ``H_kv * B`` candidates through a
+* ``adakv`` (AdaKV): within a layer, heads share ``H_kv * B`` candidates through a
   global top-k over their scores; every head keeps at least ``floor * B``.
-* ``headkv`` (HeadKV, 4.10): per-head budgets from a file of head importance scores,
+* ``headkv`` (HeadKV): per-head budgets from a file of head importance scores,
   model-wide: per-layer totals vary, the model total is exactly ``N * H_kv * B``.
 
 ``B = C - W`` is the row's candidate budget (``W`` = its protected tokens). A row whose
@@ -408,7 +408,7 @@ def pyramid_schedule(
     reference_rounding: bool = False,
     middle_regime: bool = True,
 ) -> tuple[int, ...]:
-    """PyramidKV's candidate budget ``B_l`` of every layer (ALGORITHMS.md 4.8).
+    """PyramidKV's candidate budget ``B_l`` of every layer.
 
     Parameters
     ----------
@@ -452,7 +452,7 @@ def pyramid_schedule(
 def adakv_caps(
     scores: torch.Tensor, budget: int, floor: float, normalize: bool = True, reference: bool = False
 ) -> torch.Tensor:
-    """AdaKV's candidate count per head of one row (ALGORITHMS.md 4.9).
+    """AdaKV's candidate count per head of one row.
 
     Parameters
     ----------
@@ -512,7 +512,7 @@ def headkv_table(
     beta: float = 1.01,
     temperature: float = 1.0,
 ) -> tuple[tuple[int, ...], ...]:
-    """HeadKV's candidate count of every (layer, KV head), model-wide (ALGORITHMS.md 4.10).
+    """HeadKV's candidate count of every (layer, KV head), model-wide.
 
     Head importance ``s`` (mean of each head's probe scores, normalised to sum 1, then
     ``s^T / sum s^T``) is summed over each query group; each KV head gets
@@ -637,15 +637,14 @@ class ModelRanked(Allocation):
 @register("allocation")
 @dataclass(frozen=True)
 class LaProxAllocation(ModelRanked):
-    """LaProx's model-wide selection (ALGORITHMS.md 5.1, NEWER_METHODS.md 1.1): ``model_ranked``
-    over layer-normalised scores, with an optional per-head floor (an AdaKV-style safeguard that
-    the paper, as read, does not have)."""
+    """LaProx's model-wide selection: ``model_ranked`` over layer-normalised scores, with an optional
+    per-head floor (an AdaKV-style safeguard that the paper, as read, does not have)."""
 
     name = "laprox"
 
     laprox_floor: float = option(
         0.0, "LaProx: every (layer, KV head) keeps at least floor * (budget - window) candidates before the "
-        "model-wide ranking (ALGORITHMS.md 5.1 proposes 0.1; not in the paper as read)", minimum=0, maximum=1,
+        "model-wide ranking (0 = off: the paper, as read, has no floor)", minimum=0, maximum=1,
     )
 
     def reserved(self, candidate_budget: int) -> int:

@@ -19,7 +19,7 @@ Where this differs from kvpress' ``BlockPress``: kvpress keeps the held tokens i
 and a scorer that pools along the sequence (SnapKV) then pools along that order; it splits the
 hidden state into per-head slices gathered with each head's own indices (a recomputed query can
 mix tokens), and hands the inner press the whole prompt's RoPE tables (the window queries turned
-to the prompt's last positions) -- ``../shared/golden_kvpress`` §12.5. Here the held tokens stay
+to the prompt's last positions). Here the held tokens stay
 in position order and every query is the model's own, at its position: for an order-free scorer
 (KeyDiff, Knorm) the kept sets are kvpress', for SnapKV they differ.
 """

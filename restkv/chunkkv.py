@@ -15,8 +15,8 @@ a head-adaptive or model-wide allocation is refused.
 
 Where this differs from kvpress' ``ChunkKVPress``: kvpress keeps ``int(n_chunks x (1 - r))``
 chunks whatever their size, the window's among them (its scorer ranks the window first); at a
-small budget that drops part of the window (``../shared/golden_kvpress`` §12: at ratio 0.8 on 384
-tokens it keeps 3 of the 4 window chunks, 44 tokens), and at least one chunk whole, past the
+small budget that drops part of the window (20-token chunks at ratio 0.8 on a 384-token prompt:
+it keeps 3 of the 4 window chunks, 44 tokens), and at least one chunk whole, past the
 budget. Here the window always stays and the count follows the budget in tokens.
 
 ``--chunkkv_entropy_gate`` is kvpress' EntropyGatedChunkKVPress: a chunk that matters because of

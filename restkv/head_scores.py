@@ -1,6 +1,6 @@
 """HeadKV head-importance score files: the format, its check and its loader.
 
-A score file (ALGORITHMS.md 4.10) is one JSON object on one line whose keys are
+A score file (the format of HeadKV's released files) is one JSON object on one line whose keys are
 ``"<layer>-<query head>"`` in layer-major order for every query head of the model, each
 holding a list of per-probe scores; a head's importance is the mean of its list.
 ``python -m restkv.benchmarks.head_scores`` computes one for any supported model.

@@ -22,7 +22,7 @@ settings too.
 
 Where this differs from kvpress' ``ChunkPress``: kvpress hands the inner press the RoPE tables
 of the whole prompt, so a SnapKV chunk's recomputed window queries sit at the prompt's last
-positions (``../shared/golden_kvpress`` §12); here the queries keep their own positions.
+positions; here the queries keep their own positions.
 Where kvpress' shares of short chunks sum to more than the budget, it keeps them all.
 """
 

@@ -4,18 +4,19 @@ IndexMem (arXiv 2605.25475) replaces heuristic eviction scores with a small lear
 *indexer* and compensates what eviction loses with a *latent memory*: a compact state,
 written from the evicted tokens, read out as a gated residual outside the softmax,
 ``o = o_attn + g(q) m(q)`` (``g -> 0`` is plain eviction). The paper's code is not public;
-this follows ../shared/NEWER_METHODS.md §3 (readers of the full text) and keeps
-ALGORITHMS.md §5.3's variants behind options. Per layer (``IndexMemLayer``):
+this follows the method as readers of its full text report it, and keeps earlier readings (the
+``dsa`` indexer, the shared-softmax fusion) behind options. Per layer (``IndexMemLayer``):
 
 * **Indexer** (per KV head, on the model's post-RoPE queries and keys, so it needs no hidden
-  state: ``k_proj`` is already a projection of it). ``dot`` form (NEWER_METHODS):
+  state: ``k_proj`` is already a projection of it). ``dot`` form (as reported):
   ``I = tau <n(q W_q), n(k W_k)>`` with L2 normalisation ``n`` (``normalize``; off, identity maps
-  and ``tau`` = the attention scale give the model's own window attention, SnapKV's score); ``dsa`` form (§5.3):
+  and ``tau`` = the attention scale give the model's own window attention, SnapKV's score);
+  ``dsa`` form (DeepSeek's sparse-attention indexer):
   ``I = tau sum_u w_u(q) ReLU(<n(q W_q^u), n(k W_k)>)`` with ``w_u(q) = q . a_u``. The score of
   key ``j`` is ``softmax_j(I)`` over the keys each observation query sees, reduced over the
   queries (mean, max or last) and over the query group.
 * **Memory** (per KV head), on the pre-RoPE keys and queries (``Architecture.memory_inputs``;
-  NEWER_METHODS.md §3.1: the memory carries no position, so it does not compete with the real
+  as the paper is reported, the memory carries no position, so it does not compete with the real
   keys' RoPE; ``post_rope`` reads the rotated ones, what the training-free fallback needs, its
   features estimating the attention logits): positive features
   ``phi(x) = exp(W x~ - |x~|^2 / 2) / sqrt(F)`` with
@@ -26,9 +27,10 @@ ALGORITHMS.md §5.3's variants behind options. Per layer (``IndexMemLayer``):
   between the evicted token and the end of the prompt). Read: ``m(q) = phi(q)^T M / phi(q)^T b``
   and the estimated evicted mass ``Z_E(q) = phi(q)^T b``.
 * **Fusion**: ``residual`` (the paper as reported): ``o + g(q) m(q)``, ``g(q) = sigmoid(q . c_h + c0_h)``
-  learned per query head, on the query the memory reads; ``shared_softmax`` (§5.3 (a)): the
-  evicted mass joins the softmax, ``(N_M + Z_E m) / (Z_M + Z_E) = o + g (m - o)`` with
-  ``g = Z_E / (Z_M + Z_E)`` from the log-sum-exp of the exact logits.
+  learned per query head, on the query the memory reads; ``shared_softmax`` (not the paper's,
+  the training-free fallback's): the evicted mass joins the softmax,
+  ``(N_M + Z_E m) / (Z_M + Z_E) = o + g (m - o)`` with ``g = Z_E / (Z_M + Z_E)`` from the
+  log-sum-exp of the exact logits.
 
 The state is stored as ``log_mass = log b`` ``[B, H_kv, F]`` and ``feature_values = M / b``
 ``[B, H_kv, F, d]`` (float32), which keeps the read stable (a softmax over features) however

@@ -1,15 +1,15 @@
 """Merging evicted tokens into kept ones, after selection.
 
-* ``pivot_merge`` (``--merge pivot``, LOOK-M style, ALGORITHMS.md 4.7): every evicted token
+* ``pivot_merge`` (``--merge pivot``, LOOK-M style): every evicted token
   is averaged into the kept token whose key is most similar (cosine); keys and values
   move together. The ``PivotMerge`` part applies it after any scorer's selection.
 * ``similarity_merge`` (``--merge similarity``, kvpress' MergingPress): every evicted value is
   folded into the kept token whose key is most similar, weighted by that cosine and its share of
   the two values' norms; keys are untouched.
-* ``cam_merge`` (CaM paper semantics, 4.6): each evicted value is spread over the next
+* ``cam_merge`` (the CaM paper's semantics): each evicted value is spread over the next
   ``m`` kept values with a probability given by its attention relative to theirs; keys are
   untouched.
-* ``cam_reference_values`` (the original release's CaM, 4.6): the sequential forward
+* ``cam_reference_values`` (the original release's CaM): the sequential forward
   cascade over the whole prompt, before selection.
 
 Everything is per row and KV head, padding-aware (left padding: ``columns`` index the padded

@@ -1,8 +1,8 @@
 """Output-space maths shared by the scorers that read ``W_o`` (ReST-KV's ``--use_wo``, LaProx, CriticalKV).
 
 The norm of a head's contribution to the layer output, ``||W_o^h x||``, needs no ``N x hidden``
-projection: with the Gram matrix ``G_h = W_o^hT W_o^h`` (``d x d``), ``||W_o^h x||^2 = xT G_h x``
-(DESIGN.md, performance notes). Temporaries over many key columns are bounded by
+projection: with the Gram matrix ``G_h = W_o^hT W_o^h`` (``d x d``), ``||W_o^h x||^2 = xT G_h x``.
+Temporaries over many key columns are bounded by
 ``column_chunks``.
 """
 

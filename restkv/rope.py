@@ -1,7 +1,7 @@
 """RoPE undone: a layer's pre-rotation queries and keys from the rotated ones the cache holds.
 
-IndexMem's memory and gate read queries and keys without their position (NEWER_METHODS.md
-§3.1), while attention, the cache and the compression pipeline see them after RoPE. The layers
+IndexMem's memory and gate read queries and keys without their position (the paper's memory
+carries none), while attention, the cache and the compression pipeline see them after RoPE. The layers
 whose rotation this undoes (``restkv.attention.layer_rotary`` probes each; a layer without RoPE gets
 the identity tables) rotate as transformers' ``apply_rotary_pos_emb`` does:
 ``x cos + rotate_half(x) sin``, a rotation of each channel pair, with ``cos`` and ``sin``

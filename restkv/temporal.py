@@ -1,4 +1,4 @@
-"""Temporal aggregation over the observation-window queries (ReST-KV, ALGORITHMS.md 2.3).
+"""Temporal aggregation over the observation-window queries (ReST-KV, arXiv 2605.08840).
 
 The window queries are ordered oldest to newest along the second-to-last dimension; each
 mode collapses that dimension with fixed weights:

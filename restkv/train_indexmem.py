@@ -11,7 +11,7 @@ prefix ``[0, e)`` with the observation window ``[e - W, e)``):
 
 * **indexer**: ``KL(teacher || student)`` over the candidates ``[0, e - W)``, the teacher being
   the model's own attention reduced over each query group (``--indexer_target window``: the
-  window's queries, the ones the indexer reads, as ALGORITHMS.md §5.3 says; ``future``: the
+  window's queries, the ones the indexer reads; ``future``: the
   next ``--future`` queries, what later tokens will need);
 * **memory**: the indexer keeps ``--kept_fraction`` of the prefix, the rest is written into
   the memory, and ``--future`` queries at distances drawn from the first ``--read_distance``

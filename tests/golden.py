@@ -1,4 +1,4 @@
-"""Read the golden fixtures produced by the original ReST-KV release's policies."""
+"""Read the golden fixtures produced by the original ReST-KV release's policies (``data/fixtures/golden``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "golden"
+GOLDEN_DIR = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "golden"
 
 
 def load_case(name: str) -> dict:

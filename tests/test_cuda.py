@@ -1,7 +1,7 @@
 """On a CUDA GPU (marker ``cuda``; skipped elsewhere): flash_attention_2 is exact at full budget
 and compresses what sdpa compresses, and every read kernel (the flash-attn one with its
-log-sum-exp included) reads a compressed layer with residual entries as the eager reference does
-(ALGORITHMS.md 3.10) on CUDA tensors.
+log-sum-exp included) reads a compressed layer with residual entries as the eager reference
+does on CUDA tensors.
 
 Run with ``pytest -m cuda`` (``scripts/device_check.sh`` does). The flash tests also need the
 ``flash-attn`` package (``pip install -e .[flash]``).

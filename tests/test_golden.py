@@ -6,10 +6,8 @@ head per KV head, so GQA pooling does not enter).
 
 import pytest
 
-from golden import GOLDEN_DIR, kept_sets, load_case, reference_kept_sets
+from golden import kept_sets, load_case, reference_kept_sets
 from restkv import compress_kv
-
-pytestmark = pytest.mark.skipif(not GOLDEN_DIR.exists(), reason="golden fixtures not available")
 
 CASES = {
     "snapkv_avg_k5": dict(method="snapkv", max_capacity_prompts=128, window_size=32, kernel_size=5, pooling="avgpool"),

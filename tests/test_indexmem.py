@@ -246,9 +246,9 @@ def memory_read_at(path, offset, pre_rope=True):
 
 
 def test_a_pre_rope_memory_and_its_gate_carry_no_position(tmp_path):
-    """NEWER_METHODS.md §3.1: written from the keys before RoPE and read (features and gate) with
-    the query before RoPE, the memory's correction is the same wherever the prompt sits; a
-    post-RoPE memory's is not."""
+    """The paper's memory carries no position: written from the keys before RoPE and read
+    (features and gate) with the query before RoPE, the memory's correction is the same wherever
+    the prompt sits; a post-RoPE memory's is not."""
     pre, post = (saved(tmp_path, Architecture(1, 4, 2, 16, features=4, memory_inputs=inputs), open_gate,
                        name=f"{inputs}.pt") for inputs in ("pre_rope", "post_rope"))
     near, far = (memory_read_at(pre, offset) for offset in (0, 300))

@@ -1,7 +1,7 @@
-"""kvpress 0.5.5's presses, token for token: the parity fixtures of ../shared/golden_kvpress.
+"""kvpress 0.5.5's presses, token for token: the parity fixtures in ``data/fixtures/golden_kvpress``.
 
 Each case of ``tests/golden_kvpress_cases.json`` names the restkv options that reproduce one
-fixture case. The test rebuilds the fixtures' tiny Llama exactly as their README (§3) says,
+fixture case. The test rebuilds the fixtures' tiny Llama from its config and weights,
 prefills their 384-token prompt through ``restkv.compression(model, **options)`` and compares,
 per layer and KV head, the positions the cache keeps (``restkv.cache.kept_positions``) with the
 case's ``kept_mask``. restkv breaks ties towards the lower position, so where the fixture
@@ -10,10 +10,9 @@ restkv must keep, and the number of kept entries it then swaps for others of ``k
 must be exactly the fixture's count. Raw scores are compared too (relative tolerance 1e-4, float32), as the
 policy's ``score(ctx)`` returned them during the run.
 
-Three cases are not in the table: ``chunkkv_snapkv_r0.8`` and ``block_snapkv_r0.5`` differ by
-design (tests below show the documented reasons), and ``restorekv_stub_r0.5`` exercises only
-RestoreKV's budget matching around learned restore tokens and a LoRA adapter the fixtures
-replaced by no-ops. Docs of each policy say where it departs from kvpress and why.
+Two cases are not in the table: ``chunkkv_snapkv_r0.8`` and ``block_snapkv_r0.5`` differ by
+design (tests below show the documented reasons). Docs of each policy say where it departs from
+kvpress and why.
 """
 
 from __future__ import annotations
@@ -35,17 +34,13 @@ from restkv.cache import kept_positions
 from restkv.compat import output_cache
 from restkv.reconstruction_prompt import KVPRESS_CLOSING, KVPRESS_CONTINUATION, set_reconstruction_prompt
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "golden_kvpress"
+FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "golden_kvpress"
 TABLE = json.loads((Path(__file__).parent / "golden_kvpress_cases.json").read_text())
 CASES = TABLE["cases"]
 
-pytestmark = pytest.mark.skipif(
-    not FIXTURES.exists(), reason=f"the kvpress parity fixtures are not at {FIXTURES} (../shared/golden_kvpress)"
-)
-
 
 class ByteTokenizer:
-    """The fixtures' tokenizer for KVzip's replay prompt (README §4): one id per byte, no template."""
+    """The fixtures' tokenizer for KVzip's replay prompt: one id per byte, no template."""
 
     chat_template = None
 
@@ -67,7 +62,7 @@ def fixture(case: str) -> dict:
 
 
 def tiny_llama(attn_implementation: str):
-    """The fixtures' Llama, rebuilt as their README §3 says."""
+    """The fixtures' Llama: built from its config, its weights loaded strictly."""
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -136,8 +131,8 @@ def as_mask(kept: list[list[list[int]]], shape) -> np.ndarray:
 
 
 def test_the_rebuilt_model_reproduces_the_reference_prefill():
-    """Layer 0 (embeddings only) bit for bit; the later layers within float32 noise (the fixtures'
-    README finds them bitwise on its machine; CPU kernels differ between machines)."""
+    """Layer 0 (embeddings only) bit for bit; the later layers within float32 noise (bitwise on the
+    machine that recorded the fixtures; CPU kernels differ between machines)."""
     from safetensors.torch import load_file
 
     reference = load_file(str(FIXTURES / "reference_llama_sdpa.safetensors"))
@@ -192,7 +187,7 @@ def test_restkv_scores_equal_the_kvpress_scores(case):
         compared[: spec.get("first", 0)] = False
         compared[spec.get("stop", compared.shape[0]) :] = False
         theirs = reference[layer][:, compared]
-        # Relative to each value and to the layer's score scale (README §7.3): scores that cross 0
+        # Relative to each value and to the layer's score scale: scores that cross 0
         # (cosines, z-scores, dot products) have no relative precision of their own there.
         torch.testing.assert_close(ours[:, compared] * spec["scale"], theirs, rtol=1e-4,
                                    atol=1e-4 * float(theirs.abs().max()))
@@ -206,7 +201,7 @@ def test_kvzip_reconstruction_replays_the_ids_kvpress_replayed():
 
 
 def test_finch_input_is_the_prompt_whose_question_window_is_the_cases_window():
-    """FinchPress strips its delimiter (README §4): the model sees the prompt, and the tokens after
+    """FinchPress strips its delimiter: the model sees the prompt, and the tokens after
     the delimiter are the window restkv's Finch is given."""
     ids, delimiter = np.load(FIXTURES / "finch_input_ids.npy"), 511
     assert np.array_equal(ids[ids != delimiter], prompt()[0].numpy())
@@ -229,7 +224,7 @@ def test_the_query_stats_command_computes_the_statistics_kvpress_collected():
 
 # ---------------------------------------------------------------- where restkv's default differs
 def test_pyramid_default_gives_the_last_layer_candidates_where_kvpress_keeps_only_its_window():
-    """kvpress spreads the whole budget, window included, over its pyramid (README §12.1); restkv
+    """kvpress spreads the whole budget, window included, over its pyramid; restkv
     keeps the 64-token window on top of a pyramid of the 128 candidates per head."""
     kvpress = fixture("pyramidkv_r0.5")["n_kept"][:, 0].tolist()
     ours = [len(heads[0]) for heads in replay("pyramidkv_r0.5", pyramid_kvpress_schedule=False)[0]]
@@ -238,7 +233,7 @@ def test_pyramid_default_gives_the_last_layer_candidates_where_kvpress_keeps_onl
 
 
 def test_pyramid_kvpress_schedule_at_ratio_08_rounds_its_fallback_where_restkv_floors():
-    """At ratio 0.8 kvpress' bounds fail and it keeps round(384 * 0.2) = 77 per head (README §12.1);
+    """At ratio 0.8 kvpress' bounds fail and it keeps round(384 * 0.2) = 77 per head;
     restkv's budget is floor(76.8) = 76 (the table gives the case its 77 directly): the 76 it keeps
     are kvpress' 77 less one."""
     data = fixture("pyramidkv_r0.8")
@@ -250,7 +245,7 @@ def test_pyramid_kvpress_schedule_at_ratio_08_rounds_its_fallback_where_restkv_f
 
 def test_lagkv_default_keeps_the_sinks_and_the_newest_tokens_where_kvpress_drops_the_sinks():
     """With lag 128 on 384 tokens, the 4 sinks and the 252-token tail (all scored 1 by kvpress) exceed
-    the 192-token budget; kvpress' top-k keeps positions 192-383, dropping the sinks (README §12.3).
+    the 192-token budget; kvpress' top-k keeps positions 192-383, dropping the sinks.
     restkv keeps the sinks and the 188 newest."""
     data = fixture("lagkv_default_r0.5")
     ours = replay("lagkv_default_r0.5", lagkv_kvpress_scores=False)[0]
@@ -261,8 +256,9 @@ def test_lagkv_default_keeps_the_sinks_and_the_newest_tokens_where_kvpress_drops
 
 
 def test_chunk_press_default_scores_each_chunk_with_its_own_positions():
-    """kvpress' ChunkPress turns a SnapKV chunk's window queries to the prompt's last positions
-    (README §12); only --chunk_press_kvpress_rope reproduces it, the default keeps other tokens."""
+    """kvpress' ChunkPress hands SnapKV the whole prompt's RoPE tables, which turn a chunk's window
+    queries to the prompt's last positions; only --chunk_press_kvpress_rope reproduces it, the
+    default keeps other tokens."""
     data = fixture("chunkpress_snapkv_w16_c128_r0.5")
     ours = as_mask(replay("chunkpress_snapkv_w16_c128_r0.5", chunk_press_kvpress_rope=False)[0],
                    data["kept_mask"].shape)
@@ -271,7 +267,7 @@ def test_chunk_press_default_scores_each_chunk_with_its_own_positions():
 
 def test_block_press_first_block_scores_are_kvpress_once_its_window_queries_take_the_prompts_last_positions():
     """kvpress' BlockPress(SnapKV) scores its first block (tokens 0-319) with window queries turned to
-    the whole prompt's last positions (README §12.5); turned so, restkv's first-block scores are
+    the whole prompt's last positions; turned so, restkv's first-block scores are
     kvpress', with their own positions they differ, and so do the kept sets (later blocks also pool
     along kvpress' top-k order and recompute queries from mixed hidden-state slices)."""
     from restkv import block_scoring
@@ -308,9 +304,9 @@ def test_block_press_first_block_scores_are_kvpress_once_its_window_queries_take
 
 
 def test_chunkkv_keeps_the_window_where_kvpress_counts_chunks_and_drops_part_of_it():
-    """At ratio 0.8 kvpress keeps int(20 x 0.2) = 3 chunks, 3 of the 4 window chunks (44 tokens,
-    README §12); restkv keeps the 64-token window and, as no chunk fits whole in the 12 tokens the
-    76-token budget leaves, the best chunk's best 12 tokens."""
+    """At ratio 0.8 kvpress keeps int(20 x 0.2) = 3 chunks, 3 of the 4 window chunks (44 tokens;
+    its top-k's tie-breaking picks which); restkv keeps the 64-token window and, as no chunk fits
+    whole in the 12 tokens the 76-token budget leaves, the best chunk's best 12 tokens."""
     data = fixture("chunkkv_snapkv_r0.8")
     ours = replay("chunkkv_snapkv_r0.5", compression_ratio=0.8)[0]
     assert data["n_kept"].tolist()[0] == [44, 44]
@@ -320,7 +316,7 @@ def test_chunkkv_keeps_the_window_where_kvpress_counts_chunks_and_drops_part_of_
 
 
 def test_noncausal_default_scale_and_last_chunk_change_what_is_kept():
-    """Only --noncausal_kvpress_logits reproduces kvpress (README §12.6: no 1/sqrt(d), the padded last
+    """Only --noncausal_kvpress_logits reproduces kvpress (no 1/sqrt(d), the padded last
     chunk); tests/test_kvpress_scorers.py pins both differences on small tensors."""
     data = fixture("noncausal_attn_r0.5")
     ours = as_mask(replay("noncausal_attn_r0.5", noncausal_kvpress_logits=False)[0], data["kept_mask"].shape)

@@ -183,7 +183,7 @@ def test_noncausal_attention_scores_full_chunks_and_a_shorter_last_one():
 
 
 def test_noncausal_kvpress_logits_pad_the_last_chunk_without_masking():
-    """kvpress (README §12.6): no 1/sqrt(d); the 2 padded queries of the last chunk give each of its
+    """kvpress: no 1/sqrt(d); the 2 padded queries of the last chunk give each of its
     4 columns 1/4, and the padded key columns take logit -1e-9 from the real queries."""
     query, key, value = random_qkv(heads=1, kv_heads=1, length=6, dim=2, seed=0)
     policy = CompressionConfig(method="noncausal_attn", max_capacity_prompts=3, window_size=0, noncausal_chunk=4,

@@ -1,5 +1,5 @@
 """LaProx (restkv.policies.laprox): the output-aware score, layer normalisation and the
-model-wide selection (ALGORITHMS.md 5.1 / 6, NEWER_METHODS.md 1)."""
+model-wide selection."""
 
 import math
 

@@ -1,6 +1,6 @@
 """Merging evicted tokens: LOOK-M pivot merge (--merge pivot, any scorer), kvpress' MergingPress
 (--merge similarity) and CaM (paper and
-reference modes), against the ALGORITHMS.md section 6 oracles; exactness and batch invariance."""
+reference modes), against oracles written as loops; exactness and batch invariance."""
 
 import math
 
@@ -107,7 +107,7 @@ def test_merge_flag_is_validated():
 
 # ---------------------------------------------------------------- CaM, paper semantics
 def cam_oracle(value, evicted, columns, values, attention, m, draws):
-    """Direct loops over heads and evicted tokens (ALGORITHMS.md 4.6, paper semantics)."""
+    """Direct loops over heads and evicted tokens (the CaM paper's semantics)."""
     out = values.clone().double()
     for b in range(value.shape[0]):
         for h in range(value.shape[1]):

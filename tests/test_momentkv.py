@@ -1,6 +1,5 @@
 """MomentKV (restkv.policies.momentkv): the evicted set's moments read as one first-order softmax
-entry, moment-informed eviction, and the statistics' budget (ALGORITHMS.md 5.2 / 6,
-NEWER_METHODS.md 2)."""
+entry, moment-informed eviction, and the statistics' budget."""
 
 import math
 

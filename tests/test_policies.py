@@ -1,4 +1,4 @@
-"""Each baseline policy against its oracle from ALGORITHMS.md section 6."""
+"""Each baseline policy against its oracle: the formula written out on small tensors."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""ResKV (ALGORITHMS.md 3 and 6): residual entries, shared softmax, gate, validation proxy."""
+"""ResKV: residual entries, shared softmax, gate, validation proxy."""
 
 import math
 

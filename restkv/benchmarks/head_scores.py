@@ -1,6 +1,6 @@
 """The HeadKV score command: retrieval-reasoning head scores from offline needle probes.
 
-Computes HeadKV-R2-style scores (ALGORITHMS.md 4.10) with needle-in-a-haystack probes
+Computes HeadKV-R2-style scores (HeadKV, arXiv 2410.19258) with needle-in-a-haystack probes
 generated offline (a seeded synthetic haystack, a few needles with their question and
 answer), over a grid of context lengths and insertion depths, and writes a score file
 (``restkv.head_scores``) that ``--allocation headkv`` reads::

@@ -14,7 +14,7 @@ no position), so the compression call passes ``pre_rope_key`` to ``summarise`` a
 read ``pre_rope_query`` to ``MemoryState.correct`` (``restkv.rope``). Without weights the
 training-free fallback runs (and says so once): the indexer is the window attention (SnapKV's
 score), and the memory holds random features of ``exp(scale <q, k>)`` of the post-RoPE keys
-and queries read through the shared softmax (ALGORITHMS.md §5.3 (a)), which estimates the
+and queries read through the shared softmax (the evicted mass joins it), which estimates the
 evicted tokens' exact contribution (the attention logits are those of the rotated vectors).
 Not the authors' successor IndexMem++ (a query-independent scorer with centroid slots).
 """
@@ -56,8 +56,9 @@ class IndexMem(PooledScores):
     indexmem_query_reduction: str = option("mean", "how the indexer's scores are reduced over the observation queries",
                                            QUERY_REDUCTIONS)
     indexmem_fusion: str = option("auto", "how the memory's read joins attention: residual o + g(q) m(q) (the "
-                                          "paper as reported), shared_softmax (ALGORITHMS.md 5.3 (a)); auto: the "
-                                          "weights file's, shared_softmax without weights", ("auto",) + FUSIONS)
+                                          "paper as reported), shared_softmax (the evicted mass joins the "
+                                          "softmax); auto: the weights file's, shared_softmax without weights",
+                                  ("auto",) + FUSIONS)
     indexmem_memory: bool = option(True, "keep the latent memory of the evicted tokens (off: the indexer alone, "
                                          "every slot for tokens)")
 

@@ -19,7 +19,7 @@ Where this differs from kvpress' ``LagKVPress`` (same defaults: 4 sinks, lag 128
 kvpress scores the sinks and the tail 1, the same value, so with a budget below them (the
 default lag leaves 256 of a 384-token prompt unscored) its top-k keeps whichever of them its
 tie-breaking picks, dropping the sinks and every scored token
-(``../shared/golden_kvpress`` README §12.3). ``--lagkv_kvpress_scores`` reproduces those
+(at ratio 0.5 it keeps positions 192-383). ``--lagkv_kvpress_scores`` reproduces those
 scores. A channel whose next-partition minimum equals its maximum (a constant channel) carries
 no information here and adds 0; kvpress divides by zero. In a padded batch each row is
 partitioned from its own first token, and in a layer compressed again (chunked prefill, decode

@@ -4,8 +4,8 @@ product, with one selection across the whole model.
 For the observation queries a layer's output is ``O = sum_h A_h V_{k(h)} W_o^h^T``, a product
 whose inner index runs over (query head, token). Keeping a token keeps its column of the
 window attention and its row of projected values; the column-row weight of approximate
-matrix multiplication ranks it. Following NEWER_METHODS.md 1.1 (a re-implementation from the
-paper), per query head ``h`` and candidate ``j``:
+matrix multiplication ranks it. As an independent re-implementation from the paper reads it (no
+code is public), per query head ``h`` and candidate ``j``:
 
     p_{h,j} = ||A_{h, window, j}||_2 * ||W_o^h v_j||_2          (not squared)
 
@@ -17,15 +17,15 @@ one ranking of every (layer, KV head, token) keeps ``layers x KV heads x (budget
 candidates in all (``--laprox_alloc global``; the recent window stays in every head). Each
 layer and head keeps what it won, ragged per layer and head.
 
-Variants (ALGORITHMS.md 5.1, the reconstruction written before the re-implementation was
-known, and the paper's ablations):
+Variants (from an earlier reconstruction, written before that re-implementation was known, and
+the paper's ablations):
 
 * ``--laprox_cross_heads``: ``||sum_{h in group} a_{h,j} (W_o^h v_j)^T||_F^2``, the squared group
   term with the cross-head Gram blocks ``(a_h . a_h') v^T W_o^h^T W_o^h' v`` (no group reduction);
 * ``--laprox_norm none`` (the paper's "raw" ablation) or ``output_energy`` (divide by the
-  layer's ``||O||_F^2`` over the window queries, 5.1);
+  layer's ``||O||_F^2`` over the window queries, the earlier reconstruction's);
 * ``--laprox_floor F``: every (layer, head) keeps ``F x (budget - window)`` candidates first
-  (5.1's AdaKV-style safeguard, 0.1 there; 0 = off, the paper as read);
+  (an AdaKV-style safeguard, 0.1 in the earlier reconstruction; 0 = off, the paper as read);
 * ``--laprox_alloc layer`` (Table 5: the heads of each layer share its budget) or ``uniform``
   (Table 6: every head keeps the budget).
 
@@ -38,7 +38,7 @@ its scores (``[B, H_kv, L]`` float32, all layers' alive together: ``layers x H_k
 per row) and chunked Gram products (at most ``CPU_CHUNK_ELEMENTS`` floats on the CPU). The
 two other allocations compress each layer inside its own forward, like SnapKV.
 
-Unknown (NEWER_METHODS.md 1.4): the exact GQA formula, sink protection, whether the window
+Not recovered from the paper: the exact GQA formula, sink protection, whether the window
 counts in the budget (here: it does, as for SnapKV), pooling padding (zeros counted, as the
 other pooled scorers).
 """
@@ -66,8 +66,8 @@ class LaProx(PooledScores):
 
     kernel_size: int = redeclared(PooledScores, "kernel_size", 7)  # LaProx's App. A
     laprox_cross_heads: bool = option(
-        False, "LaProx: score the squared group term with cross-head Gram blocks (ALGORITHMS.md 5.1) instead of the "
-        "per-head column norm x projected-value norm, group-reduced"
+        False, "LaProx: score the squared group term with cross-head Gram blocks instead of the per-head column "
+        "norm x projected-value norm, group-reduced (not the paper's form)"
     )
     laprox_norm: str = option(
         "layer_sum", "LaProx: divide each layer's scores by their sum (layer_sum), by the layer's window output "

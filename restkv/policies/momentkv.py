@@ -5,7 +5,7 @@ the count ``n``, key mean ``mu_k``, value mean ``mu_v`` and value-key covariance
 ``C = (1/n) sum_E (v - mu_v)(k - mu_k)^T`` of the evicted set ``E``. ``--method momentkv`` is
 SnapKV's scorer with ``--moments``.
 
-**Normalisation-corrected readout** (ALGORITHMS.md 5.2, NEWER_METHODS.md 2.1): expanding
+**Normalisation-corrected readout**: expanding
 ``exp(s <q, k>)`` to first order around ``mu_k`` and summing over ``E`` gives
 ``Z_E = n exp(s <q, mu_k>)`` and ``N_E = Z_E (mu_v + s C q)``, so the evicted tokens become one
 extra softmax entry with key ``mu_k``, log-mass ``log n`` and the query-dependent value
@@ -15,7 +15,7 @@ extra softmax entry with key ``mu_k``, log-mass ``log n`` and the query-dependen
 (ResKV's separate-softmax form); ``--no-moments_covariance`` drops ``C`` (then the entry is a
 one-cluster ResKV entry without gate).
 
-**Moment-informed eviction** (NEWER_METHODS.md 2.1, the paper's form; its vector and subspace
+**Moment-informed eviction** (the paper's form as its readers report it; its vector and subspace
 were not recovered): a token's score becomes ``score x ||x_j - P_S x_j||``, its residual norm
 against a summary subspace ``S`` of the evicted set, so tokens the summary already represents
 are evicted first and the evicted set stays regular. The summary is that of a tentative

@@ -9,12 +9,12 @@ over each query group (``--gqa_score_agg``), times ``||v_i||``, smoothed by an a
 the queries of every prompt token, so it scores in the prefill's own forward: it cannot wait
 for the whole prefill, nor score a layer again.
 
-Where this differs from kvpress' ``NonCausalAttnPress`` (``../shared/golden_kvpress`` README
-§12.6): kvpress leaves out the ``1/sqrt(d)`` scale, and pads the last chunk with zero queries
-and keys that it does not mask (the padded queries spread uniform attention over the chunk's
-keys; the padded keys take a logit of about 0 from every real query). Here the last chunk is
-simply shorter; ``--noncausal_kvpress_logits`` reproduces kvpress. The recent ``--window_size``
-tokens are kept as for every restkv scorer (kvpress protects none: ``--window_size 0``).
+Where this differs from kvpress' ``NonCausalAttnPress``: kvpress leaves out the ``1/sqrt(d)``
+scale, and pads the last chunk with zero queries and keys that it does not mask (the padded
+queries spread uniform attention over the chunk's keys; the padded keys take a logit of about 0
+from every real query). Here the last chunk is simply shorter; ``--noncausal_kvpress_logits``
+reproduces kvpress. The recent ``--window_size`` tokens are kept as for every restkv scorer
+(kvpress protects none: ``--window_size 0``).
 """
 
 from __future__ import annotations

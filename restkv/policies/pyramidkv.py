@@ -9,8 +9,8 @@ the same schedule with ``--allocation pyramid``.
 below): it spreads the whole budget, window included, over the pyramid, so the last layer can
 keep its window and nothing else (320/235/149/64 tokens on a 384-token prompt at half the
 budget with a 64-token window), and when its bounds fail it falls back to
-``round(budget)`` (``../shared/golden_kvpress`` README §12.1: at ratio 0.8 it keeps
-``round(76.8) = 77`` where SnapKV keeps 76).
+``round(budget)`` (at ratio 0.8 on a 384-token prompt it keeps ``round(76.8) = 77`` where
+SnapKV keeps 76).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ spatial-temporal smoothing.
 Deleting key ``j`` from a head whose attention output is ``o`` changes that output by
 ``(a_j / (1 - a_j)) * (v_j - o)`` (the other weights renormalise), so the layer output moves
 by ``r_j * W_o^h (v_j - o)`` with the odds ratio ``r_j = a_j / (1 - a_j)``. The score of a
-past token is the norm of that change (ALGORITHMS.md 2.1-2.5):
+past token is the norm of that change:
 
 * ``--metric_mode after`` (paper): aggregate the window attention over the window queries
   first (``--use_ema --alpha``, or the mean), then ``score = r(ā) * ‖W_o^h (ō - v_j)‖^tau``
@@ -23,7 +23,7 @@ the paper's: ``--use_wo --use_ema --alpha 0.3 --metric_mode after --pooling adap
 Output-space norms never form ``[N, hidden]`` tensors: ``‖W_o^h x‖² = xᵀ Γ_h x`` with the
 per-head Gram matrix ``Γ_h = W_o^hᵀ W_o^h`` (d x d).
 
-Ablations (ALGORITHMS.md 2.12): ``--indicator attn`` (aggregated attention, SnapKV's
+Ablations (to rerun the paper's tables): ``--indicator attn`` (aggregated attention, SnapKV's
 ranking), ``attn_v`` (times ``‖v_j‖``), ``random`` (the ``random`` control's scores, not
 smoothed), ``reconstruction`` (the above); ``--temporal none|mean|ema|inv_ema`` overrides
 ``--use_ema``; ``--pooling none|avgpool|maxpool|adaptive``. The switches apply to every

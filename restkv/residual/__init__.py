@@ -1,4 +1,4 @@
-"""ResKV (ALGORITHMS.md 3): residual entries that stand in for what eviction drops.
+"""ResKV (Zhan, Chen, Shang, arXiv 2607.29591): residual entries that stand in for what eviction drops.
 
 Split by job: ``readout`` (how attention reads the entries: count bias, gate, shared or
 separate softmax), ``clustering`` (Lloyd k-means of the evicted keys and the entries made

@@ -1,4 +1,4 @@
-"""Building one layer's residual entries (ResKV, ALGORITHMS.md 3.2-3.4, 3.8).
+"""Building one layer's residual entries (ResKV).
 
 Per row and KV head the base method's budget ``b`` is split into ``m`` exact main slots and
 ``r`` residual slots (``m + r = b``). The main cache is what the base method keeps at budget

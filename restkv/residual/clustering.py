@@ -1,4 +1,4 @@
-"""Lloyd k-means of evicted keys and the residual entries made from the clusters (ALGORITHMS.md 3.4).
+"""Lloyd k-means of evicted keys and the residual entries made from the clusters (ResKV).
 
 Everything is float32 and batched over KV heads: each head clusters its own evicted tokens.
 """
@@ -47,7 +47,7 @@ def lloyd_kmeans(
     points: torch.Tensor, members: torch.Tensor, init: torch.Tensor, iterations: int, empty: str = "drop",
     weights: torch.Tensor | None = None,
 ) -> Clusters:
-    """Partition the ``members`` of ``points`` around ``init`` centres (ALGORITHMS.md 3.4).
+    """Partition the ``members`` of ``points`` around ``init`` centres (Lloyd's algorithm).
 
     Parameters
     ----------

@@ -2,7 +2,8 @@
 
 ``--residual`` turns the part on for any scorer whose ranking can be split (not
 StreamingLLM's positions, not a method that already merges evicted tokens); every number of
-the method has its own flag (ALGORITHMS.md 3.13 gives the defaults).
+the method has its own flag. The defaults are the paper's (its appendix B.3); where it is silent
+(which queries validate, the ratio without validation, empty clusters) they are ours.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""How attention reads residual entries (ResKV, ALGORITHMS.md 3.5-3.10), and the segment that holds them.
+"""How attention reads residual entries (ResKV, arXiv 2607.29591), and the segment that holds them.
 
 Residual entries join the exact entries in one softmax with logit
 ``scale <q, k_mean> + beta log c + log g(q)``; the gate
 ``g(q) = max(g_min, sigmoid(alpha (tau - p_max(q))))`` turns the residual branch down when
-the query's attention over the exact entries is sharp. ``p_max`` is the largest weight of the
+the query's attention over the exact entries is sharp. The paper gives the gate and the count's
+exponent; the logit's form and adding ``log g`` to it (scaling the entry's mass, so ``g = 0`` is
+plain eviction exactly) are our reading. ``p_max`` is the largest weight of the
 exact entries' own softmax, ``exp(peak - lse)`` of their partial (``restkv.partial``), so the
 entries are read as one more partial that joins the exact one by log-sum-exp
 (``ResidualReadout.join``): the same read-out serves decode steps (``ResidualEntries``, a

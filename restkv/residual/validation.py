@@ -1,9 +1,10 @@
-"""The construction-time validation proxy that picks each head's residual ratio (ALGORITHMS.md 3.8).
+"""ResKV's construction-time validation proxy, which picks each head's residual ratio.
 
 The last observation queries of the prompt are split into fit and validation queries; the
 candidate ratio whose shared-softmax output best matches the full-prompt attention output
 on the fit queries is kept if it beats the pure main cache on the validation queries by the
-relative margin ``delta``.
+relative margin ``delta``. The numbers (128 queries, 32 of them validating, ``delta`` 0.01) are
+the paper's; which queries validate and the two-step choice are ours (the paper does not say).
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def validation_losses(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fit and validation losses ``[H_kv, C]`` of every candidate ratio (``sizes_of[c]`` residual
     slots per head, entries ``built[c]``; None = no residual), and the pure main cache's
-    validation loss ``[H_kv]`` (ALGORITHMS.md 3.8).
+    validation loss ``[H_kv]``.
 
     The candidates' main caches are prefixes of the ranked tokens, so one pass over the keys,
     cut at every candidate's prefix end (``KeySegments``), gives the full-prompt target and
