@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from restkv import CompressionConfig, compress_kv
+from restkv import CompressionConfig
 from restkv.cache import kept_positions
 from restkv.compat import output_cache
 from restkv.context import ScoringContext, plan_layer, valid_from_mask

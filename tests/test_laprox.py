@@ -134,7 +134,7 @@ def test_model_wide_selection_keeps_exactly_the_model_wide_budget_spread_over_la
     assert bool((counts >= 4).all())  # the window stays in every head
     reports = cache_report(cache)
     assert [round(r.stored_mean * 2) for r in reports] == counts.sum(dim=1).tolist()
-    assert "4 of 4 layers" in format_report(reports)
+    assert "4 of 4 attention layers" in format_report(reports)
 
 
 def test_layer_allocation_keeps_each_layers_total_and_uniform_each_heads():

@@ -11,7 +11,6 @@ import json
 import pytest
 import torch
 
-import restkv
 
 from restkv.benchmarks import flags, runner, session
 from restkv.benchmarks.errors import CompressionNotApplied

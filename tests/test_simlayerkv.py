@@ -2,7 +2,6 @@
 (StreamingLLM's tokens), any other keeps every token."""
 
 import pytest
-import torch
 
 from restkv import CompressionConfig, compress_kv
 from tiny_models import assert_model_compresses, random_qkv

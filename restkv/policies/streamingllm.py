@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.context import ScoringContext
-from restkv.options import option, register
+from restkv.options import register
 from restkv.policies.base import KeepsSinks, Policy
 
 
