@@ -206,8 +206,9 @@ def set_unpatched_watch(families: list[str], classes: tuple[type, ...]) -> None:
 def _warn_unpatched(module: torch.nn.Module) -> None:
     cls = type(module)
     if (cls in _WATCH["warned"] or isinstance(module, _WATCH["classes"]) or not _WATCH["families"]
-            or not hasattr(module, "layer_idx") or getattr(module, "is_causal", True) is False):
-        return
+            or not hasattr(module, "layer_idx") or getattr(module, "is_causal", True) is False
+            or any(cls.__module__ == patched.__module__ for patched in _WATCH["classes"])):
+        return  # a patched model's own attention that restkv leaves native (Mllama's cross-attention)
     _WATCH["warned"].add(cls)
     model_type = getattr(module.config, "model_type", None)
     warnings.warn(

@@ -234,6 +234,26 @@ class CompressedLayer(CacheLayerMixin):
         return joined_view(self.kept, appended)
 
     @property
+    def keys(self) -> torch.Tensor:
+        """transformers' layer contract: the keys the layer holds, ``[B, H_kv, S, d]`` (every exact token,
+        appended ones included, as ``kept_tokens(appended=True)``: a copy, for code that reads a layer's
+        keys, such as Mllama's check for cached cross-attention states; restkv's attention never does)."""
+        return self.kept_tokens(appended=True)[0]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        _refuse_assignment("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The values the layer holds, as ``keys``."""
+        return self.kept_tokens(appended=True)[1]
+
+    @values.setter
+    def values(self, value) -> None:
+        _refuse_assignment("values", value)
+
+    @property
     def kept_keys(self) -> torch.Tensor:
         return self.kept_tokens()[0]
 
@@ -350,6 +370,13 @@ class CompressedLayer(CacheLayerMixin):
             )
         self.tail.drop_appended(newest=-tokens_to_remove)
         self.tokens_seen += tokens_to_remove
+
+
+def _refuse_assignment(name: str, value) -> None:
+    """A compressed layer's keys and values are its segments': ``CacheLayerMixin.__init__``'s empty ``None``
+    is all that may be assigned."""
+    if value is not None:
+        raise AttributeError(f"a compressed layer's {name} are read from its segments; they cannot be assigned")
 
 
 def native_layer(sliding_window: int | None) -> CacheLayerMixin:

@@ -49,7 +49,8 @@ from restkv.compat import CACHE_ARGUMENT, check_transformers_version
 from restkv.config import CompressionConfig, ConfigError, ModelShape
 from restkv.handles import (clear_class_config, has_class_config, module_config, module_config_entry,
                             restore_module_config, set_class_config, set_module_config)
-from restkv.seams import UnknownModelType, UnsupportedModel, attention_classes, check_cache_layers, derives_values
+from restkv.seams import (UnknownModelType, UnsupportedModel, attention_classes, check_cache_layers, derives_values,
+                          mapped_model_type)
 
 #: the families the release named (``replace_gemma`` covers Gemma 1-3) -> their attention classes, as
 #: (module, class name); every other decoder is its model type, found by ``restkv.seams.attention_classes``
@@ -143,9 +144,13 @@ def family_of_type(model_type: str | None) -> str:
 
 
 def family_of(model_or_config: Any) -> str:
-    """The patch family of a model (or its config): see ``family_of_type``."""
+    """The patch family of a model (or its config): see ``family_of_type``. A model whose config names a
+    sub-model type (``MllamaForCausalLM``'s ``mllama_text_model``) is found by its class instead."""
     config = getattr(model_or_config, "config", model_or_config)
-    return family_of_type(getattr(config, "model_type", None))
+    model_type = getattr(config, "model_type", None)
+    if isinstance(model_or_config, torch.nn.Module):
+        model_type = mapped_model_type(model_type, type(model_or_config))
+    return family_of_type(model_type)
 
 
 def _replace(family: str, config: CompressionConfig | None) -> None:

@@ -188,17 +188,26 @@ def attention_classes(model_type: str) -> tuple[tuple[type, ...], tuple[type, ..
     decoders: tuple[type, ...] = ()
     if built is not None:
         check_cache_layers(model_type, built.config)
-        for module in built.modules():
-            if not isinstance(module, attention):
-                continue
-            if getattr(module, "is_causal", True) is False:
-                raise UnsupportedModel(f"model type {model_type!r} is not supported by restkv: {type(module).__name__} is "
-                                 "not causal self-attention (restkv compresses a decoder's own keys and values)")
+        # Cross-attention (Mllama's reads the image's keys) is not the decoder's own: left to run natively.
+        crossing = {type(module) for module in built.modules()
+                    if isinstance(module, attention) and getattr(module, "is_causal", None) is not True}
+        attention = tuple(cls for cls in attention if cls not in crossing)
         decoders = tuple(dict.fromkeys(
             type(module) for module in built.modules()
             if isinstance(getattr(module, "layers", None), torch.nn.ModuleList)
             and any(isinstance(inner, attention) for inner in module.layers.modules())))
     return attention, decoders or (_transformers_class(model_type, MODEL_MAPPING_NAMES[model_type]),)
+
+
+def mapped_model_type(model_type: str | None, model_cls: type) -> str | None:
+    """``model_type``, or, when transformers' causal-LM mapping does not list it, the type the mapping gives
+    ``model_cls`` (a sub-model's config type: ``mllama_text_model`` is ``MllamaForCausalLM``, type ``mllama``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return model_type
+    return next((name for name, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if cls == model_cls.__name__),
+                model_type)
 
 
 class UnsupportedModel(ValueError):

@@ -516,3 +516,30 @@ def test_diffllama_keeps_one_token_set_per_layer_and_reads_each_calls_values_fro
     with pytest.raises(ValueError, match="--residual: diffllama's attention reads each head's values from other "
                                          "heads, so restkv keeps one exact token set per layer there"):
         compression(model, method="snapkv", residual=True, max_capacity_prompts=32, window_size=8).__enter__()
+
+
+def test_mllama_compresses_its_self_attention_and_leaves_its_cross_attention_native():
+    """Mllama's text model: its config names a sub-model type (found by the model's class), its
+    cross-attention is not the decoder's own (left native, with no warning), and it reads every cache
+    layer's keys, which a compressed layer gives as the tokens it holds."""
+    import warnings
+
+    from transformers import MllamaForCausalLM
+    from transformers.models.mllama.configuration_mllama import MllamaTextConfig
+
+    from restkv.cache import cache_report
+
+    config = MllamaTextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1], pad_token_id=0)
+    torch.manual_seed(0)
+    model = MllamaForCausalLM(config).eval()
+    assert family_of(model) == "mllama"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with compression(model, method="snapkv", max_capacity_prompts=32, window_size=8):
+            out = model.generate(random_prompt(1, 90), max_new_tokens=3, do_sample=False,
+                                 return_dict_in_generate=True, pad_token_id=0)
+    cache = output_cache(out)
+    assert [report.compressed for report in cache_report(cache)] == [True, False, True, True]
+    layer = cache.layers[0]
+    assert layer.keys.shape == (1, 2, 32 + 2, 16) and torch.equal(layer.values, layer.kept_tokens(appended=True)[1])
