@@ -1,25 +1,21 @@
 """restkv: KV cache compression for Hugging Face transformers models.
 
-Importing the package registers every part of a compression run (the methods in
-``restkv.policies``, the allocations, the merges, the residual cache, key-channel pruning, the
-score switches of CriticalKV, ChunkKV, threshold eviction, independent chunks and block-wise
-scoring, key re-rotation, and the quantisers), so configs can name them.
+Importing the package imports every folder of parts (``policies``, ``allocations``, ``switches``,
+``merges``, ``quantizers``); each part registers itself from its own file, so configs can name
+it, and a new part is one new file.
 """
 
-from restkv import (  # noqa: F401  (they register their parts)
-    allocation, block_scoring, channel_pruning, chunkkv, critical, independent_chunks, key_rerotation, merging,
-    policies, quantization, residual, threshold,
-)
-from restkv.compress import CompressedKV, compress_kv
+from restkv import allocations, merges, policies, quantizers, switches  # noqa: F401  (their parts register)
 from restkv.config import CompressionConfig, ConfigError
+from restkv.pipeline.compress import CompressedKV, compress_kv
 from restkv.policies import available_methods
 
 __version__ = "0.1.0"
 
 
 def compression(model, config=None, /, **options):
-    """``with restkv.compression(model, method=..., ...):`` (``restkv.monkeypatch.compression``)."""
-    from restkv.monkeypatch import compression as context
+    """``with restkv.compression(model, method=..., ...):`` (``restkv.integrations.transformers.patching.compression``)."""
+    from restkv.integrations.transformers.patching import compression as context
 
     return context(model, config, **options)
 

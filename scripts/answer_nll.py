@@ -6,7 +6,7 @@
 On a small model most compressed runs score 0 or 100 on a needle task, so exact match hides
 the differences between methods. This script measures, on the project's synthetic RULER
 samples, the teacher-forced negative log-likelihood per token of the gold answer
-(``restkv.generation.answer_nll``) with the full cache and with every method at every
+(``restkv.integrations.transformers.generation.answer_nll``) with the full cache and with every method at every
 budget, query-aware (context and question compressed together) and query-agnostic (context
 compressed alone, then question and answer fed as new tokens). Lower is better; the table
 gives the mean over samples, its standard error, and how many samples each method beats the
@@ -35,10 +35,11 @@ from restkv.benchmarks.flags import ATTN_IMPLEMENTATIONS, check_attn_implementat
 from restkv.benchmarks.prompts import encode_prompt
 from restkv.benchmarks.scoring import format_table
 from restkv.config import config_from_spec
-from restkv.generation import answer_nll
-from restkv.models import check_model_path, check_supported, load_model, load_tokenizer, model_path_errors
-from restkv.monkeypatch import replace_for_model
-from restkv.reconstruction_prompt import set_reconstruction_prompt
+from restkv.integrations.transformers.generation import answer_nll
+from restkv.integrations.transformers.models import (check_model_path, check_supported, load_model, load_tokenizer,
+                                                     model_path_errors)
+from restkv.integrations.transformers.patching import replace_for_model
+from restkv.integrations.transformers.reconstruction_prompt import set_reconstruction_prompt
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -46,21 +46,22 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 import torch
+from model_shapes import CONFIGS, build_model  # noqa: E402
 
 from restkv.benchmarks.errors import FlagError, command_line
 from restkv.benchmarks.flags import ATTN_IMPLEMENTATIONS, check_attn_implementation, check_minimums, check_output_path
 from restkv.benchmarks.haystack import synthetic_prose
 from restkv.cache import cache_report
-from restkv.compat import with_cache
-from restkv.compress import compress_kv
 from restkv.config import config_from_spec
-from restkv.generation import prefill
-from restkv.models import DTYPES, check_model_path, check_supported, load_model, load_tokenizer, model_path_errors
-from restkv.monkeypatch import replace_for_model
-from restkv.reconstruction_prompt import set_reconstruction_prompt
+from restkv.integrations.transformers.compat import with_cache
+from restkv.integrations.transformers.generation import prefill
+from restkv.integrations.transformers.models import (DTYPES, check_model_path, check_supported, load_model,
+                                                     load_tokenizer, model_path_errors)
+from restkv.integrations.transformers.patching import replace_for_model
+from restkv.integrations.transformers.reconstruction_prompt import set_reconstruction_prompt
+from restkv.pipeline.compress import compress_kv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_shapes import CONFIGS, build_model  # noqa: E402
 
 T = TypeVar("T")
 

@@ -28,14 +28,15 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from efficiency import check_methods, format_table, interleaved_runs, make_prompt, measure, summarise  # noqa: E402
 from model_shapes import CONFIGS, build_model  # noqa: E402
 
 from restkv.benchmarks.errors import command_line  # noqa: E402
 from restkv.benchmarks.flags import (ATTN_IMPLEMENTATIONS, check_attn_implementation, check_minimums,  # noqa: E402
                                      check_output_path)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 
 T = TypeVar("T")
 

@@ -26,8 +26,9 @@ from restkv.benchmarks.errors import command_line
 from restkv.benchmarks.flags import check_minimums, check_output_path
 from restkv.benchmarks.haystack import synthetic_prose
 from restkv.config import CompressionConfig
-from restkv.models import check_model_path, check_supported, load_model, load_tokenizer, model_path_errors
-from restkv.monkeypatch import compression, replace_for_model
+from restkv.integrations.transformers.models import (check_model_path, check_supported, load_model, load_tokenizer,
+                                                     model_path_errors)
+from restkv.integrations.transformers.patching import compression, replace_for_model
 
 
 class StepClock(LogitsProcessor):
@@ -53,7 +54,7 @@ def run(model, prompt: torch.Tensor, new_tokens: int) -> tuple[list[int], list[f
     """Greedy ids, per-step seconds and stored entries of one generation."""
     from transformers import DynamicCache
 
-    from restkv.compat import with_cache
+    from restkv.integrations.transformers.compat import with_cache
 
     cache = DynamicCache(config=model.config)
     clock = StepClock(lambda: cache)

@@ -8,13 +8,15 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from restkv.monkeypatch import unpatch  # noqa: E402
+from restkv.integrations.transformers.patching import unpatch  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -47,7 +49,7 @@ def _restore_attention():
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded SmolLM2-135M-Instruct (float32, sdpa) and its tokenizer."""
-    from restkv.models import load_model, load_tokenizer
+    from restkv.integrations.transformers.models import load_model, load_tokenizer
 
     return load_model("smollm2-135m", attn_implementation="sdpa"), load_tokenizer("smollm2-135m")
 
@@ -55,18 +57,18 @@ def smollm2():
 @pytest.fixture
 def no_model_loading(monkeypatch):
     """Fails the test if a runner loads a model: the error under test must be found before."""
-    import restkv.models
+    import restkv.integrations.transformers.models
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the error was found")
 
-    monkeypatch.setattr(restkv.models, "load_model", refuse)
+    monkeypatch.setattr(restkv.integrations.transformers.models, "load_model", refuse)
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     """The embedded SmolLM2-135M-Instruct tokenizer."""
-    from restkv.models import load_tokenizer
+    from restkv.integrations.transformers.models import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
 
@@ -84,8 +86,9 @@ def tiny(tokenizer):
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama over SmolLM2's vocabulary saved as a model folder (weights, config,
     tokenizer): what a script given ``--model_path`` loads, in a fraction of a second."""
-    from restkv.models import load_tokenizer
     from tiny_models import tiny_model
+
+    from restkv.integrations.transformers.models import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
     folder = tmp_path_factory.mktemp("tiny-model")
@@ -98,10 +101,10 @@ def tiny_model_dir(tmp_path_factory):
 def tiny_folder_of(tmp_path_factory):
     """``tiny_folder_of(family)``: a tiny random model folder over SmolLM2's vocabulary, of a
     ``tiny_models`` family or of ``gpt2`` (a model type restkv does not serve: no ``o_proj``)."""
+    from tiny_models import tiny_model
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from restkv.models import load_tokenizer
-    from tiny_models import tiny_model
+    from restkv.integrations.transformers.models import load_tokenizer
 
     folders = {}
 
@@ -145,38 +148,38 @@ def _counted(monkeypatch, module, name: str) -> list:
 
 @pytest.fixture
 def prefill_calls(monkeypatch):
-    """Counts the prefills of restkv.generation (each compresses a context once)."""
-    import restkv.generation
+    """Counts the prefills of restkv.integrations.transformers.generation (each compresses a context once)."""
+    import restkv.integrations.transformers.generation
 
-    return _counted(monkeypatch, restkv.generation, "_prefill")
+    return _counted(monkeypatch, restkv.integrations.transformers.generation, "_prefill")
 
 
 @pytest.fixture
 def repeated_pieces(monkeypatch) -> list:
     """The context pieces the reconstruction forwards repeat, ``(start, stop)`` row-local, as they run
-    (restkv.deferred)."""
-    import restkv.deferred
+    (restkv.integrations.transformers.deferred)."""
+    import restkv.integrations.transformers.deferred
 
-    real, pieces = restkv.deferred._repeated, []
+    real, pieces = restkv.integrations.transformers.deferred._repeated, []
 
     def recording(piece, last, *args):
         pieces.append((piece, last))
         return real(piece, last, *args)
 
-    monkeypatch.setattr(restkv.deferred, "_repeated", recording)
+    monkeypatch.setattr(restkv.integrations.transformers.deferred, "_repeated", recording)
     return pieces
 
 
 @pytest.fixture
 def reconstruction_run(monkeypatch):
     """A query-agnostic run with reconstruction observation: its ``flags``, the reconstruction
-    ``passes`` made (restkv.deferred, one per compressed context), and ``check(folder, records,
+    ``passes`` made (restkv.integrations.transformers.deferred, one per compressed context), and ``check(folder, records,
     num_layers, budget)``: every line says its context was compressed to ``budget`` tokens per
     layer before its question and answer, and the folder records the observation."""
     import json
     import types
 
-    import restkv.deferred
+    import restkv.integrations.transformers.deferred
 
     def check(folder, records, num_layers, budget):
         assert records
@@ -188,5 +191,5 @@ def reconstruction_run(monkeypatch):
         assert (config["observation"], config["reconstruction_chunk"]) == ("reconstruction", 32)
 
     flags = ["--query_agnostic", "--observation", "reconstruction", "--reconstruction_chunk", "32"]
-    return types.SimpleNamespace(flags=flags, passes=_counted(monkeypatch, restkv.deferred, "_reconstruct"),
+    return types.SimpleNamespace(flags=flags, passes=_counted(monkeypatch, restkv.integrations.transformers.deferred, "_reconstruct"),
                                  check=check)

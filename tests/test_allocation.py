@@ -6,26 +6,17 @@ import json
 
 import pytest
 import torch
-
 from golden import kept_sets, load_case, reference_kept_sets
+from tiny_models import (FAMILY_BACKENDS, assert_patch_reproduces_unpatched, assert_refused_when_configured,
+                         assert_rows_match_single_row_runs, greedy, left_padded, random_prompt, random_qkv,
+                         registered_methods, replace_for, rope_tables, tiny_model)
+
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.allocation import adakv_caps, headkv_table, pyramid_schedule
+from restkv.allocations.adakv import adakv_caps
+from restkv.allocations.headkv import headkv_table
+from restkv.allocations.pyramid import pyramid_schedule
 from restkv.cache import cache_report
-from restkv.head_scores import load_head_scores, save_head_scores
-from tiny_models import (
-    FAMILY_BACKENDS,
-    assert_patch_reproduces_unpatched,
-    assert_refused_when_configured,
-    assert_rows_match_single_row_runs,
-    greedy,
-    left_padded,
-    random_prompt,
-    random_qkv,
-    registered_methods,
-    replace_for,
-    rope_tables,
-    tiny_model,
-)
+from restkv.files.head_scores import load_head_scores, save_head_scores
 
 
 def write_head_scores(path, per_head):
@@ -465,7 +456,7 @@ def test_each_row_of_a_left_padded_batch_equals_its_single_row_run(family, backe
 
 
 def test_stored_bytes_follow_the_per_head_budgets():
-    """AdaKV's ragged counts are stored ragged (restkv.storage): the bytes are those of the
+    """AdaKV's ragged counts are stored ragged (restkv.cache.segments.exact): the bytes are those of the
     tokens each head keeps, not of a cache padded to the largest head (nor a full-size cache
     with a mask); attention reads them through the padded view."""
     model = tiny_model("llama", "sdpa", num_key_value_heads=4)

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from tiny_models import (FAMILY_BACKENDS, ROTATION_NOT_UNDONE, assert_rows_match_single_row_runs, left_padded,
+                         registered_methods, replace_for, tiny_model)
 
 from restkv import CompressionConfig
 from restkv.cache import kept_positions
-from restkv.compat import output_cache
-from tiny_models import (FAMILY_BACKENDS, ROTATION_NOT_UNDONE, assert_rows_match_single_row_runs, left_padded,
-                         registered_methods, replace_for, tiny_model)
+from restkv.integrations.transformers.compat import output_cache
 
 LENGTHS = [90, 64, 41]
 

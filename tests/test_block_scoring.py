@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from tiny_models import assert_model_compresses, assert_rows_match_single_row_runs, random_qkv, replace_for, tiny_model
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from tiny_models import assert_model_compresses, assert_rows_match_single_row_runs, random_qkv, replace_for, tiny_model
 
 
 def kept(out, head: int) -> set[int]:

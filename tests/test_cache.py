@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from tiny_models import FAMILY_BACKENDS, decode_in_chunks, left_padded, random_prompt, replace_for, tiny_model
 
 from restkv.cache import CompressedLayer, cache_nbytes, cache_report, format_report, kept_positions
-from restkv.compat import output_cache, with_cache
-from restkv.generation import prefill
-from tiny_models import FAMILY_BACKENDS, decode_in_chunks, left_padded, random_prompt, replace_for, tiny_model
+from restkv.integrations.transformers.compat import output_cache, with_cache
+from restkv.integrations.transformers.generation import prefill
 
 
 def full_cache_as_compressed(model, input_ids, attention_mask):

@@ -1,23 +1,16 @@
 """Bounded memory for long inputs and long outputs: chunked prefill (--prefill_chunk_size) and
-compression during decoding (--decode_budget, --decode_interval), restkv.recompress."""
+compression during decoding (--decode_budget, --decode_interval), restkv.pipeline.recompress."""
 
 import pytest
 import torch
+from tiny_models import (assert_patch_reproduces_unpatched, assert_rows_match_single_row_runs, greedy, random_prompt,
+                         replace_for, tiny_model)
 
 import restkv
-
 from restkv import CompressionConfig, ConfigError
 from restkv.cache import CompressedLayer
-from restkv.compat import CACHE_ARGUMENT, output_cache
-from restkv.generation import prefill
-from tiny_models import (
-    assert_patch_reproduces_unpatched,
-    assert_rows_match_single_row_runs,
-    greedy,
-    random_prompt,
-    replace_for,
-    tiny_model,
-)
+from restkv.integrations.transformers.compat import CACHE_ARGUMENT, output_cache
+from restkv.integrations.transformers.generation import prefill
 
 CHUNKABLE = ["snapkv", "restkv", "h2o", "tova", "l2norm", "streamingllm", "adakv", "pyramidkv", "random", "keydiff", "lagkv",
              "cur", "finch", "momentkv"]
@@ -133,7 +126,7 @@ def test_rows_of_a_batch_stay_independent_with_residual_entries_under_decode_com
 
 
 def test_fold_into_entries_keeps_every_entry_the_mean_of_all_its_members():
-    from restkv.residual import fold_into_entries
+    from restkv.switches.residual import fold_into_entries
 
     generator = torch.Generator().manual_seed(0)
     old_keys, old_values = torch.randn(3, 4, generator=generator), torch.randn(3, 4, generator=generator)

@@ -3,10 +3,10 @@ the same positions in every head, and what it refuses."""
 
 import pytest
 import torch
+from tiny_models import assert_model_compresses, random_qkv
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.context import ScoringContext, plan_layer, valid_from_mask
-from tiny_models import assert_model_compresses, random_qkv
+from restkv.pipeline.plan import ScoringContext, plan_layer, valid_from_mask
 
 
 def test_chunkkv_keeps_the_window_and_the_best_whole_chunks_the_budget_holds():
@@ -43,7 +43,7 @@ def test_chunkkv_refuses_chunks_longer_than_a_budget_holds_beside_the_window(bud
 def test_a_row_budget_below_one_chunk_keeps_the_best_chunks_best_tokens():
     """A ratio's budget is a row's: a chunk longer than what it leaves beside the window gives its best
     tokens (kvpress keeps at least one chunk whole, past the budget), never the window alone."""
-    from restkv.chunkkv import ChunkSelection
+    from restkv.switches.chunkkv import ChunkSelection
 
     summed = torch.arange(30, dtype=torch.float32).remainder(7)
     summed[10:20] += 1  # chunk 1 has the best mean: 4 5 6 7 1 2 3 4 5 6
@@ -71,9 +71,10 @@ def test_chunkkv_compresses_a_model_with_the_other_parts(extra):
 def test_under_chunked_prefill_the_chunks_are_the_prompts_positions_not_the_held_tokens():
     """Each prefill chunk (13, then 3 x 40 tokens) ranks the held tokens with the new ones: the chunks stay
     the prompt's 10-position pieces, kept whole (cut over the held tokens, parts of two were kept)."""
-    from restkv.cache import kept_positions
-    from restkv.generation import prefill
     from tiny_models import random_prompt, replace_for, tiny_model
+
+    from restkv.cache import kept_positions
+    from restkv.integrations.transformers.generation import prefill
 
     model = tiny_model("llama")
     replace_for("llama")(method="l2norm", l2norm_skip_layers=(), max_capacity_prompts=47, window_size=0, chunkkv=True,
@@ -88,7 +89,7 @@ def test_the_entropy_gate_keeps_a_spiky_chunks_best_tokens_and_spends_the_rest_o
     chunks 5 and 0 (2 and 1.5, spread evenly); the last 2 tokens are protected. Budget 20 of 60 in
     chunks of 6: chunk 2 keeps its 2 best tokens, chunk 5 and chunk 0 whole, then the best remaining
     chunk (1: ties go to the earlier) gives the 4 tokens left: exactly 20 with the protected 2."""
-    from restkv.chunkkv import ChunkSelection
+    from restkv.switches.chunkkv import ChunkSelection
 
     summed = torch.ones(60)
     summed[12:18] = torch.tensor([20.0, 0.1, 0.3, 0.1, 0.1, 0.1])

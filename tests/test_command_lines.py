@@ -9,12 +9,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from toy_benchmark import TOY, toy_run
 
 from restkv.benchmarks import infinitebench, longbench, needle, ruler, runner
 from restkv.benchmarks.errors import DataError
 from restkv.benchmarks.results import ResultWriter, shard_path
-from toy_benchmark import TOY, toy_run
-
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures"
 

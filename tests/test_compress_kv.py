@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from tiny_models import random_qkv, registered_methods, rope_tables
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from tiny_models import random_qkv, registered_methods, rope_tables
 
 #: every registered method whose heads keep the budget and whose kept entries are the inputs
 METHODS = registered_methods(uniform=True, keeps_inputs=True)
@@ -165,9 +165,10 @@ def test_right_padding_is_rejected():
 def test_window_attention_on_a_sliding_layer_equals_the_models_own_weights():
     """A sliding-window layer compressed below its window: the scores read the softmax the model
     computes (over every key each window query sees), only the competing tokens are limited."""
-    from restkv.attention import attention_inputs
-    from restkv.context import ScoringContext, plan_layer
     from tiny_models import random_prompt, tiny_model
+
+    from restkv.integrations.transformers.attention import attention_inputs
+    from restkv.pipeline.plan import ScoringContext, plan_layer
 
     model = tiny_model("mistral", "eager", sliding_window=16, num_hidden_layers=1)
     captured = {}

@@ -3,10 +3,10 @@ limits (a first stage of the whole budget is the scorer alone), and composition.
 
 import pytest
 import torch
+from tiny_models import assert_model_compresses, random_qkv
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.context import ScoringContext, plan_layer, valid_from_mask
-from tiny_models import assert_model_compresses, random_qkv
+from restkv.pipeline.plan import ScoringContext, plan_layer, valid_from_mask
 
 O_PROJ = torch.randn(40, 4 * 16, generator=torch.Generator().manual_seed(2))
 

@@ -11,13 +11,13 @@ import importlib.util
 
 import pytest
 import torch
+from tiny_models import assert_patch_reproduces_unpatched, greedy, left_padded, random_prompt, tiny_model
 
 from restkv.cache import CompressedLayer
-from restkv.generation import prefill
-from restkv.monkeypatch import replace_llama
-from restkv.partial import KERNELS, Probe, use_kernel
-from restkv.residual import ResidualEntries, ResidualReadout
-from tiny_models import assert_patch_reproduces_unpatched, greedy, left_padded, random_prompt, tiny_model
+from restkv.cache.partial import KERNELS, Probe, use_kernel
+from restkv.integrations.transformers.generation import prefill
+from restkv.integrations.transformers.patching import replace_llama
+from restkv.switches.residual import ResidualEntries, ResidualReadout
 
 HAS_FLASH = importlib.util.find_spec("flash_attn") is not None
 
@@ -124,10 +124,10 @@ def test_flash_kept_sets_differ_from_sdpa_only_at_bf16_ties(monkeypatch):
     """A real model: layer 0 sees identical inputs, so its kept sets are identical; deeper layers
     see hidden states that differ by the two kernels' bf16 rounding, so a token may change sides
     only where its score (in the sdpa run) is within bf16 resolution of the selection threshold."""
-    import restkv.attention
+    import restkv.integrations.transformers.attention
 
     scores_by_layer: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    compress_layer = restkv.attention.compress_layer
+    compress_layer = restkv.integrations.transformers.attention.compress_layer
 
     def recording(config, ctx, *args, **kwargs):
         scores_by_layer[ctx.layer_idx] = (config.policy.score(ctx).float().cpu(), ctx.candidates.cpu())
@@ -136,9 +136,9 @@ def test_flash_kept_sets_differ_from_sdpa_only_at_bf16_ties(monkeypatch):
     model = cuda_llama("sdpa")
     input_ids, attention_mask = on_gpu(*left_padded([96, 80, 61]))
     options = dict(method="snapkv", max_capacity_prompts=24, window_size=8)
-    monkeypatch.setattr(restkv.attention, "compress_layer", recording)
+    monkeypatch.setattr(restkv.integrations.transformers.attention, "compress_layer", recording)
     sdpa = kept_columns(compressed_prefill(model, "sdpa", input_ids, attention_mask, **options))
-    monkeypatch.setattr(restkv.attention, "compress_layer", compress_layer)
+    monkeypatch.setattr(restkv.integrations.transformers.attention, "compress_layer", compress_layer)
     flash = kept_columns(compressed_prefill(model, "flash_attention_2", input_ids, attention_mask, **options))
     assert torch.equal(flash[0], sdpa[0])
     resolution = 2.0 ** -6  # a few bf16 ulps of relative change in a score
@@ -207,7 +207,7 @@ def test_the_flash_kernel_with_its_log_sum_exp_reads_as_the_reference_in_bf16(re
 def test_the_cpu_drift_statistic_equals_topk_on_the_gpu_ties_included():
     """On the CPU the top positions come from NumPy's partition threshold (topk only for tied
     rows), on a GPU from topk: the same sums, also for rows full of equal weights."""
-    from restkv.observation import top_position_sums
+    from restkv.scoring.observation import top_position_sums
 
     generator = torch.Generator().manual_seed(0)
     weights = torch.softmax(torch.randn(3, 8, 300, generator=generator) * 4, dim=-1)
@@ -224,7 +224,7 @@ def test_the_cpu_drift_statistic_equals_topk_on_the_gpu_ties_included():
 def test_cpu_and_gpu_kmeans_make_the_same_clusters_on_exactly_representable_points():
     """Small-integer keys make every distance exact in float32, so the nearest centre (ties to
     the lowest index: NumPy's argmin on the CPU, min on a GPU) must agree everywhere."""
-    from restkv.residual import lloyd_kmeans
+    from restkv.switches.residual import lloyd_kmeans
 
     generator = torch.Generator().manual_seed(0)
     points = torch.randint(-4, 5, (3, 400, 16), generator=generator).float()
@@ -242,7 +242,7 @@ def test_the_validation_target_equals_fused_attention_on_the_gpu(causal):
     one fused softmax over every key."""
     import torch.nn.functional as F
 
-    from restkv.residual import full_attention_output
+    from restkv.switches.residual import full_attention_output
 
     generator = torch.Generator().manual_seed(0)
     queries, keys, values = on_gpu(*(torch.randn(2, n, 32, generator=generator) for n in (24, 9000, 9000)))

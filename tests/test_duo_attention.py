@@ -1,19 +1,19 @@
 """DuoAttention (--method duo_attention): streaming heads keep sinks + recent tokens, retrieval heads
-everything, chosen from a pattern file that python -m restkv.benchmarks.duo_pattern computes."""
+everything, chosen from a pattern file that python -m restkv.tools.duo_pattern computes."""
 
 import json
 
 import numpy as np
 import pytest
 import torch
+from tiny_models import greedy, random_prompt, random_qkv, replace_for, tiny_model
 
 import restkv
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.benchmarks.duo_pattern import head_scores_of, main
+from restkv.allocations.duo import read_duo_pattern, streaming_heads
 from restkv.cache import kept_positions
-from restkv.compat import output_cache
-from restkv.policies.duo_attention import read_duo_pattern, streaming_heads
-from tiny_models import greedy, random_prompt, random_qkv, replace_for, tiny_model
+from restkv.integrations.transformers.compat import output_cache
+from restkv.tools.duo_pattern import head_scores_of, main
 
 
 def write_pattern(path, scores, **sizes):
@@ -104,7 +104,7 @@ def test_the_shipped_smollm2_pattern_covers_every_kv_head():
 
     shipped = Path(__file__).resolve().parents[1] / "data" / "duo_patterns" / "smollm2-135m.json"
     assert read_duo_pattern(str(shipped)).shape == (30, 3)
-    assert json.loads(shipped.read_text())["made_with"].startswith("python -m restkv.benchmarks.duo_pattern")
+    assert json.loads(shipped.read_text())["made_with"].startswith("python -m restkv.tools.duo_pattern")
 
 
 def test_the_pattern_commands_output_path_is_checked_before_the_model_loads(no_model_loading, tmp_path):
@@ -127,8 +127,8 @@ def test_the_pattern_reads_queries_and_keys_after_the_qk_norms_unless_told_to_sk
     """By default the mean query and key are the ones attention computes (after Qwen 3's q/k norms);
     ``--no-qk_norm`` reads them as kvpress' on-the-fly scoring does, which meant to apply the norms
     of Gemma 3 and Qwen 3 but tests the decoder layer, not its attention, so never does."""
-    from restkv.benchmarks.duo_pattern import compute_pattern
-    from restkv.benchmarks.projections import pre_rope_projections
+    from restkv.tools.duo_pattern import compute_pattern
+    from restkv.tools.projections import pre_rope_projections
 
     model = tiny_model("qwen3")
     ids = random_prompt(1, 24)

@@ -4,12 +4,12 @@ import re
 
 import pytest
 import torch
+from needle_prompts import needle_chat_prompt
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from needle_prompts import needle_chat_prompt
 from restkv.cache import cache_report
-from restkv.compat import output_cache
-from restkv.monkeypatch import replace_for_model
+from restkv.integrations.transformers.compat import output_cache
+from restkv.integrations.transformers.patching import replace_for_model
 
 pytestmark = pytest.mark.embedded
 
@@ -105,7 +105,7 @@ def test_needle_is_answered_with_the_full_cache_and_kept_under_compression(smoll
 
 @pytest.fixture(scope="module")
 def gemma3():
-    from restkv.models import load_model, load_tokenizer
+    from restkv.integrations.transformers.models import load_model, load_tokenizer
 
     return load_model("gemma3-270m", attn_implementation="sdpa"), load_tokenizer("gemma3-270m")
 

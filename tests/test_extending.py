@@ -13,20 +13,20 @@ import textwrap
 
 import pytest
 import torch
+from tiny_models import random_prompt, random_qkv, tiny_model
 
 from restkv import CompressionConfig, ConfigError, available_methods, compress_kv
-from restkv.compat import output_cache
-from restkv.flags import add_compression_flags, config_from_flags
-from restkv.monkeypatch import replace_llama
-from restkv.options import unregister
-from tiny_models import random_prompt, random_qkv, tiny_model
+from restkv.config.flags import add_compression_flags, config_from_flags
+from restkv.config.options import unregister
+from restkv.integrations.transformers.compat import output_cache
+from restkv.integrations.transformers.patching import replace_llama
 
 METHOD_FILE = '''
 """KeyNorm^p: keeps the tokens whose keys have the smallest norm, raised to a power."""
 
 from dataclasses import dataclass
 
-from restkv.options import option, register
+from restkv.config.options import option, register
 from restkv.policies import Policy
 
 
@@ -48,8 +48,8 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.allocation import Allocation
-from restkv.options import option, register
+from restkv.allocations.base import Allocation
+from restkv.config.options import option, register
 
 
 @register("allocation")
@@ -140,10 +140,10 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.options import Options, register
-from restkv.partial import Partial, merge, scaled_logits
-from restkv.selection import Reservation
-from restkv.storage import SegmentReport, tensor_bytes
+from restkv.config.options import Options, register
+from restkv.cache.partial import Partial, merge, scaled_logits
+from restkv.scoring.selection import Reservation
+from restkv.cache.segments.base import SegmentReport, tensor_bytes
 
 
 @register("switch")
@@ -205,7 +205,7 @@ def mean_summary(tmp_path):
 def test_a_new_segment_file_is_a_switch_whose_segment_decode_reads(mean_summary):
     """The part reserves one slot for its entry, builds it from what the layer evicts, and the
     layer reads it in the same softmax as the exact tokens."""
-    from restkv.partial import Probe
+    from restkv.cache.partial import Probe
 
     model = tiny_model("llama")
     replace_llama(method="snapkv", max_capacity_prompts=16, window_size=4, mean_summary=True)

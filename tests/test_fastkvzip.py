@@ -3,12 +3,12 @@
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny_models import assert_refused_when_configured, greedy, random_prompt, replace_for, tiny_model
 
 from restkv import CompressionConfig, ConfigError
 from restkv.cache import kept_positions
-from restkv.compat import output_cache
+from restkv.integrations.transformers.compat import output_cache
 from restkv.policies.fastkvzip import GATE_PARAMETERS, gate_scores, gates_of
-from tiny_models import assert_refused_when_configured, greedy, random_prompt, replace_for, tiny_model
 
 
 def random_gates(layers=3, hidden=64, heads=2, groups=2, width=16, sinks=16, seed=0):

@@ -6,19 +6,14 @@ import argparse
 import os
 
 import pytest
+from top_level import script_help
+from toy_benchmark import TOY
 
 from restkv.benchmarks import flags
 from restkv.benchmarks.errors import DataError
-from restkv.benchmarks.flags import (
-    build_parser,
-    compression_config_from_args,
-    default_model_max_len,
-    selected_datasets,
-    shard_of,
-)
+from restkv.benchmarks.flags import (build_parser, compression_config_from_args, default_model_max_len,
+                                     selected_datasets, shard_of)
 from restkv.config import CompressionConfig, flat_option_specs
-from top_level import script_help
-from toy_benchmark import TOY
 
 
 def test_every_config_field_is_a_flag_with_its_help_and_choices():

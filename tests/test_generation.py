@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-
-from restkv.attention import key_validity
-from restkv.cache import CompressedLayer, new_token_columns
-from restkv.generation import answer_many, answer_nll, generate_after_context
-from restkv.partial import Probe
 from tiny_models import left_padded, random_prompt, replace_for, tiny_model
+
+from restkv.cache import CompressedLayer, new_token_columns
+from restkv.cache.partial import Probe
+from restkv.integrations.transformers.attention import key_validity
+from restkv.integrations.transformers.generation import answer_many, answer_nll, generate_after_context
 
 GENERATE = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
 
@@ -101,7 +101,7 @@ def test_answer_nll_sees_the_compression():
 
 
 def test_an_empty_prompt_or_context_is_a_clear_error():
-    from restkv.generation import answer_nll, generate_after_context, prefill
+    from restkv.integrations.transformers.generation import answer_nll, generate_after_context, prefill
 
     model = tiny_model("llama")
     empty = torch.zeros(1, 0, dtype=torch.long)
@@ -190,7 +190,7 @@ def test_beam_search_and_several_sequences_run_after_a_compressed_context(budget
     ((30, 10), r"context_span \(30, 10\) must be \(start, stop\) with 0 <= start < stop"),
 ])
 def test_a_context_span_outside_the_prompt_or_malformed_is_refused_naming_it(span, message):
-    from restkv.generation import prefill
+    from restkv.integrations.transformers.generation import prefill
 
     model = tiny_model("llama")
     replace_for("llama")(method="kvzip", max_capacity_prompts=32)

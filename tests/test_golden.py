@@ -5,8 +5,8 @@ head per KV head, so GQA pooling does not enter).
 """
 
 import pytest
-
 from golden import kept_sets, load_case, reference_kept_sets
+
 from restkv import compress_kv
 
 CASES = {

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-
 from top_level import ROOT, load_script, load_scripts_module
 
 

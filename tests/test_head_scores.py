@@ -1,4 +1,4 @@
-"""The HeadKV score command (python -m restkv.head_scores) on a tiny model, its probes and
+"""The HeadKV score command (python -m restkv.files.head_scores) on a tiny model, its probes and
 scoring rule, and the score file shipped for the embedded SmolLM2."""
 
 import json
@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from restkv import compress_kv
-from restkv.allocation import headkv_table
-from restkv.benchmarks.longbench_metrics import qa_f1_score
-from restkv.benchmarks.head_scores import NEEDLES, build_probe, main, probe_head_scores
-from restkv.head_scores import load_head_scores
-from restkv.models import load_tokenizer
 from test_command_lines import one_line_error
 from tiny_models import tiny_model
+
+from restkv import compress_kv
+from restkv.allocations.headkv import headkv_table
+from restkv.benchmarks.longbench_metrics import qa_f1_score
+from restkv.files.head_scores import load_head_scores
+from restkv.integrations.transformers.models import load_tokenizer
+from restkv.tools.head_scores import NEEDLES, build_probe, main, probe_head_scores
 
 SHIPPED = Path(__file__).resolve().parents[1] / "data" / "heads_score" / "smollm2-135m_retrieval_reasoning_heads.json"
 
@@ -144,7 +144,7 @@ def test_bad_flags_are_refused_before_the_model_loads(flags, message, no_model_l
 
 def test_scores_that_are_all_zero_are_not_written(eager_tiny, tokenizer, tmp_path, monkeypatch):
     """A score file of zeros is one ``--head_scores`` refuses: the command says why instead of writing it."""
-    import restkv.benchmarks.head_scores as command
+    import restkv.tools.head_scores as command
 
     folder = tmp_path / "tiny"
     eager_tiny.save_pretrained(folder)

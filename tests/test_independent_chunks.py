@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from tiny_models import assert_model_compresses, random_qkv, rope_tables
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from tiny_models import assert_model_compresses, random_qkv, rope_tables
 
 
 def test_each_chunk_keeps_its_share_of_its_own_best_keys():
@@ -83,7 +83,7 @@ def test_chunk_press_compresses_a_model_with_the_other_parts(extra):
 def test_global_scores_give_each_chunk_its_share_of_the_whole_prompts_ranking():
     """--chunk_press_global (Finch's chunk_length): each chunk keeps, beside the window, its best tokens
     by the scores of the whole prompt (one SnapKV window), floor(n x 40 / 100) per chunk in all."""
-    from restkv.context import ScoringContext, plan_layer, valid_from_mask
+    from restkv.pipeline.plan import ScoringContext, plan_layer, valid_from_mask
 
     query, key, value = random_qkv(length=100, seed=43)
     options = dict(method="snapkv", max_capacity_prompts=40, window_size=6)

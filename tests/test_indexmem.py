@@ -5,22 +5,23 @@ import warnings
 
 import pytest
 import torch
-
-import restkv.policies.indexmem as indexmem_policy
-from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.cache import CompressedLayer, cache_report
-from restkv.compat import output_cache
-from restkv.compress import compress_layer
-from restkv.context import ScoringContext, plan_layer, valid_from_mask
-import restkv.train_indexmem as train_indexmem
-from restkv.attention import attention_inputs
-from restkv.indexmem import Architecture, IndexMemLayer, IndexMemWeights, load_weights, slots_for
-from restkv.partial import use_kernel
-from restkv.rope import unrotate
-from restkv.train_indexmem import build_parser, capture_layers, read_attention, read_distances, train
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from tiny_models import (assert_patch_reproduces_unpatched, assert_rows_match_single_row_runs, greedy, random_prompt,
                          random_qkv, replace_for, tiny_model)
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+import restkv.policies.indexmem as indexmem_policy
+import restkv.tools.train_indexmem as train_indexmem
+from restkv import CompressionConfig, ConfigError, compress_kv
+from restkv.cache import CompressedLayer, cache_report
+from restkv.cache.partial import use_kernel
+from restkv.cache.segments.memory import slots_for
+from restkv.integrations.transformers.attention import attention_inputs
+from restkv.integrations.transformers.compat import output_cache
+from restkv.learned.indexmem import Architecture, IndexMemLayer, IndexMemWeights, load_weights
+from restkv.pipeline.compress import compress_layer
+from restkv.pipeline.plan import ScoringContext, plan_layer, valid_from_mask
+from restkv.scoring.rope import unrotate
+from restkv.tools.train_indexmem import build_parser, capture_layers, read_attention, read_distances, train
 
 pytestmark = pytest.mark.filterwarnings("ignore:restkv. --method indexmem without")
 

@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+from top_level import dry_run_script, usage_exit
 
 from restkv.benchmarks import infinitebench as ib
 from restkv.benchmarks.benchmark import Sample
 from restkv.benchmarks.prompts import encode_prompt
 from restkv.benchmarks.results import read_predictions
-from top_level import dry_run_script, usage_exit
 
 FIXTURES = Path(__file__).resolve().parent.parent / "data" / "fixtures" / "infinitebench"
 
@@ -123,7 +123,7 @@ def test_eval_marks_tasks_scored_on_fewer_samples_than_expected(tmp_path, capsys
 
 
 def test_truncation_keeps_both_ends_of_the_prompt():
-    from restkv.models import load_tokenizer
+    from restkv.integrations.transformers.models import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
     example = ib.load_task(FIXTURES, "passkey")[0]

@@ -5,15 +5,18 @@ import math
 
 import pytest
 import torch
+from tiny_models import FAMILY_BACKENDS, decode_in_chunks, left_padded, replace_for, tiny_model
 
 from restkv.cache import CompressedLayer
-from restkv.channel_pruning import PrunedKeyTokens
-from restkv.compat import with_cache
-from restkv.generation import prefill
-from restkv.partial import KERNELS, Partial, Probe, merge, reference_kernel, use_kernel
-from restkv.quantization import QuantizedTokens
-from restkv.storage import MIN_SPARE, DenseTokens, RaggedTokens, exact_tokens
-from tiny_models import FAMILY_BACKENDS, decode_in_chunks, left_padded, replace_for, tiny_model
+from restkv.cache.partial import KERNELS, Partial, Probe, merge, reference_kernel, use_kernel
+from restkv.cache.segments.base import MIN_SPARE
+from restkv.cache.segments.dense import DenseTokens
+from restkv.cache.segments.exact import exact_tokens
+from restkv.cache.segments.pruned_keys import PrunedKeyTokens
+from restkv.cache.segments.quantized import QuantizedTokens
+from restkv.cache.segments.ragged import RaggedTokens
+from restkv.integrations.transformers.compat import with_cache
+from restkv.integrations.transformers.generation import prefill
 
 CPU_KERNELS = [name for name in KERNELS if name != "flash"]  # flash-attn runs on CUDA (tests/test_cuda.py)
 

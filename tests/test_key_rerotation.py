@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from tiny_models import (assert_model_compresses, assert_rows_match_single_row_runs, greedy, random_prompt, replace_for,
+                         rope_tables, tiny_model)
 
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.cache import kept_positions
-from restkv.compat import output_cache
-from restkv.rope import rotate
-from tiny_models import assert_model_compresses, assert_rows_match_single_row_runs, greedy, random_prompt, \
-    replace_for, rope_tables, tiny_model
+from restkv.integrations.transformers.compat import output_cache
+from restkv.scoring.rope import rotate
 
 
 def rope_at(positions: torch.Tensor, dim: int, base: float = 10000.0):

@@ -4,12 +4,12 @@ import warnings
 
 import pytest
 import torch
+from tiny_models import greedy, random_prompt, random_qkv, replace_for, tiny_model
 
 from restkv import CompressionConfig
 from restkv.cache import kept_positions
-from restkv.compat import output_cache
-from restkv.context import ScoringContext, plan_layer, valid_from_mask
-from tiny_models import greedy, random_prompt, random_qkv, replace_for, tiny_model
+from restkv.integrations.transformers.compat import output_cache
+from restkv.pipeline.plan import ScoringContext, plan_layer, valid_from_mask
 
 
 def test_a_tokens_score_is_its_largest_attention_group_averaged_plus_the_mean_over_heads():

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from tiny_models import greedy, random_prompt, replace_for, tiny_model
 
 from restkv import CompressionConfig, ConfigError
 from restkv.cache import kept_positions
-from restkv.compat import output_cache
-from tiny_models import greedy, random_prompt, replace_for, tiny_model
+from restkv.integrations.transformers.compat import output_cache
 
 
 def test_kvgrad_keeps_the_models_budget_across_layers_and_leaves_no_parameter_gradients():

@@ -31,8 +31,9 @@ import torch
 
 import restkv
 from restkv.cache import kept_positions
-from restkv.compat import output_cache
-from restkv.reconstruction_prompt import KVPRESS_CLOSING, KVPRESS_CONTINUATION, set_reconstruction_prompt
+from restkv.integrations.transformers.compat import output_cache
+from restkv.integrations.transformers.reconstruction_prompt import (KVPRESS_CLOSING, KVPRESS_CONTINUATION,
+                                                                    set_reconstruction_prompt)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "golden_kvpress"
 TABLE = json.loads((Path(__file__).parent / "golden_kvpress_cases.json").read_text())
@@ -213,7 +214,7 @@ def test_the_query_stats_command_computes_the_statistics_kvpress_collected():
     """ExpectedAttentionStats of the fixtures' Llama on calib_ids.npy (first 4 queries left out, n - 1)."""
     from safetensors.torch import load_file
 
-    from restkv.benchmarks.query_stats import collect_query_stats
+    from restkv.tools.query_stats import collect_query_stats
 
     ids = np.load(FIXTURES / "calib_ids.npy").tolist()
     mean, cov = collect_query_stats(tiny_llama("sdpa"), [ids], n_sink=4)
@@ -270,12 +271,12 @@ def test_block_press_first_block_scores_are_kvpress_once_its_window_queries_take
     the whole prompt's last positions; turned so, restkv's first-block scores are
     kvpress', with their own positions they differ, and so do the kept sets (later blocks also pool
     along kvpress' top-k order and recompute queries from mixed hidden-state slices)."""
-    from restkv import block_scoring
-    from restkv.context import ScoringContext, plan_layer
-    from restkv.rope import rotate, unrotate
+    from restkv.switches import block_press
+    from restkv.pipeline.plan import ScoringContext, plan_layer
+    from restkv.scoring.rope import rotate, unrotate
 
     data, first_blocks = fixture("block_snapkv_r0.5"), {}
-    original = block_scoring.choose_as_prompt
+    original = block_press.choose_as_prompt
 
     def recording(config, ctx, query, key, value, share, rotary=None):
         first_blocks.setdefault(ctx.layer_idx, (config, ctx, query, key, value))
@@ -283,7 +284,7 @@ def test_block_press_first_block_scores_are_kvpress_once_its_window_queries_take
 
     options = dict(method="snapkv", compression_ratio=0.5, window_size=64, block_press=True, block_press_size=128)
     model = tiny_llama("sdpa")
-    with torch.no_grad(), mock.patch.object(block_scoring, "choose_as_prompt", recording), \
+    with torch.no_grad(), mock.patch.object(block_press, "choose_as_prompt", recording), \
             restkv.compression(model, **options):
         cache = output_cache(model.model(input_ids=prompt(), use_cache=True))
     for layer, (config, ctx, query, key, value) in first_blocks.items():
@@ -342,7 +343,7 @@ def test_similarity_merge_stores_the_values_kvpress_merging_press_stores():
 def test_think_alone_zeroes_kvpress_thinks_channels_through_the_pipeline():
     """ThinKPress on its own (no token dropped): a budget of the whole prompt, ThinK's 32-query
     window; every layer's stored keys keep the channels kvpress keeps."""
-    from restkv.channel_pruning import PrunedKeyTokens
+    from restkv.cache.segments.pruned_keys import PrunedKeyTokens
 
     case = "think_k0.5"
     zeroed = torch.from_numpy(fixture(case)["zeroed_key_channels"]).bool()
@@ -361,9 +362,9 @@ def test_think_channels_are_kvpress_thinks_given_its_own_32_query_window():
     exactly kvpress' channels in every layer and head (the kept tokens are SnapKV's either way)."""
     from safetensors.torch import load_file
 
-    from restkv.attention import attention_inputs
-    from restkv.context import ScoringContext, plan_layer
-    from restkv.selection import gather_columns
+    from restkv.integrations.transformers.attention import attention_inputs
+    from restkv.pipeline.plan import ScoringContext, plan_layer
+    from restkv.scoring.selection import gather_columns
 
     case = "composed_snapkv_think_r0.5"
     reference = load_file(str(FIXTURES / "reference_llama_sdpa.safetensors"))

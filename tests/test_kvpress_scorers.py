@@ -7,15 +7,15 @@ import math
 
 import pytest
 import torch
-
-from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.cache import cache_report, kept_positions
-from restkv.compat import output_cache
-from restkv.context import ScoringContext, plan_layer, valid_from_mask
-from restkv.policies.pyramidkv import kvpress_pyramid_totals
 from test_policies import dense_attention
 from tiny_models import (assert_refused_when_configured, greedy, random_prompt, random_qkv, replace_for, rope_tables,
                          tiny_model)
+
+from restkv import CompressionConfig, ConfigError, compress_kv
+from restkv.allocations.pyramid_kvpress import kvpress_pyramid_totals
+from restkv.cache import cache_report, kept_positions
+from restkv.integrations.transformers.compat import output_cache
+from restkv.pipeline.plan import ScoringContext, plan_layer, valid_from_mask
 
 PORTED = ["keydiff", "lagkv", "cur", "noncausal_attn", "finch", "qfilter", "expected_attention", "leverage", "compactor",
           "capkv"]

@@ -3,12 +3,12 @@
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny_models import (assert_model_compresses, assert_refused_when_configured, greedy, random_prompt, random_qkv,
+                         replace_for, tiny_model)
 
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.cache import kept_positions
-from restkv.compat import output_cache
-from tiny_models import (assert_model_compresses, assert_refused_when_configured, greedy, random_prompt, random_qkv,
-                         replace_for, tiny_model)
+from restkv.integrations.transformers.compat import output_cache
 
 
 def surrogate_file(path, layers=3, hidden=64, kv_heads=2, mlp=True, seed=0):

@@ -5,22 +5,15 @@ import math
 
 import pytest
 import torch
+from tiny_models import (assert_patch_reproduces_unpatched, assert_rows_match_single_row_runs, greedy, random_prompt,
+                         random_qkv, replace_for, tiny_model)
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.allocation import LaProxAllocation
+from restkv.allocations.laprox import LaProxAllocation
 from restkv.cache import cache_report, format_report
-from restkv.compat import output_cache
-from restkv.context import ScoringContext, plan_layer
-from restkv.generation import prefill
-from tiny_models import (
-    assert_patch_reproduces_unpatched,
-    assert_rows_match_single_row_runs,
-    greedy,
-    random_prompt,
-    random_qkv,
-    replace_for,
-    tiny_model,
-)
+from restkv.integrations.transformers.compat import output_cache
+from restkv.integrations.transformers.generation import prefill
+from restkv.pipeline.plan import ScoringContext, plan_layer
 
 
 def scores_of(query, key, value, o_proj, **options):

@@ -1,21 +1,21 @@
 """KVzip's ranking at the price of one prefill: the learned scorer, its weights and its trainer
-(restkv.policies.learned_zip, restkv.learned_scores, restkv.train_scorer)."""
+(restkv.policies.learned_zip, restkv.learned.scorer, restkv.tools.train_scorer)."""
 
 import json
 
 import pytest
 import torch
+from tiny_models import random_prompt, replace_for, tiny_model
 
-import restkv.train_scorer as train_scorer
+import restkv.tools.train_scorer as train_scorer
 from restkv import ConfigError
 from restkv.cache import kept_positions
-from restkv.deferred import listening_to_scores
-from restkv.generation import prefill
-from restkv.head_scores import load_head_scores
-from restkv.learned_scores import SHIPPED_WEIGHTS, LeastSquares, ScorerWeights, load_weights, save
-from restkv.monkeypatch import replace_for_model
-from restkv.train_scorer import Collected
-from tiny_models import random_prompt, replace_for, tiny_model
+from restkv.files.head_scores import load_head_scores
+from restkv.integrations.transformers.deferred import listening_to_scores
+from restkv.integrations.transformers.generation import prefill
+from restkv.integrations.transformers.patching import replace_for_model
+from restkv.learned.scorer import SHIPPED_WEIGHTS, LeastSquares, ScorerWeights, load_weights, save
+from restkv.tools.train_scorer import Collected
 
 pytestmark = pytest.mark.filterwarnings("ignore:restkv. --observation reconstruction without")
 

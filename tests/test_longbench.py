@@ -240,8 +240,9 @@ def test_a_query_agnostic_run_with_reconstruction_observation_compresses_every_c
 def test_scripts_run_with_valid_flags_and_sweep(tmp_path):
     """scripts/longbench/{run,sweep,eval}.sh, as the other benchmarks' scripts are checked: the
     runner's command line they build parses, the sweep covers every method and budget, then scores."""
-    from restkv.benchmarks.flags import parse_args, selected_datasets
     from top_level import dry_run_script, usage_exit
+
+    from restkv.benchmarks.flags import parse_args, selected_datasets
 
     (run,) = dry_run_script("longbench/run.sh", "cpu", "snapkv", "128", "smollm2-135m", "--query_agnostic")
     assert run[0] == "run_longbench.py"

@@ -12,8 +12,7 @@ import sys
 
 import pytest
 
-from restkv.benchmarks import longbench
-from restkv.benchmarks import longbench_metrics as metrics
+from restkv.benchmarks import longbench, longbench_metrics as metrics
 from restkv.benchmarks.longbench import scorer, scorer_e
 
 TREC_LIKE = ["Food", "Date", "Other"]

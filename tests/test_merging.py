@@ -6,20 +6,13 @@ import math
 
 import pytest
 import torch
+from tiny_models import (FAMILY_BACKENDS, assert_patch_reproduces_unpatched, assert_rows_match_single_row_runs,
+                         left_padded, random_qkv, registered_methods, replace_for, rope_tables, tiny_model)
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.merging import cam_merge, cam_reference_values, kept_mask, pivot_merge
-from tiny_models import (
-    FAMILY_BACKENDS,
-    assert_patch_reproduces_unpatched,
-    assert_rows_match_single_row_runs,
-    left_padded,
-    random_qkv,
-    registered_methods,
-    replace_for,
-    rope_tables,
-    tiny_model,
-)
+from restkv.merges.cam import cam_merge, cam_reference_values
+from restkv.merges.evicted import kept_mask
+from restkv.merges.pivot import pivot_merge
 
 #: an output projection for the scorers that read one (``[hidden, heads * dim]`` of ``random_qkv()``)
 O_PROJ = torch.randn(32, 4 * 16, generator=torch.Generator().manual_seed(1))
@@ -281,7 +274,7 @@ def test_each_row_of_a_left_padded_batch_equals_its_single_row_run(family, backe
 def test_similarity_merge_folds_each_evicted_value_into_its_most_similar_kept_key_by_cosine_and_norm_share():
     """kvpress' MergingPress: w_e = max(cos, 0) |v_e| / (|v_e| + |v_r| + 1e-6), v_r <- (v_r + sum w v_e) / (1 + sum w);
     an evicted key pointing away from every kept one (cos < 0) merges with weight 0; keys stay."""
-    from restkv.merging import similarity_merge
+    from restkv.merges.similarity import similarity_merge
 
     key = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, -0.2]])[None, None]
     value = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 4.0], [9.0, 9.0]])[None, None]

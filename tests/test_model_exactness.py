@@ -3,19 +3,11 @@ batch 1 and a left-padded batch of 3)."""
 
 import pytest
 import torch
+from tiny_models import (FAMILIES, FAMILY_BACKENDS, assert_patch_reproduces_unpatched, greedy, left_padded,
+                         random_prompt, replace_for, tiny_model)
 
 from restkv.cache import cache_report
-from restkv.compat import output_cache
-from tiny_models import (
-    FAMILIES,
-    FAMILY_BACKENDS,
-    assert_patch_reproduces_unpatched,
-    greedy,
-    left_padded,
-    random_prompt,
-    replace_for,
-    tiny_model,
-)
+from restkv.integrations.transformers.compat import output_cache
 
 NEW_TOKENS = 6
 

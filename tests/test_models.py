@@ -4,7 +4,7 @@ import importlib.metadata
 
 import pytest
 
-from restkv import models
+from restkv.integrations.transformers import models
 
 
 def test_missing_embedded_package_names_the_pip_command(monkeypatch, tmp_path):

@@ -5,23 +5,16 @@ import math
 
 import pytest
 import torch
+from tiny_models import (assert_patch_reproduces_unpatched, assert_rows_match_single_row_runs, greedy, random_prompt,
+                         random_qkv, replace_for, tiny_model)
 
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.cache import CompressedLayer, cache_report, format_report
-from restkv.compat import output_cache, with_cache
-from restkv.compress import compress_layer
-from restkv.context import ScoringContext, plan_layer
-from restkv.generation import prefill
-from restkv.storage import joined_view
-from tiny_models import (
-    assert_patch_reproduces_unpatched,
-    assert_rows_match_single_row_runs,
-    greedy,
-    random_prompt,
-    random_qkv,
-    replace_for,
-    tiny_model,
-)
+from restkv.cache.segments.exact import joined_view
+from restkv.integrations.transformers.compat import output_cache, with_cache
+from restkv.integrations.transformers.generation import prefill
+from restkv.pipeline.compress import compress_layer
+from restkv.pipeline.plan import ScoringContext, plan_layer
 
 DIM = 8
 SLOTS = 1 + DIM // 2  # the entry and the d x d covariance in 2d-number slots

@@ -4,19 +4,20 @@ import warnings
 
 import pytest
 import torch
+from tiny_models import random_prompt, tiny_model
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from restkv.cache import CompressedLayer
-from restkv.compat import (CHECK_VARIABLE, NEWEST_TESTED, UnsupportedTransformersVersion, UntestedTransformersVersion,
-                           check_transformers_version, output_cache, with_cache)
 from restkv.config import CompressionConfig, ConfigError
-from restkv.generation import prefill
-from restkv.handles import has_class_config, model_state
-from restkv.monkeypatch import (compression, config_of, configure, family_of, replace_family, replace_for_model,
-                               replace_llama, unpatch)
-from restkv.reconstruction_prompt import ReconstructionPrompt
-from tiny_models import random_prompt, tiny_model
+from restkv.integrations.transformers.compat import (CHECK_VARIABLE, NEWEST_TESTED, UnsupportedTransformersVersion,
+                                                     UntestedTransformersVersion, check_transformers_version,
+                                                     output_cache, with_cache)
+from restkv.integrations.transformers.generation import prefill
+from restkv.integrations.transformers.handles import has_class_config, model_state
+from restkv.integrations.transformers.patching import (compression, config_of, configure, family_of, replace_family,
+                                                       replace_for_model, replace_llama, unpatch)
+from restkv.integrations.transformers.reconstruction_prompt import ReconstructionPrompt
 
 _ORIGINAL_LLAMA_FORWARD = LlamaAttention.forward
 
@@ -216,7 +217,7 @@ def test_a_budget_the_model_cannot_hold_is_refused_when_configured(options, mess
 
 
 def test_indexmem_weights_for_another_model_shape_are_refused_when_configured(tmp_path):
-    from restkv.indexmem import Architecture, IndexMemLayer, IndexMemWeights
+    from restkv.learned.indexmem import Architecture, IndexMemLayer, IndexMemWeights
 
     arch = Architecture(num_layers=3, num_heads=6, num_kv_heads=2, head_dim=8, features=4)
     path = tmp_path / "other.pt"
@@ -270,7 +271,7 @@ def test_recompression_with_a_budget_that_keeps_the_sliding_windows_whole_runs()
 
 
 def test_no_restkv_attribute_lands_on_a_transformers_object():
-    """State rides beside the cache, the model and the classes (restkv.handles), not on them:
+    """State rides beside the cache, the model and the classes (restkv.integrations.transformers.handles), not on them:
     a chunked KVzip prefill with a context span and a per-model config leaves none behind."""
     def restkv_names(obj) -> list[str]:
         return [name for name in vars(obj) if "restkv" in name]
@@ -324,8 +325,9 @@ def test_a_model_type_is_judged_by_the_attention_its_decoder_builds():
 def test_a_hybrid_model_compresses_its_attention_layers_and_reports_its_state_layers():
     """Jamba's Mamba layers hold a state, its attention layers keys: the report and the kept positions read
     both, and a method that reads keys before RoPE runs on attention without RoPE (the identity rotation)."""
-    from restkv.cache import cache_report, kept_positions
     from tiny_models import TINY_JAMBA, tiny_of_type
+
+    from restkv.cache import cache_report, kept_positions
 
     model = tiny_of_type("jamba", **TINY_JAMBA)
     for method in ("snapkv", "leverage"):
@@ -365,7 +367,7 @@ def test_a_config_the_model_refuses_leaves_nothing_patched():
     """Qwen3's sliding layer cannot be compressed again under chunks: the block is refused before the family
     is patched, so a later plain generate is the model's own."""
     from restkv.cache import cache_report
-    from restkv.monkeypatch import is_patched
+    from restkv.integrations.transformers.patching import is_patched
 
     model = tiny_model("qwen3")
     with pytest.raises(ConfigError, match="--prefill_chunk_size 16 compresses full-attention layers again"):
@@ -384,7 +386,7 @@ def test_a_model_of_any_other_family_warns_that_it_runs_uncompressed(patch, fami
     patch(method="snapkv", max_capacity_prompts=16, window_size=4)
     other = tiny_model("qwen3")
     with pytest.warns(UserWarning, match=f"Qwen3Attention model runs uncompressed: restkv is patched for {family}, "
-                                         r"not qwen3\. Call restkv.monkeypatch.replace_family\('qwen3', \.\.\.\)"):
+                                         r"not qwen3\. Call restkv.integrations.transformers.patching.replace_family\('qwen3', \.\.\.\)"):
         with torch.no_grad():
             other(random_prompt(1, 30))
 
@@ -487,9 +489,10 @@ def test_diffllama_keeps_one_token_set_per_layer_and_reads_each_calls_values_fro
     heads: the layer stores the cached values of tokens every head keeps, counts each step once, and a decode
     step equals the unpatched model attending only to the kept tokens (StreamingLLM keeps the same tokens in
     every layer, so one padding-style mask is that oracle)."""
-    from restkv.cache import kept_positions
-    from restkv.generation import prefill
     from tiny_models import tiny_of_type
+
+    from restkv.cache import kept_positions
+    from restkv.integrations.transformers.generation import prefill
 
     model = tiny_of_type("diffllama", num_hidden_layers=2)
     ids = random_prompt(1, 90)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from top_level import dry_run_script, usage_exit
 
 from restkv.benchmarks import needle
 from restkv.benchmarks.haystack import HaystackText, load_essays
 from restkv.benchmarks.results import read_predictions
-from top_level import dry_run_script, usage_exit
 
 
 def test_grid_matches_the_release():

@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
+from tiny_models import random_qkv
 
 from restkv import compress_kv
 from restkv.policies.h2o import QUERY_CHUNK
-from tiny_models import random_qkv
 
 
 def dense_attention(query, key, kv_heads):
@@ -220,7 +220,7 @@ def test_non_finite_scores_never_displace_the_protected_window():
 
 
 def test_infinite_and_nan_scores_rank_below_every_finite_one():
-    from restkv.selection import rank_keys, select_columns
+    from restkv.scoring.selection import rank_keys, select_columns
 
     scores = torch.tensor([[[float("inf"), float("nan"), 0.5, 0.1, 7.0, 8.0]]])
     visible = torch.ones(1, 6, dtype=torch.bool)

@@ -1,12 +1,12 @@
 """RoPE continuity after compression: the next token's position is the number of tokens seen."""
 
 import torch
+from tiny_models import random_prompt, replace_for, tiny_model
 from transformers import DynamicCache
 
 from restkv.cache import cache_report
-from restkv.compat import with_cache
-from restkv.generation import prefill
-from tiny_models import random_prompt, replace_for, tiny_model
+from restkv.integrations.transformers.compat import with_cache
+from restkv.integrations.transformers.generation import prefill
 
 
 def record_positions(model):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from toy_benchmark import STORY, toy_samples
 
 from restkv.benchmarks import prompts
 from restkv.benchmarks.benchmark import Sample
 from restkv.benchmarks.prompts import encode_prompt
-from toy_benchmark import STORY, toy_samples
 
 
 def test_query_aware_prompt_is_the_chat_wrapped_text(tokenizer):

@@ -5,17 +5,16 @@ import math
 
 import pytest
 import torch
+from tiny_models import (FAMILY_BACKENDS, assert_rows_match_single_row_runs, decode_in_chunks, greedy, left_padded,
+                         random_prompt, random_qkv, replace_for, tiny_model)
 
-from restkv.compat import CACHE_ARGUMENT
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.cache import CompressedLayer, cache_nbytes, cache_report, format_report
-from restkv.generation import prefill
-from restkv.quantization import CODES_PER_BYTE, KIVI, KVQuant, pack, quantize, unpack
-from restkv.quantization import QuantizedTokens
-from tiny_models import (
-    FAMILY_BACKENDS, assert_rows_match_single_row_runs, decode_in_chunks, greedy, left_padded, random_prompt,
-    random_qkv, replace_for, tiny_model,
-)
+from restkv.cache.segments.quantized import CODES_PER_BYTE, QuantizedTokens, pack, quantize, unpack
+from restkv.integrations.transformers.compat import CACHE_ARGUMENT
+from restkv.integrations.transformers.generation import prefill
+from restkv.quantizers.kivi import KIVI
+from restkv.quantizers.kvquant import KVQuant
 
 SMALL = dict(quant_group_size=4, quant_residual_length=8)  # blocks small enough for 40-token prompts
 
@@ -324,7 +323,7 @@ def test_compress_kv_returns_what_the_quantised_cache_holds():
 
 
 def test_layers_compressed_after_the_whole_prefill_are_stored_quantised_and_pruned():
-    """KVzip's model-wide allocation (restkv.deferred) keeps the same entries, quantised and pruned."""
+    """KVzip's model-wide allocation (restkv.integrations.transformers.deferred) keeps the same entries, quantised and pruned."""
     model = tiny_model("llama", num_hidden_layers=4)
     ids = random_prompt(1, 70)
     base = dict(method="kvzip", max_capacity_prompts=12, reconstruction_chunk=32)

@@ -3,18 +3,18 @@
 import pytest
 import torch
 from safetensors.torch import save_file
-
-from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.benchmarks.query_stats import main
-from restkv.cache import kept_positions
-from restkv.compat import output_cache
 from tiny_models import (assert_refused_when_configured, greedy, random_prompt, random_qkv, replace_for, rope_tables,
                          tiny_model)
+
+from restkv import CompressionConfig, ConfigError, compress_kv
+from restkv.cache import kept_positions
+from restkv.integrations.transformers.compat import output_cache
+from restkv.tools.query_stats import main
 
 
 def test_statistics_equal_to_the_prompts_own_keep_what_the_prompt_keeps(tmp_path):
     """The prompt's pre-RoPE queries after the sinks, divided by n as Expected Attention does."""
-    from restkv.rope import unrotate
+    from restkv.scoring.rope import unrotate
 
     query, key, value = random_qkv(length=60, seed=91)
     rotary = rope_tables(query)

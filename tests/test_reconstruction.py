@@ -1,5 +1,5 @@
 """Query-agnostic compression that keeps the answer: reconstruction observation, KVzip, one
-context for many questions (restkv.deferred, restkv.observation, restkv.policies.kvzip)."""
+context for many questions (restkv.integrations.transformers.deferred, restkv.scoring.observation, restkv.policies.kvzip)."""
 
 import copy
 import math
@@ -8,22 +8,22 @@ from unittest import mock
 
 import pytest
 import torch
-from tokenizers.processors import TemplateProcessing
-
-from restkv.compat import CACHE_ARGUMENT
-from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.cache import CompressedLayer, kept_positions
-from restkv.compress import compress_layer
-from restkv.storage import joined_view
-from restkv.context import ScoringContext, plan_layer
-from restkv.benchmarks.prompts import encode_prompt
-from restkv.reconstruction_prompt import ReconstructionPrompt, set_reconstruction_prompt
-from restkv.handles import model_state
-from restkv.generation import answer_many, generate_after_context, prefill
-from restkv.observation import ReconstructionObservation, ReconstructionStats
-from restkv.scoring import window_attention
 from tiny_models import assert_patch_reproduces_unpatched, greedy, random_prompt, random_qkv, replace_for, tiny_model
+from tokenizers.processors import TemplateProcessing
 from toy_benchmark import toy_samples
+
+from restkv import CompressionConfig, ConfigError, compress_kv
+from restkv.benchmarks.prompts import encode_prompt
+from restkv.cache import CompressedLayer, kept_positions
+from restkv.cache.segments.exact import joined_view
+from restkv.integrations.transformers.compat import CACHE_ARGUMENT
+from restkv.integrations.transformers.generation import answer_many, generate_after_context, prefill
+from restkv.integrations.transformers.handles import model_state
+from restkv.integrations.transformers.reconstruction_prompt import ReconstructionPrompt, set_reconstruction_prompt
+from restkv.pipeline.compress import compress_layer
+from restkv.pipeline.plan import ScoringContext, plan_layer
+from restkv.scoring.observation import ReconstructionObservation, ReconstructionStats
+from restkv.scoring.window import window_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:restkv. --observation reconstruction without")
 
@@ -361,7 +361,7 @@ def test_each_chunk_repeats_against_the_context_alone_and_its_scores_come_in_bou
     """Memory: a chunk's repetition is dropped before the next chunk (the cache never holds more
     than the context and one chunk with its instruction), and the weights a block of scores
     materialises stay under RECONSTRUCTION_BLOCK_ELEMENTS, giving the scores of one big block."""
-    from restkv import deferred
+    from restkv.integrations.transformers import deferred
 
     model = tiny_model("llama")
     set_reconstruction_prompt(model, FakeTokenizer())

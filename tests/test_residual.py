@@ -4,34 +4,18 @@ import math
 
 import pytest
 import torch
+from tiny_models import (FAMILY_BACKENDS, assert_rows_match_single_row_runs, decode_in_chunks, greedy, random_prompt,
+                         random_qkv, registered_methods, replace_for, rope_tables, tiny_model)
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.attention import LayerParams
 from restkv.cache import CompressedLayer, cache_nbytes
-from restkv.compat import output_cache
-from restkv.generation import generate_after_context, prefill
-from restkv.partial import Probe, softmax_partial
-from restkv.residual import (
-    ResidualEntries,
-    ResidualReadout,
-    choose_ratios,
-    entries_of,
-    lloyd_kmeans,
-    split_observations,
-)
-from restkv.residual.validation import KeySegments
-from tiny_models import (
-    FAMILY_BACKENDS,
-    assert_rows_match_single_row_runs,
-    decode_in_chunks,
-    greedy,
-    random_prompt,
-    random_qkv,
-    registered_methods,
-    replace_for,
-    rope_tables,
-    tiny_model,
-)
+from restkv.cache.partial import Probe, softmax_partial
+from restkv.integrations.transformers.attention import LayerParams
+from restkv.integrations.transformers.compat import output_cache
+from restkv.integrations.transformers.generation import generate_after_context, prefill
+from restkv.switches.residual import (ResidualEntries, ResidualReadout, choose_ratios, entries_of, lloyd_kmeans,
+                                      split_observations)
+from restkv.switches.residual.validation import KeySegments
 
 GATE_OFF = ResidualReadout(gate=False)
 PAPER = ResidualReadout()

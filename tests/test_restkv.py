@@ -6,23 +6,16 @@ import math
 
 import pytest
 import torch
-
 from golden import kept_sets, load_case, reference_kept_sets
+from tiny_models import (FAMILY_BACKENDS, assert_patch_reproduces_unpatched, assert_rows_match_single_row_runs,
+                         left_padded, random_prompt, replace_for, tiny_model)
+
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.adaptive_pooling import attention_shift, kernel_and_shift, shifted_replicate_mean
-from restkv.context import ScoringContext, plan_layer
+from restkv.pipeline.plan import ScoringContext, plan_layer
 from restkv.policies.restkv import _projected_norms
-from restkv.scoring import window_attention
-from restkv.temporal import aggregate_queries
-from tiny_models import (
-    FAMILY_BACKENDS,
-    assert_patch_reproduces_unpatched,
-    assert_rows_match_single_row_runs,
-    left_padded,
-    random_prompt,
-    replace_for,
-    tiny_model,
-)
+from restkv.scoring.adaptive_pooling import attention_shift, kernel_and_shift, shifted_replicate_mean
+from restkv.scoring.temporal import aggregate_queries
+from restkv.scoring.window import window_attention
 
 
 def random_qkv(batch=1, heads=4, kv_heads=2, length=96, dim=8, hidden=24, seed=0):

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from toy_benchmark import lines_of
 
 from restkv.benchmarks import results
 from restkv.benchmarks.errors import DataError
 from restkv.benchmarks.results import ResultWriter, read_predictions, results_dir
 from restkv.config import CompressionConfig
-from toy_benchmark import lines_of
 
 
 def test_results_folder_names():

@@ -1,4 +1,4 @@
-"""RoPE undone (restkv.rope): the exact inverse of each family's apply_rotary_pos_emb, from the
+"""RoPE undone (restkv.scoring.rope): the exact inverse of each family's apply_rotary_pos_emb, from the
 forward's own cos/sin or from positions through the model's rotary embedding (Gemma 3: per
 layer type)."""
 
@@ -6,11 +6,11 @@ import sys
 
 import pytest
 import torch
-
-from restkv.attention import attention_inputs
-from restkv.generation import position_ids_from_mask
-from restkv.rope import rotary_inverse, unrotate
 from tiny_models import greedy, left_padded, random_prompt, replace_for, tiny_model
+
+from restkv.integrations.transformers.attention import attention_inputs
+from restkv.integrations.transformers.generation import position_ids_from_mask
+from restkv.scoring.rope import rotary_inverse, unrotate
 
 
 def family_rotation(model):
@@ -85,7 +85,7 @@ def test_a_forwards_keys_are_undone_to_its_projections(family):
 # ---------------------------------------------------------------- the layer's own rotation, probed
 def rotations_after_a_prefill(family: str, **overrides) -> list:
     """What ``layer_rotary`` found for each layer of a tiny ``family`` model after one compressing prefill."""
-    from restkv.attention import _ROTATIONS
+    from restkv.integrations.transformers.attention import _ROTATIONS
 
     model = tiny_model(family, **overrides)
     replace_for(family)(method="snapkv", max_capacity_prompts=40, window_size=8)
@@ -104,7 +104,7 @@ def test_each_layers_rotation_is_read_from_its_own_forward(family, overrides, ex
 
 
 def test_a_layer_without_rope_hands_scorers_the_identity_rotation():
-    from restkv.attention import attention_inputs, layer_rotary
+    from restkv.integrations.transformers.attention import attention_inputs, layer_rotary
 
     model = tiny_model("smollm3")
     attention = model.model.layers[1].self_attn
@@ -131,7 +131,7 @@ def test_a_pre_rope_reader_is_refused_on_a_rotation_restkv_cannot_undo(options, 
 
 def test_a_pre_rope_reader_runs_on_nope_layers():
     from restkv.cache import cache_report
-    from restkv.compat import output_cache
+    from restkv.integrations.transformers.compat import output_cache
 
     model = tiny_model("smollm3")
     replace_for("smollm3")(method="compactor", max_capacity_prompts=40, window_size=8)
@@ -141,8 +141,8 @@ def test_a_pre_rope_reader_runs_on_nope_layers():
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "smollm3"])
 def test_pre_rope_projections_turned_with_their_tables_are_what_the_kernel_sees(family):
-    from restkv.benchmarks.projections import pre_rope_projections
-    from restkv.rope import rotate
+    from restkv.scoring.rope import rotate
+    from restkv.tools.projections import pre_rope_projections
 
     model = tiny_model(family)
     input_ids = random_prompt(1, 9)

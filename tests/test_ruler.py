@@ -8,11 +8,11 @@ import dataclasses
 import json
 
 import pytest
+from top_level import dry_run_script, usage_exit
 
 from restkv.benchmarks import ruler, ruler_data, runner
 from restkv.benchmarks.flags import parse_args
 from restkv.benchmarks.results import read_predictions
-from top_level import dry_run_script, usage_exit
 
 
 def test_postprocess_strips_and_turns_control_characters_into_newlines():
@@ -83,7 +83,7 @@ def test_prompt_is_chat_wrapped_input_then_answer_prefix(smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from restkv.models import load_tokenizer
+    from restkv.integrations.transformers.models import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
 

@@ -18,7 +18,7 @@ RULER_FIELDS = ["index", "input", "outputs", "length", "length_w_model_temp", "a
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from restkv.models import load_tokenizer
+    from restkv.integrations.transformers.models import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
 
@@ -131,7 +131,7 @@ def test_deterministic_per_seed_and_per_sample(smollm2_tokenizer):
 
 
 def test_base_tokenizer_counts_no_template():
-    from restkv.models import load_tokenizer
+    from restkv.integrations.transformers.models import load_tokenizer
 
     gemma = load_tokenizer("gemma3-270m")
     (sample,) = generate_task("niah_single_1", 2048, 1, gemma)
@@ -245,12 +245,12 @@ def test_a_niah_file_written_before_needles_were_recorded_is_regenerated(tmp_pat
     ],
 )
 def test_bad_flags_stop_before_the_tokenizer_loads(flags, message, tmp_path, capsys, monkeypatch):
-    import restkv.models
+    import restkv.integrations.transformers.models
 
     def refuse(*args, **kwargs):
         raise AssertionError("the tokenizer was loaded before the error was found")
 
-    monkeypatch.setattr(restkv.models, "load_tokenizer", refuse)
+    monkeypatch.setattr(restkv.integrations.transformers.models, "load_tokenizer", refuse)
     with pytest.raises(SystemExit) as stop:
         ruler_data.main(["--tokenizer", "smollm2-135m", "--lengths", "1024", "--tasks", "niah_single_1",
                          "--out", str(tmp_path), *flags])
@@ -259,12 +259,12 @@ def test_bad_flags_stop_before_the_tokenizer_loads(flags, message, tmp_path, cap
 
 def test_a_given_essay_folder_must_hold_essays(tmp_path, capsys, monkeypatch):
     """A typo in --essay_dir fell back to synthetic prose without a word."""
-    import restkv.models
+    import restkv.integrations.transformers.models
 
     def refuse(*args, **kwargs):
         raise AssertionError("the tokenizer was loaded before the error was found")
 
-    monkeypatch.setattr(restkv.models, "load_tokenizer", refuse)
+    monkeypatch.setattr(restkv.integrations.transformers.models, "load_tokenizer", refuse)
     (tmp_path / "empty").mkdir()
     for folder, message in ((tmp_path / "typo", f"--essay_dir {tmp_path / 'typo'}: no such folder"),
                             (tmp_path / "empty", f"--essay_dir {tmp_path / 'empty'} holds no essays")):

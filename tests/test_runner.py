@@ -10,15 +10,14 @@ import json
 
 import pytest
 import torch
-
+from toy_benchmark import TOY, TOY_FLAGS, TOY_MULTI, lines_of, toy_multi_samples, toy_run, toy_samples
 
 from restkv.benchmarks import flags, runner, session
 from restkv.benchmarks.errors import CompressionNotApplied
 from restkv.benchmarks.prompts import encode_prompt
 from restkv.benchmarks.results import read_predictions
 from restkv.config import CompressionConfig
-from restkv.monkeypatch import unpatch
-from toy_benchmark import TOY, TOY_FLAGS, TOY_MULTI, lines_of, toy_multi_samples, toy_run, toy_samples
+from restkv.integrations.transformers.patching import unpatch
 
 
 def test_a_run_writes_one_line_per_sample_with_its_cache_record(tmp_path, tiny, tokenizer):
@@ -146,7 +145,7 @@ def test_a_resume_on_other_data_is_refused_and_grown_data_continue(tmp_path, tin
 def test_a_file_an_option_names_is_fingerprinted_and_a_resume_against_another_is_refused(tmp_path, tiny, tokenizer):
     """IndexMem weights retrained in place between two runs once mixed two weights' predictions in
     one folder: run_meta.json stored only the path."""
-    from restkv.indexmem import Architecture, IndexMemLayer, IndexMemWeights
+    from restkv.learned.indexmem import Architecture, IndexMemLayer, IndexMemWeights
 
     arch = Architecture(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, features=4)
     weights = tmp_path / "weights.pt"
@@ -281,7 +280,7 @@ def test_a_cache_compressed_with_other_settings_than_the_runs_stops_the_run(tmp_
     """configure() after the start leaves the model at other settings than the folder records."""
     from restkv.benchmarks.errors import CompressionMismatch
     from restkv.benchmarks.flags import parse_args
-    from restkv.monkeypatch import configure
+    from restkv.integrations.transformers.patching import configure
 
     args = parse_args(TOY, ["--save_dir", str(tmp_path), "--method", "h2o", "--max_capacity_prompts", "64",
                             "--window_size", "8"])
@@ -303,7 +302,7 @@ def test_a_cache_compressed_with_other_settings_than_the_runs_stops_the_run(tmp_
 def test_a_prompt_too_short_for_a_ratio_budget_is_answered_with_the_full_cache(tmp_path, tiny, tokenizer, switches):
     """At --compression_ratio 0.9 a short prompt keeps no more than the window: the library refuses
     to compress it, and such a sample must not stop the run (nor every resume)."""
-    from restkv.monkeypatch import config_of
+    from restkv.integrations.transformers.patching import config_of
 
     long, short = toy_samples(None, "logs", None)[:2]
     short = dataclasses.replace(short, context="Read the log. The door code is 4017.\n\n")

@@ -6,11 +6,11 @@ import dataclasses
 import json
 
 import pytest
+from toy_benchmark import TOY, lines_of, toy_run
 
 from restkv.benchmarks import scoring
 from restkv.benchmarks.errors import DataError
 from restkv.benchmarks.scoring import DatasetScore
-from toy_benchmark import TOY, lines_of, toy_run
 
 
 def write_lines(path, records):

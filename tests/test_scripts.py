@@ -13,10 +13,10 @@ import os
 import subprocess
 
 import pytest
-
-from restkv.benchmarks import sweep
 from test_command_lines import one_line_error
 from top_level import ROOT, load_scripts_module, run_main
+
+from restkv.benchmarks import sweep
 
 FIXTURES = ROOT / "data" / "fixtures"
 
@@ -286,11 +286,11 @@ SMOKE_TESTS = {
     "visualization/visualize.py": "test_visualization::test_efficiency_plot_from_rows_file",
     "restkv/benchmarks/sweep.py": "test_scripts::test_the_sweep_prints_its_table_and_writes_its_rows",
     "restkv/benchmarks/ruler_data.py": "test_ruler_data::test_cli_writes_ruler_layout_and_keeps_complete_files",
-    "restkv/benchmarks/head_scores.py": "test_head_scores::test_command_writes_a_loadable_score_file_for_a_tiny_model",
-    "restkv/benchmarks/duo_pattern.py": "test_duo_attention::test_the_pattern_command_writes_a_file_the_method_reads",
-    "restkv/benchmarks/query_stats.py": "test_query_stats::test_the_command_writes_statistics_expected_attention_reads",
-    "restkv/train_indexmem.py": "test_indexmem::test_the_training_command_writes_weights_the_method_loads",
-    "restkv/train_scorer.py": "test_learned_zip::test_the_training_command_writes_weights_the_method_loads_and_head_scores_headkv_reads",
+    "restkv/tools/head_scores.py": "test_head_scores::test_command_writes_a_loadable_score_file_for_a_tiny_model",
+    "restkv/tools/duo_pattern.py": "test_duo_attention::test_the_pattern_command_writes_a_file_the_method_reads",
+    "restkv/tools/query_stats.py": "test_query_stats::test_the_command_writes_statistics_expected_attention_reads",
+    "restkv/tools/train_indexmem.py": "test_indexmem::test_the_training_command_writes_weights_the_method_loads",
+    "restkv/tools/train_scorer.py": "test_learned_zip::test_the_training_command_writes_weights_the_method_loads_and_head_scores_headkv_reads",
 }
 
 

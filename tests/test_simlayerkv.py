@@ -2,9 +2,9 @@
 (StreamingLLM's tokens), any other keeps every token."""
 
 import pytest
+from tiny_models import assert_model_compresses, random_qkv
 
 from restkv import CompressionConfig, compress_kv
-from tiny_models import assert_model_compresses, random_qkv
 
 
 @pytest.mark.parametrize("focus, lazy", [(1, True), (62, True), (30, False), (99, False)])

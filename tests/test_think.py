@@ -3,15 +3,13 @@ channels are the ones dropped, pruned storage reads like masked queries, memory 
 
 import pytest
 import torch
+from tiny_models import (FAMILY_BACKENDS, assert_rows_match_single_row_runs, decode_in_chunks, greedy, left_padded,
+                         random_prompt, random_qkv, replace_for, tiny_model)
 
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.cache import CompressedLayer, cache_report
-from restkv.generation import prefill
-from restkv.channel_pruning import PrunedKeyTokens
-from tiny_models import (
-    FAMILY_BACKENDS, assert_rows_match_single_row_runs, decode_in_chunks, greedy, left_padded, random_prompt,
-    random_qkv, replace_for, tiny_model,
-)
+from restkv.cache.segments.pruned_keys import PrunedKeyTokens
+from restkv.integrations.transformers.generation import prefill
 
 BASE = dict(max_capacity_prompts=24, window_size=8, recent_size=8)
 

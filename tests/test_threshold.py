@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from tiny_models import assert_model_compresses, random_qkv
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.context import ScoringContext, plan_layer, valid_from_mask
-from tiny_models import assert_model_compresses, random_qkv
+from restkv.pipeline.plan import ScoringContext, plan_layer, valid_from_mask
 
 
 @pytest.mark.parametrize("budget", [90, 30])

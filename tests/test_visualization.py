@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-
 from top_level import load_script
 
 figures = load_script("visualization.figures")

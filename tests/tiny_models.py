@@ -6,36 +6,16 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers import (
-    Cohere2Config,
-    Cohere2ForCausalLM,
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    GemmaConfig,
-    GemmaForCausalLM,
-    GraniteConfig,
-    GraniteForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Olmo2Config,
-    Olmo2ForCausalLM,
-    Phi3Config,
-    Phi3ForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    SmolLM3Config,
-    SmolLM3ForCausalLM,
-)
+from transformers import (Cohere2Config, Cohere2ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
+                          Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, GraniteConfig, GraniteForCausalLM,
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config,
+                          Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
-from restkv.compat import with_cache
-from restkv.generation import position_ids_from_mask
-from restkv.monkeypatch import replace_family, replace_gemma, replace_llama, replace_mistral, replace_qwen2
+from restkv.integrations.transformers.compat import with_cache
+from restkv.integrations.transformers.generation import position_ids_from_mask
+from restkv.integrations.transformers.patching import (replace_family, replace_gemma, replace_llama, replace_mistral,
+                                                       replace_qwen2)
 
 COMMON = dict(
     vocab_size=256,
@@ -199,7 +179,7 @@ def assert_model_compresses(options: dict, length: int = 90, new_tokens: int = 3
     """The tiny Llama patched with ``options`` generates after a prompt of ``length`` tokens, every
     layer of its cache compressed (what a part's composition matrix checks)."""
     from restkv.cache import cache_report
-    from restkv.compat import output_cache
+    from restkv.integrations.transformers.compat import output_cache
 
     model = tiny_model("llama")
     replace_for("llama")(**options)

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import LinearSegmentedColormap  # noqa: E402
 
 from restkv.benchmarks.needle import score_grid  # noqa: E402
+
+matplotlib.use("Agg")
+
 
 # gkamradt's needle colours: red (miss) -> yellow -> green (found).
 NEEDLE_CMAP = LinearSegmentedColormap.from_list("needle", ["#F0496E", "#EBB839", "#0CD79F"])

@@ -23,10 +23,11 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from visualization import figures  # noqa: E402
+
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from visualization import figures  # noqa: E402
 
 
 def plot_needle(args: argparse.Namespace) -> Path:
@@ -60,7 +61,7 @@ def plot_attention(args: argparse.Namespace) -> Path:
     from restkv import CompressionConfig
     from restkv.benchmarks import ruler
     from restkv.benchmarks.ruler_data import generate_task
-    from restkv.models import load_model, load_tokenizer, model_label
+    from restkv.integrations.transformers.models import load_model, load_tokenizer, model_label
     from visualization.attention_maps import layer_attention
 
     options = {"method": args.method, "max_capacity_prompts": args.max_capacity_prompts}

@@ -46,7 +46,7 @@ class Sample:
     min_new_tokens: generate at least this many tokens before a stop token counts.
     questions: a multi-question sample (``question`` and ``answer_prefix`` then empty): the
         context is compressed once and every question is answered from it alone
-        (``restkv.generation.answer_many``, so query-agnostic whatever the flags), one output
+        (``restkv.integrations.transformers.generation.answer_many``, so query-agnostic whatever the flags), one output
         line each (``line_ids``), each as ``single_question`` would answer it.
     """
 

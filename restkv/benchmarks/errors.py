@@ -13,8 +13,8 @@ import sys
 from typing import Callable, TypeVar
 
 from restkv.config import ConfigError
-from restkv.models import ModelPathError
-from restkv.seams import UnsupportedModel
+from restkv.integrations.transformers.models import ModelPathError
+from restkv.integrations.transformers.seams import UnsupportedModel
 
 Entry = TypeVar("Entry", bound=Callable)
 

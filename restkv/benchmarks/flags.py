@@ -1,6 +1,6 @@
 """The command line every runner shares: its flags, their checks, sharding, the prompt limit.
 
-Every compression option is a flag ``--<name>`` (``restkv.flags``: help, type and choices
+Every compression option is a flag ``--<name>`` (``restkv.config.flags``: help, type and choices
 from the declaring part, default None so the part's own default applies); this module is the
 only one of the benchmarks that builds configs (``compression_config_from_args``,
 ``full_cache_config``).
@@ -8,7 +8,7 @@ only one of the benchmarks that builds configs (``compression_config_from_args``
 ``parse_args`` checks every value before anything is loaded, so a typo in a sweep script
 stops with the flag's name at once: the compression options (the config's own checks), the
 datasets, the shard, the lengths and counts, ``--model_path`` when it can only be a local
-folder (``restkv.models.check_model_path``), and the benchmark's own flags (``Benchmark.check_flags``).
+folder (``restkv.integrations.transformers.models.check_model_path``), and the benchmark's own flags (``Benchmark.check_flags``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any, Callable, Mapping, Sequence
 from restkv.benchmarks.benchmark import Benchmark
 from restkv.benchmarks.errors import DataError, FlagError
 from restkv.config import CompressionConfig, ConfigError
-from restkv.flags import add_compression_flags, config_from_flags
-from restkv.models import ModelPathError, check_model_path
+from restkv.config.flags import add_compression_flags, config_from_flags
+from restkv.integrations.transformers.models import ModelPathError, check_model_path
 
 #: Prompt-token limits of the original release (ReST-KV run_*.py), keyed by a substring of the
 #: lower-cased model path, plus the embedded models and "llama-3-" (hub names of the 8K Llama 3,
@@ -82,7 +82,7 @@ def _str_to_bool(text: str) -> bool:
 
 
 #: one ``--<name>`` per compression option of every registered part, and the config of the
-#: flags that were given (``restkv.flags``: built from the parts' own declarations)
+#: flags that were given (``restkv.config.flags``: built from the parts' own declarations)
 compression_config_from_args = config_from_flags
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from restkv.benchmarks.errors import DataError
-from restkv.text import synthetic_prose
+from restkv.benchmarks.text import synthetic_prose
 
 ESSAY_DIR = Path("data/PaulGrahamEssays")
 SYNTHETIC_SOURCE = "synthetic-prose"

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from restkv.benchmarks.longbench_metrics import f1_score, normalize_answer, normalize_zh_answer
+from restkv.benchmarks import scoring
 from restkv.benchmarks.benchmark import Benchmark, Sample
 from restkv.benchmarks.errors import DataError, command_line
-from restkv.benchmarks import scoring
+from restkv.benchmarks.longbench_metrics import f1_score, normalize_answer, normalize_zh_answer
 from restkv.benchmarks.results import read_jsonl
 from restkv.benchmarks.runner import main as run_main
 

@@ -30,10 +30,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from restkv.benchmarks import longbench_metrics as metrics
+from restkv.benchmarks import longbench_metrics as metrics, scoring
 from restkv.benchmarks.benchmark import Benchmark, Sample
 from restkv.benchmarks.errors import DataError, command_line
-from restkv.benchmarks import scoring
 from restkv.benchmarks.results import read_jsonl, read_predictions
 from restkv.benchmarks.runner import main as run_main
 from restkv.benchmarks.scoring import RunScores, footnotes, format_table, marked, samples_cell

@@ -37,11 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, given_essays, load_essays
 from restkv.benchmarks import runner, scoring
 from restkv.benchmarks.benchmark import Benchmark, Sample
 from restkv.benchmarks.errors import DataError, FlagError, command_line
 from restkv.benchmarks.flags import compression_config_from_args, parse_args
+from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, given_essays, load_essays
 from restkv.benchmarks.results import read_predictions
 
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Mapping
 
 from restkv.benchmarks.errors import DataError, RunFolderBusy
 from restkv.config import CompressionConfig
-from restkv.options import registered
+from restkv.config.options import registered
 
 # --------------------------------------------------------------------------- folder
 
@@ -76,7 +76,7 @@ def results_dir(save_dir: str | Path, model_path: str, config: CompressionConfig
                 query_agnostic: bool = False, tag: str | None = None) -> Path:
     """``<save_dir>/<model>/<method>_<budget>[_<variant>...][_agnostic][_<tag>]`` (``fullkv`` has
     no budget; the variant parts: ``variant_parts``)."""
-    from restkv.models import model_label
+    from restkv.integrations.transformers.models import model_label
 
     name = "_".join(part for part in (config.method, budget_label(config), *variant_parts(config)) if part)
     if query_agnostic:

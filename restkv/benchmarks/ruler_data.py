@@ -50,12 +50,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, given_essays, load_essays, split_sentences
-from restkv.benchmarks.ruler import FAMILIES, RulerTask, get_task, niah_prompt, parse_task_list, SYNTHETIC_TASKS
 from restkv.benchmarks.errors import FlagError, command_line
 from restkv.benchmarks.flags import check_minimums
+from restkv.benchmarks.haystack import ESSAY_DIR, HaystackText, given_essays, load_essays, split_sentences
 from restkv.benchmarks.prompts import chat_wrap
-from restkv.text import wonderwords_list, wonderwords_version
+from restkv.benchmarks.ruler import FAMILIES, SYNTHETIC_TASKS, RulerTask, get_task, niah_prompt, parse_task_list
+from restkv.benchmarks.text import wonderwords_list, wonderwords_version
 
 NOISE_LINE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
@@ -667,7 +667,7 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
     except ValueError as error:  # FlagError, DataError (a bad --essay_dir), or an unknown task
         parser.error(str(error))
     essay_dir = ESSAY_DIR if args.essay_dir is None else args.essay_dir
-    from restkv.models import load_tokenizer
+    from restkv.integrations.transformers.models import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)
     written = []

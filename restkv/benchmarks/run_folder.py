@@ -44,13 +44,8 @@ import torch
 
 from restkv.benchmarks.benchmark import Benchmark, Sample
 from restkv.benchmarks.errors import RunMismatch
-from restkv.benchmarks.results import (
-    ResultWriter,
-    holds_predictions,
-    prediction_files,
-    read_prediction_file,
-    shard_path,
-)
+from restkv.benchmarks.results import (ResultWriter, holds_predictions, prediction_files, read_prediction_file,
+                                       shard_path)
 from restkv.config import CompressionConfig
 
 META_FILE = "run_meta.json"

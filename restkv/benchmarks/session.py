@@ -3,7 +3,7 @@ compression check, and the loop over a dataset's samples.
 
 **Generation.** Greedy, batch 1, stopping on the prompt's stop tokens, new tokens decoded
 without special tokens. Query-agnostic prompts (``question_ids``) compress the context alone,
-then feed the question through the compressed cache (``restkv.generation``). A multi-question
+then feed the question through the compressed cache (``restkv.integrations.transformers.generation``). A multi-question
 sample (``Sample.questions``) compresses its context once and answers every question from it
 (``answer_many``); each answer is the one its question would get alone. ``--seed`` (a config
 option) also seeds Python, NumPy and torch.
@@ -55,10 +55,10 @@ from restkv.benchmarks.flags import compression_config_from_args, default_model_
 from restkv.benchmarks.prompts import EncodedPrompt, encode_prompt, encode_questions, stop_token_ids
 from restkv.benchmarks.results import results_dir
 from restkv.benchmarks.run_folder import DatasetInput, RunFolder, run_settings
-from restkv.compat import CACHE_ARGUMENT, with_cache
 from restkv.config import CompressionConfig, ConfigError
-from restkv.context_span import set_context_span
-from restkv.reconstruction_prompt import set_reconstruction_prompt
+from restkv.integrations.transformers.compat import CACHE_ARGUMENT, with_cache
+from restkv.integrations.transformers.context_span import set_context_span
+from restkv.integrations.transformers.reconstruction_prompt import set_reconstruction_prompt
 
 # --------------------------------------------------------------------------- generation
 
@@ -91,7 +91,7 @@ def generate(model, tokenizer, encoded: EncodedPrompt, max_new_tokens: int,
     """Greedy generation; with ``question_ids``, the context is compressed alone first."""
     from transformers import DynamicCache
 
-    from restkv.generation import generate_after_context
+    from restkv.integrations.transformers.generation import generate_after_context
 
     settings = _greedy(tokenizer, max_new_tokens, stop_ids, min_new_tokens)
     context = torch.tensor([encoded.context_ids], device=model.device)
@@ -114,10 +114,10 @@ def generate(model, tokenizer, encoded: EncodedPrompt, max_new_tokens: int,
 def generate_many(model, tokenizer, prompts: Sequence[EncodedPrompt], max_new_tokens: int,
                   stop_ids: Sequence[int], min_new_tokens: int = 0) -> list[Generation]:
     """Greedy answers of several questions after one context, compressed once
-    (``restkv.generation.answer_many``; ``prompts`` share their ``context_ids``). Each
+    (``restkv.integrations.transformers.generation.answer_many``; ``prompts`` share their ``context_ids``). Each
     generation's cache is the one its answer left: the compressed context, its question and
     its tokens."""
-    from restkv.generation import answer_many
+    from restkv.integrations.transformers.generation import answer_many
 
     context = torch.tensor([prompts[0].context_ids], device=model.device)
     questions = [torch.tensor([prompt.question_ids], device=model.device) for prompt in prompts]
@@ -176,9 +176,9 @@ def compression_record(model, config: CompressionConfig, cache, prefill_tokens: 
     model re-configured behind the run's back). This is the one place that reads the library's
     compression internals.
     """
-    from restkv.attention import LayerParams
     from restkv.cache import CompressedLayer, cache_report
-    from restkv.context import plan_layer
+    from restkv.integrations.transformers.attention import LayerParams
+    from restkv.pipeline.plan import plan_layer
 
     valid = torch.ones(1, prefill_tokens, dtype=torch.bool)
     layers = model.config.num_hidden_layers
@@ -235,7 +235,7 @@ def uncompressible_reason(config: CompressionConfig, prefill_tokens: int) -> str
     runner asks the library's own plan before generating, answers that sample with the full
     cache, and records the library's reason.
     """
-    from restkv.context import plan_layer
+    from restkv.pipeline.plan import plan_layer
 
     try:
         plan_layer(config, torch.ones(1, prefill_tokens, dtype=torch.bool))
@@ -247,7 +247,7 @@ def uncompressible_reason(config: CompressionConfig, prefill_tokens: int) -> str
 @contextlib.contextmanager
 def full_cache(model, config: CompressionConfig) -> Iterator[CompressionConfig]:
     """The model keeping every token (its config, fullkv, is yielded), then back at ``config``."""
-    from restkv.monkeypatch import configure
+    from restkv.integrations.transformers.patching import configure
 
     keep_all = configure(model, full_cache_config())
     try:
@@ -281,7 +281,7 @@ def _device_map(args: argparse.Namespace, environ: Mapping[str, str] = os.enviro
 
 def _dtype_name(args: argparse.Namespace, model) -> str:
     """The dtype the predictions are made in: the given model's, else ``--dtype`` (default as
-    ``restkv.models.load_model``'s; "auto" is the checkpoint's own)."""
+    ``restkv.integrations.transformers.models.load_model``'s; "auto" is the checkpoint's own)."""
     if model is not None:
         return str(model.dtype).removeprefix("torch.")
     if args.dtype is not None:
@@ -324,8 +324,9 @@ class BenchmarkRun:
         at the first compressing prefill) ends the run in one line (``errors.command_line``)."""
         from transformers import AutoConfig
 
-        from restkv.models import check_supported, load_model, load_tokenizer, model_path_errors, resolve_model_path
-        from restkv.monkeypatch import configure, replace_for_model
+        from restkv.integrations.transformers.models import (check_supported, load_model, load_tokenizer,
+                                                             model_path_errors, resolve_model_path)
+        from restkv.integrations.transformers.patching import configure, replace_for_model
 
         config = compression_config_from_args(args)
         shard_id, num_shards = shard_of(args)

@@ -32,8 +32,7 @@ from typing import Sequence
 
 from restkv.benchmarks import ruler, ruler_data, scoring
 from restkv.benchmarks.errors import command_line
-from restkv.benchmarks.flags import ATTN_IMPLEMENTATIONS, check_minimums
-from restkv.benchmarks.flags import parse_args as parse_runner_args
+from restkv.benchmarks.flags import ATTN_IMPLEMENTATIONS, check_minimums, parse_args as parse_runner_args
 from restkv.benchmarks.results import named_in_folder, read_predictions
 from restkv.config import ConfigError, method_spec_options
 
@@ -133,7 +132,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def run_sweep(args: argparse.Namespace, model=None, tokenizer=None) -> list[dict]:
     """Generate the data, run every configuration, return one table row per configuration."""
-    from restkv.models import load_model, load_tokenizer
+    from restkv.integrations.transformers.models import load_model, load_tokenizer
 
     tasks = ruler.parse_task_list(args.tasks)
     tokenizer = tokenizer or load_tokenizer(args.model_path)

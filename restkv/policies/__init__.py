@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from restkv.options import lookup, names
+from restkv.config.options import lookup, names
 from restkv.policies.base import GroupedScores, Policy, PooledScores
 
 for _module in pkgutil.iter_modules(__path__):

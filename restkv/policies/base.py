@@ -1,9 +1,9 @@
 """What a policy is: a scorer that owns its options.
 
-A policy is a frozen dataclass whose fields are its options (``restkv.options.option``:
+A policy is a frozen dataclass whose fields are its options (``restkv.config.options.option``:
 the field name is the flag, with its help, type and range). ``score(ctx)`` returns an
 importance per batch row, KV head and token; selection, budgets and storage are shared by
-every policy (``restkv.selection``, ``restkv.allocation``, ``restkv.cache``). What a policy
+every policy (``restkv.scoring.selection``, ``restkv.allocation``, ``restkv.cache``). What a policy
 can do is declared on the class (``evicts``, ``ranks_by_position``, ``merges_values``,
 ``allocation``), never inferred from its name.
 
@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from restkv.adaptive_pooling import adaptive_pool
-from restkv.context import ScoringContext
-from restkv.observation import RECONSTRUCTION_CHUNK
-from restkv.options import ConfigError, Options, option
-from restkv.selection import Reservation
+from restkv.config.composition import RECONSTRUCTION_CHUNK
+from restkv.config.options import ConfigError, Options, option
+from restkv.pipeline.plan import ScoringContext
+from restkv.scoring.adaptive_pooling import adaptive_pool
+from restkv.scoring.selection import Reservation
 
 if TYPE_CHECKING:
     from restkv.config import CompressionConfig
@@ -67,7 +67,7 @@ class Policy(Options):
     #: ``--reconstruction_chunk`` says (None: the whole context at once)
     default_reconstruction_chunk: ClassVar[int | None] = RECONSTRUCTION_CHUNK
     #: under ``--observation reconstruction``, each reconstruction query's attention is weighted by
-    #: the gradient norm of the last hidden states at its attention output (KVgrad, ``restkv.replay_gradients``)
+    #: the gradient norm of the last hidden states at its attention output (KVgrad, ``restkv.integrations.transformers.replay_gradients``)
     weights_by_gradient: ClassVar[bool] = False
     #: switches the method is defined with (``think`` = SnapKV with ``--think``, ``momentkv`` =
     #: SnapKV with ``--moments``)
@@ -80,7 +80,7 @@ class Policy(Options):
     #: score a layer of any other shape
     fitted_to_a_model: ClassVar[bool] = False
     #: ranks the context alone as KVzip does without reading reconstruction queries (``learned_zip``): the
-    #: template around a given context span is kept whatever its score (``restkv.context_span``)
+    #: template around a given context span is kept whatever its score (``restkv.integrations.transformers.context_span``)
     ranks_context_alone: ClassVar[bool] = False
     #: reads the RoPE tables the keys were rotated with (``ScoringContext.rotary``): keys or queries
     #: before RoPE, or rotations to other positions; ``compress_kv`` needs its ``rotary`` then
@@ -282,7 +282,7 @@ class PooledScores(GroupedScores):
 
     def smooth(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
         """Spatial smoothing with ``--pooling``/``--kernel_size`` over the candidates
-        (``adaptive``: ReST-KV's drift-driven kernel, ``restkv.adaptive_pooling``)."""
+        (``adaptive``: ReST-KV's drift-driven kernel, ``restkv.scoring.adaptive_pooling``)."""
         if self.pooling == "adaptive":
             return adaptive_pool(ctx, scores, self.scale, self.kernel_size)
         return ctx.pool(scores, self.pooling, self.kernel_size)

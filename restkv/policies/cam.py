@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.context import ScoringContext
-from restkv.merging import cam_merge, cam_reference_values, evicted_mask
-from restkv.options import ConfigError, option, register
+from restkv.config.options import ConfigError, option, register
+from restkv.merges.cam import cam_merge, cam_reference_values
+from restkv.merges.evicted import evicted_mask
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.base import GroupedScores
-from restkv.selection import gather_columns
+from restkv.scoring.selection import gather_columns
 
 CAM_MODES = ("paper", "reference")
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from restkv.options import option, register
+from restkv.config.options import option, register
 from restkv.policies.future_queries import FutureQueries
 
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.context import ScoringContext
-from restkv.options import option, redeclared, register
+from restkv.config.options import option, redeclared, register
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.base import SinkOptions
 from restkv.policies.leverage import SketchOptions
 from restkv.policies.noncausal import NonCausalAttention

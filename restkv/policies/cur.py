@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.context import ScoringContext
-from restkv.options import option, register
+from restkv.config.options import option, register
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.base import Policy, SinkOptions
 from restkv.policies.random_control import layer_generator
 from restkv.policies.row_local import score_rows

@@ -10,7 +10,7 @@ and, with ``--ea_vnorm``, multiplied by ``(score + --ea_epsilon) * ||v||`` (what
 to the output, not only how much it is read). ``--no-ea_covariance`` drops the second-order term.
 ``--ea_stats FILE`` takes ``mu`` and ``S`` of each layer and query head from offline statistics
 instead of the prompt (kvpress' ExpectedAttentionStatsPress; ``python -m
-restkv.benchmarks.query_stats`` computes them for any model): a safetensors file holding
+restkv.tools.query_stats`` computes them for any model): a safetensors file holding
 ``query_mean`` ``[L, H, d]`` and ``query_cov`` ``[L, H, d, d]`` of pre-RoPE queries.
 
 Where this differs from kvpress' ``ExpectedAttentionPress``: the statistics are those of each
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.context import ScoringContext
-from restkv.options import ConfigError, option, register
+from restkv.config.options import ConfigError, option, register
+from restkv.files.reading import check_shape, finite_floats, load_safetensors, read_file_once
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.future_queries import FutureQueries
-from restkv.weights_file import check_shape, finite_floats, load_safetensors, read_file_once
 
 
 @register("method")
@@ -44,7 +44,7 @@ class ExpectedAttention(FutureQueries):
                                minimum=0)
     ea_stats: str | None = option(
         None, "Expected Attention: safetensors file of pre-RoPE query statistics (query_mean [L, H, d], query_cov "
-        "[L, H, d, d]; python -m restkv.benchmarks.query_stats) used instead of the prompt's queries", names_file=True)
+        "[L, H, d, d]; python -m restkv.tools.query_stats) used instead of the prompt's queries", names_file=True)
 
     def validate(self) -> None:
         if self.ea_stats is not None:
@@ -97,7 +97,7 @@ def _read_stats(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     mean, cov = tensors.get("query_mean"), tensors.get("query_cov")
     if mean is None or cov is None or mean.dim() != 3 or tuple(cov.shape) != (*mean.shape, mean.shape[-1]):
         raise ValueError("must hold query_mean [L, H, d] and query_cov [L, H, d, d] (python -m "
-                         "restkv.benchmarks.query_stats computes them)")
+                         "restkv.tools.query_stats computes them)")
     stats = finite_floats("--ea_stats", path, {"query_mean": mean, "query_cov": cov})
     _check_covariance(stats["query_cov"])
     return stats["query_mean"], stats["query_cov"]

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.context import ScoringContext
-from restkv.options import ConfigError, option, register
+from restkv.config.options import ConfigError, option, register
+from restkv.files.reading import check_shape, finite_floats, load_safetensors, read_file_once
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.base import KeepsSinks, Policy, check_weights_fit, layer_weights
-from restkv.weights_file import check_shape, finite_floats, load_safetensors, read_file_once
 
 GATE_PARAMETERS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "q_norm.weight", "k_norm.weight", "k_base", "b")
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.context import ScoringContext
-from restkv.options import ConfigError, option, register
+from restkv.config.options import ConfigError, option, register
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.base import GroupedScores
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from restkv.options import register
+from restkv.config.options import register
 from restkv.policies.base import Policy
 
 

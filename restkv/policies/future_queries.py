@@ -4,7 +4,7 @@ The queries that will read the cache (the answer's) do not exist when it is comp
 scorers model them by the prompt's own, before RoPE and after the row's ``--n_sink`` sinks,
 turned by ``R``, the mean RoPE rotation of the ``--future_positions`` positions after the
 prompt. ``R`` is read from the rotation the prompt's own positions were given
-(``restkv.rope.following_rotation``), so any RoPE scaling transformers applies is followed, and a
+(``restkv.scoring.rope.following_rotation``), so any RoPE scaling transformers applies is followed, and a
 layer without RoPE tables (``compress_kv`` without ``rotary``) is refused. The statistics need
 every prompt query of a layer at once: a reconstruction observation, a model-wide allocation,
 chunked prefill and decode budgets (which see a window of queries or none) are refused in one
@@ -17,12 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.context import ScoringContext
-from restkv.options import ConfigError, option
+from restkv.config.options import ConfigError, option
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.base import GroupedScores, KeepsSinks
 from restkv.policies.row_local import score_rows
-from restkv.rope import following_rotation, rotation_matrix, unrotate
-
+from restkv.scoring.rope import following_rotation, rotation_matrix, unrotate
 
 #: the most positions ``--future_positions`` may average (128k, a long-context model's whole window): the
 #: mean rotation is taken over a float64 table of that many positions per row and layer

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.context import ScoringContext
-from restkv.options import ConfigError, option, register
+from restkv.config.options import ConfigError, option, register
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.base import GroupedScores
-from restkv.scoring import window_attention
+from restkv.scoring.window import window_attention
 
 QUERY_CHUNK = 512
 H2O_QUERIES = ("window", "all")

@@ -2,7 +2,7 @@
 
 Scores are SnapKV's window-mean attention (as AdaKV's); the budget of each (layer, KV head)
 comes from a file of retrieval-reasoning head scores (``--head_scores``; compute one with
-``python -m restkv.benchmarks.head_scores``), spread model-wide
+``python -m restkv.tools.head_scores``), spread model-wide
 (``restkv.allocation.HeadKVAllocation``). Any other scorer gets the same allocation with
 ``--allocation headkv``.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from restkv.options import register
+from restkv.config.options import register
 from restkv.policies.adakv import AdaKV
 
 

@@ -2,16 +2,16 @@
 
 The indexer's score replaces the window attention; the evicted tokens are written into a
 compact per-KV-head memory that decode steps and question chunks read as a gated residual
-outside the softmax (``restkv.indexmem`` has the parts and the equations). The memory's
+outside the softmax (``restkv.learned.indexmem`` has the parts and the equations). The memory's
 numbers count against the budget: every head that evicts keeps ``slots`` fewer tokens, the
 memory's size in key+value slots of the cache (``cache_report``'s ``extra`` column), so a
 layer holds the bytes SnapKV holds at the same budget.
 
-With ``--indexmem_weights`` (trained by ``python -m restkv.train_indexmem``) the learned indexer
+With ``--indexmem_weights`` (trained by ``python -m restkv.tools.train_indexmem``) the learned indexer
 scores and the learned memory reads with the file's fusion; the memory and its gate read the
 keys and queries the file was trained on, before RoPE by default (the paper: the memory carries
 no position), so the compression call passes ``pre_rope_key`` to ``summarise`` and the decode
-read ``pre_rope_query`` to ``MemoryState.correct`` (``restkv.rope``). Without weights the
+read ``pre_rope_query`` to ``MemoryState.correct`` (``restkv.scoring.rope``). Without weights the
 training-free fallback runs (and says so once): the indexer is the window attention (SnapKV's
 score), and the memory holds random features of ``exp(scale <q, k>)`` of the post-RoPE keys
 and queries read through the shared softmax (the evicted mass joins it), which estimates the
@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from restkv.context import ScoringContext
-from restkv.indexmem import (FUSIONS, QUERY_REDUCTIONS, Architecture, IndexMemLayer, MemoryState, load_weights,
-                             memory_input, slots_for)
-from restkv.options import ConfigError, option, register
+from restkv.cache.segments.memory import MemoryState, memory_input, slots_for
+from restkv.config.options import ConfigError, option, register
+from restkv.learned.indexmem import FUSIONS, QUERY_REDUCTIONS, Architecture, IndexMemLayer, load_weights
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.base import PooledScores
-from restkv.selection import Reservation
+from restkv.scoring.selection import Reservation
 
 if TYPE_CHECKING:
     from restkv.config import CompressionConfig, ModelShape
@@ -49,7 +49,7 @@ class IndexMem(PooledScores):
     summarises_evicted = True
 
     indexmem_weights: str | None = option(
-        None, "IndexMem weights file (python -m restkv.train_indexmem); without it the training-free fallback runs",
+        None, "IndexMem weights file (python -m restkv.tools.train_indexmem); without it the training-free fallback runs",
         names_file=True)
     indexmem_features: int = option(32, "features of the latent memory per KV head (its size: features x (head_dim "
                                         "+ 1) float32 numbers, taken from the budget in token slots)", minimum=1)
@@ -216,4 +216,4 @@ def _warn_fallback() -> None:
         _FALLBACK_WARNED = True
         warnings.warn("restkv: --method indexmem without --indexmem_weights runs the training-free fallback (window "
                       "attention as the indexer, a random-feature memory read through the shared softmax); train "
-                      "weights with python -m restkv.train_indexmem", UserWarning, stacklevel=3)
+                      "weights with python -m restkv.tools.train_indexmem", UserWarning, stacklevel=3)

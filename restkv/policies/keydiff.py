@@ -8,7 +8,7 @@ Where this differs from kvpress' ``KeyDiffPress``: the anchor averages the keys 
 own tokens (kvpress averages every cached row, which only batch size 1 makes the same), and
 the recent ``--window_size`` tokens are kept as for every restkv scorer (kvpress protects
 none: ``--window_size 0`` reproduces it). The paper evicts block by block as the prompt is
-read, as kvpress' ``BlockPress`` wrapper does: ``--block_press`` here (``restkv.block_scoring``).
+read, as kvpress' ``BlockPress`` wrapper does: ``--block_press`` here (``restkv.switches.block_press``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from restkv.context import ScoringContext
-from restkv.options import register
+from restkv.config.options import register
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.base import Policy
 from restkv.policies.row_local import score_rows
 

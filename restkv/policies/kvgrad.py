@@ -7,7 +7,7 @@ asks how much that attention matters for the model's output: a token's score is
 
 where ``A_{p,c} ||v_c W_o^h||`` is what the token writes into the residual stream at ``p`` and
 ``||dPhi/da_p||`` how sensitive ``Phi = sum_p ||h_p||^2`` (the last decoder layer's output over
-the repeated tokens) is to the attention output at ``p`` (``restkv.replay_gradients``: one
+the repeated tokens) is to the attention output at ``p`` (``restkv.integrations.transformers.replay_gradients``: one
 backward pass per reconstruction chunk, the cached context held constant). Everything else is
 KVzip's: the reconstruction prompt and chunks (``--reconstruction_chunk``, 512 by default as in
 KVgrad's reference and kvpress), the first ``--n_sink`` tokens kept, one ranking across layers
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from restkv.options import ConfigError, register
+from restkv.config.options import ConfigError, register
 from restkv.policies.kvzip import KVzip
 
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.context import ScoringContext
-from restkv.options import ConfigError, option, register
+from restkv.config.options import ConfigError, option, register
+from restkv.files.reading import check_shape, finite_floats, load_safetensors, read_file_once
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.base import Policy, check_weights_fit, layer_weights
-from restkv.weights_file import check_shape, finite_floats, load_safetensors, read_file_once
 
 
 @register("method")

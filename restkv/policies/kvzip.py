@@ -1,7 +1,7 @@
 """KVzip (Kim et al., NeurIPS 2025, arXiv 2505.23416): query-agnostic scores from context reconstruction.
 
 After the context's prefill the model is asked to repeat it (``--observation
-reconstruction``, the method's default; ``restkv.deferred``); a cached token's score is the
+reconstruction``, the method's default; ``restkv.integrations.transformers.deferred``); a cached token's score is the
 largest attention any reconstruction query gives it, the query group pooled by its maximum
 (``--gqa_score_agg max``). The first ``--n_sink`` tokens are always kept (attention sinks;
 ``--n_sink`` must stay below the budget, fixed or of each row under a ratio, else it is an error)
@@ -13,7 +13,7 @@ total).
 
 Where this differs from the paper and from kvpress' ``KVzipPress``:
 
-* the reconstruction runs as the reference runs it (``restkv.deferred``): chunks of
+* the reconstruction runs as the reference runs it (``restkv.integrations.transformers.deferred``): chunks of
   ``--reconstruction_chunk`` context tokens (default 2048, kvpress's; the reference's 2000),
   each after its instruction (a later one quotes the previous chunk's last 8 tokens), each
   attending to the whole context and its own repetition, whose K/V is dropped after it; a
@@ -26,7 +26,7 @@ Where this differs from the paper and from kvpress' ``KVzipPress``:
   of the context like any other token.
 
 With ``--prefill_chunk_size N`` the context is read, reconstructed and ranked chunk by chunk
-(``restkv.deferred``): each chunk's repetition attends to what earlier chunks kept, and the
+(``restkv.integrations.transformers.deferred``): each chunk's repetition attends to what earlier chunks kept, and the
 kept tokens' scores are ranked again beside the new chunk's, so the cache never holds more than
 the budget plus one chunk and one repetition (a single-pass reconstruction holds the whole
 context).
@@ -47,10 +47,10 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.context import ScoringContext
-from restkv.options import option, redeclared, register
-from restkv.output_space import head_grams
+from restkv.config.options import option, redeclared, register
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.base import GroupedScores, KeepsSinks
+from restkv.scoring.output_space import head_grams
 
 #: the score of a sink token: above any attention weight, so sinks always rank first
 SINK_SCORE = 2.0

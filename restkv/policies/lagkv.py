@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.context import ScoringContext
-from restkv.options import option, register
+from restkv.config.options import option, register
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.base import KeepsSinks, Policy
 from restkv.policies.row_local import score_rows
 

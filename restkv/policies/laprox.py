@@ -30,7 +30,7 @@ the paper's ablations):
   (Table 6: every head keeps the budget).
 
 Memory: with ``--laprox_alloc global`` every layer's scores are needed before any layer is
-compressed, so layers compress after the whole prefill (``restkv.deferred``): the peak holds
+compressed, so layers compress after the whole prefill (``restkv.integrations.transformers.deferred``): the peak holds
 the uncompressed prefill's K/V of every layer (what an uncompressed prefill holds) plus, per
 layer, its last ``window_size`` queries (``[B, H, W, d]``) and its output projection reference;
 the scoring pass adds one layer at a time its window attention (``[B, H, W, L]`` float32),
@@ -49,10 +49,10 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.context import ScoringContext
-from restkv.options import ConfigError, option, redeclared, register
-from restkv.output_space import column_chunks, group_grams, head_grams, output_weight
+from restkv.config.options import ConfigError, option, redeclared, register
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.base import PooledScores
+from restkv.scoring.output_space import column_chunks, group_grams, head_grams, output_weight
 
 LAPROX_NORMS = ("layer_sum", "none", "output_energy")
 LAPROX_ALLOCATIONS = {"global": "laprox", "layer": "layer_ranked", "uniform": "uniform"}

@@ -3,13 +3,13 @@
 KVzip (``--method kvzip``) scores a context by the attention of the model repeating it, one
 more forward over the context with twice its keys. ``--method learned_zip`` predicts those
 scores instead from what the prefill already holds: per layer and KV head, a linear map of each
-token's pre-RoPE key and value to its KVzip score's logarithm (``restkv.learned_scores``),
-fitted by ``python -m restkv.train_scorer --target kvzip`` on text the project generates. The
+token's pre-RoPE key and value to its KVzip score's logarithm (``restkv.learned.scorer``),
+fitted by ``python -m restkv.tools.train_scorer --target kvzip`` on text the project generates. The
 scoring costs one small matrix product per layer; everything else is KVzip's: no observation
 window, the first ``--n_sink`` tokens always kept, the template around a given context span kept
-(``restkv.context_span``), and one ranking of every (layer, KV head, token) across the model (``--max_capacity_prompts`` x layers x KV heads entries, ragged per
+(``restkv.integrations.transformers.context_span``), and one ranking of every (layer, KV head, token) across the model (``--max_capacity_prompts`` x layers x KV heads entries, ragged per
 layer and head). Under ``--prefill_chunk_size`` the kept tokens' predicted scores are ranked
-again beside each new chunk's (``restkv.recompress.rank_chunk``): a token's score is fixed once
+again beside each new chunk's (``restkv.pipeline.recompress.rank_chunk``): a token's score is fixed once
 its key is read, so the ranking is the single pass's, in bounded memory.
 
 ``--learned_zip_weights`` names the weights file; without it, the weights shipped for the
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from restkv.context import ScoringContext
-from restkv.learned_scores import SHIPPED_WEIGHTS, ScorerWeights, load_weights
-from restkv.options import ConfigError, option, register
+from restkv.config.options import ConfigError, option, register
+from restkv.learned.scorer import SHIPPED_WEIGHTS, ScorerWeights, load_weights
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.base import KeepsSinks, Policy
 from restkv.policies.kvzip import SINK_SCORE
 
@@ -43,7 +43,7 @@ class LearnedZip(KeepsSinks, Policy):
     ranks_context_alone = True
 
     learned_zip_weights: str | None = option(
-        None, "learned_zip: weights file (python -m restkv.train_scorer); default: the ones shipped for SmolLM2-135M",
+        None, "learned_zip: weights file (python -m restkv.tools.train_scorer); default: the ones shipped for SmolLM2-135M",
         names_file=True,
     )
 
@@ -65,7 +65,7 @@ class LearnedZip(KeepsSinks, Policy):
                 "the shipped --learned_zip_weights (SmolLM2-135M's)")
             raise ConfigError(
                 f"{given} fit {layers} layers x {heads} KV heads of dimension {dim}; the model has {num_layers} x "
-                f"{num_kv_heads} of {head_dim}: train weights for it with python -m restkv.train_scorer "
+                f"{num_kv_heads} of {head_dim}: train weights for it with python -m restkv.tools.train_scorer "
                 "--model_path MODEL --output FILE and give --learned_zip_weights FILE"
             )
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from restkv.context import ScoringContext
-from restkv.options import ConfigError, option, register
+from restkv.config.options import ConfigError, option, register
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.base import GroupedScores
 from restkv.policies.row_local import score_rows
 

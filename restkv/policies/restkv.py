@@ -16,7 +16,7 @@ past token is the norm of that change:
 
 Query heads are reduced to one score per KV head (``--gqa_score_agg``, default mean;
 ``--restkv_gqa vector`` scores the norm of the group's summed change instead), then
-smoothed (``--pooling``, default ``adaptive``, see ``restkv.adaptive_pooling``). Defaults are
+smoothed (``--pooling``, default ``adaptive``, see ``restkv.scoring.adaptive_pooling``). Defaults are
 the paper's: ``--use_wo --use_ema --alpha 0.3 --metric_mode after --pooling adaptive
 --scale 2000``, window 32, kernel 5.
 
@@ -37,12 +37,12 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.context import ScoringContext
-from restkv.options import ConfigError, option, redeclared, register
-from restkv.output_space import column_chunks, group_grams, head_grams
+from restkv.config.options import ConfigError, option, redeclared, register
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.base import PooledScores
 from restkv.policies.random_control import random_scores
-from restkv.temporal import TEMPORAL_MODES, aggregate_queries
+from restkv.scoring.output_space import column_chunks, group_grams, head_grams
+from restkv.scoring.temporal import TEMPORAL_MODES, aggregate_queries
 
 #: attention weights are clamped to 1 - ODDS_EPSILON before the odds ratio (no inf / NaN)
 ODDS_EPSILON = 1e-6

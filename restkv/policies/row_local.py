@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from restkv.context import ScoringContext
+from restkv.pipeline.plan import ScoringContext
 
 
 def score_rows(ctx: ScoringContext, score_row: Callable[[int, slice], torch.Tensor]) -> torch.Tensor:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.context import ScoringContext
-from restkv.options import register
+from restkv.config.options import register
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.base import PooledScores
 
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.context import ScoringContext
-from restkv.options import option, register
+from restkv.config.options import option, register
+from restkv.pipeline.plan import ScoringContext
 from restkv.policies.base import GroupedScores
 
 

@@ -1,0 +1,24 @@
+"""``--allocation layer_ranked``: a layer's KV heads share its candidates by one ranking of their
+scores (AdaKV without its floor or normalisation; KVzip's ``--kvzip_layerwise``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from restkv.allocations.adakv import adakv_caps
+from restkv.allocations.base import Allocation
+from restkv.config.options import register
+
+
+# ---------------------------------------------------------------- one ranking for many heads
+@register("allocation")
+@dataclass(frozen=True)
+class LayerRanked(Allocation):
+    """The KV heads of a layer share its ``H_kv * B`` candidates by one ranking of their scores
+    (AdaKV without its floor or normalisation; KVzip's ``--kvzip_layerwise``)."""
+
+    name = "layer_ranked"
+    head_adaptive = True
+
+    def candidate_counts(self, layer, scores, shape, available):
+        return adakv_caps(scores, shape.candidate_budget, 0.0, normalize=False)

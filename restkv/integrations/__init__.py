@@ -1,0 +1,1 @@
+"""Where restkv meets an inference stack: transformers (patching, the attention seam, generation)."""

@@ -1,0 +1,418 @@
+"""Patch a family's attention classes and decoder: restkv's seams around the model's own forwards.
+
+::
+
+    from restkv.integrations.transformers.patching import replace_llama
+    replace_llama(method="snapkv", max_capacity_prompts=128)
+    model = AutoModelForCausalLM.from_pretrained(...)
+    model.generate(input_ids, max_new_tokens=32)     # compresses after the prefill
+
+    with restkv.compression(model, method="restkv", max_capacity_prompts=64):
+        model.generate(...)                          # this model, this config, restored after
+
+``replace_*`` patches a family and sets the config of every model of that family in the
+process (it also replaces what ``configure`` set on single models before). ``configure``
+changes one model's config: ``configure(model, max_capacity_prompts=256)`` keeps the
+model's other options, ``configure(model, reset=True, method=...)`` or
+``configure(model, CompressionConfig(...))`` sets a complete fresh config.
+``compression(model, ...)`` is the same fresh config for a ``with`` block, for that model
+alone (a family it patches for the block compresses no other model), and restores the
+previous state on exit; a config the model cannot run is refused before anything is patched.
+``unpatch()`` restores the original forwards exactly.
+
+Patching wraps (never replaces) each attention class's ``forward`` (``recording_forward``) and
+its decoder's (``model_forward``), and registers restkv's dispatcher with transformers'
+``AttentionInterface`` (``restkv.integrations.transformers.attention``). Families in ``FAMILIES`` are named by the table;
+any other decoder-only model type is found through transformers' auto mappings and checked at
+patch time for the seams restkv needs (``restkv.integrations.transformers.seams``: a one-line error naming the model type
+and why otherwise). A config given with a model (``compression``, ``configure``,
+``replace_for_model``) is checked against that model before it runs: its shape, its attention
+implementation, its cache layers, and the rotation of its keys where a part reads them before RoPE.
+
+While any family is patched, a model of a family that is not (``replace_llama`` then a Qwen3
+model) would generate uncompressed without a word: restkv's dispatcher, which every attention
+call of every model reaches while a patch is active, warns once per attention class instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any, Iterator
+
+import torch
+
+from restkv.config import CompressionConfig, ConfigError, ModelShape
+from restkv.integrations.transformers.attention import (SERVED_KERNELS, LayerParams, check_exact_tokens_only,
+                                                        check_pre_rope, install_dispatchers, model_forward,
+                                                        output_weight, patched_attention_of, probe_rotations,
+                                                        recording_forward, remove_dispatchers, set_unpatched_watch)
+from restkv.integrations.transformers.compat import CACHE_ARGUMENT, check_transformers_version
+from restkv.integrations.transformers.handles import (clear_class_config, has_class_config, module_config,
+                                                      module_config_entry, restore_module_config, set_class_config,
+                                                      set_module_config)
+from restkv.integrations.transformers.seams import (UnknownModelType, UnsupportedModel, attention_classes,
+                                                    check_cache_layers, derives_values, mapped_model_type)
+
+#: the families the release named (``replace_gemma`` covers Gemma 1-3) -> their attention classes, as
+#: (module, class name); every other decoder is its model type, found by ``restkv.integrations.transformers.seams.attention_classes``
+FAMILIES: dict[str, tuple[tuple[str, str], ...]] = {
+    "llama": (("transformers.models.llama.modeling_llama", "LlamaAttention"),),
+    "mistral": (("transformers.models.mistral.modeling_mistral", "MistralAttention"),),
+    "qwen2": (("transformers.models.qwen2.modeling_qwen2", "Qwen2Attention"),),
+    "gemma": (
+        ("transformers.models.gemma.modeling_gemma", "GemmaAttention"),
+        ("transformers.models.gemma2.modeling_gemma2", "Gemma2Attention"),
+        ("transformers.models.gemma3.modeling_gemma3", "Gemma3Attention"),
+    ),
+}
+
+#: family -> decoder model classes whose forward finishes a prefill that compresses after it
+#: (``restkv.integrations.transformers.deferred``), as (module, class name)
+MODEL_CLASSES: dict[str, tuple[tuple[str, str], ...]] = {
+    "llama": (("transformers.models.llama.modeling_llama", "LlamaModel"),),
+    "mistral": (("transformers.models.mistral.modeling_mistral", "MistralModel"),),
+    "qwen2": (("transformers.models.qwen2.modeling_qwen2", "Qwen2Model"),),
+    "gemma": (
+        ("transformers.models.gemma.modeling_gemma", "GemmaModel"),
+        ("transformers.models.gemma2.modeling_gemma2", "Gemma2Model"),
+        ("transformers.models.gemma3.modeling_gemma3", "Gemma3TextModel"),
+    ),
+}
+
+#: ``config.model_type`` -> family, for the families of the table (any other model type is its own family,
+#: or a table family whose attention classes it uses: ``internlm3`` runs ``LlamaAttention``)
+MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "gemma3": "gemma",
+    "gemma3_text": "gemma",
+}
+
+# The only global state: attention class -> its original forward, while patched; decoder class -> its
+# original forward; family -> whether it is patched (for the names the unpatched-family warning gives).
+_ORIGINAL_FORWARDS: dict[type, Any] = {}
+_ORIGINAL_MODEL_FORWARDS: dict[type, Any] = {}
+_PATCHED_FAMILIES: dict[str, tuple[type, ...]] = {}
+
+
+def _attention_classes(family: str) -> list[type]:
+    if family in FAMILIES:
+        return _classes(FAMILIES, family)
+    try:
+        return list(attention_classes(family)[0])
+    except UnknownModelType:
+        known = ", ".join([*FAMILIES, "any decoder-only model type of transformers"])
+        raise ValueError(f"unknown family {family!r}; restkv patches {known}") from None
+
+
+def _decoder_classes(family: str) -> list[type]:
+    return _classes(MODEL_CLASSES, family) if family in MODEL_CLASSES else list(attention_classes(family)[1])
+
+
+def _attention_modules_of(model: torch.nn.Module, family: str) -> list[torch.nn.Module]:
+    """The model's attention modules of ``family``'s classes (or subclasses), patched or not, in layer order."""
+    classes = tuple(_attention_classes(family))
+    return sorted((m for m in model.modules() if isinstance(m, classes)), key=lambda m: m.layer_idx)
+
+
+def _classes(table: dict[str, tuple[tuple[str, str], ...]], family: str) -> list[type]:
+    return [getattr(importlib.import_module(module), name) for module, name in table[family]]
+
+
+def _family_named(family: str) -> str:
+    """The family ``replace_family``/``unpatch`` mean by ``family`` (unknown names refused)."""
+    if family in FAMILIES:
+        return family
+    _attention_classes(family)
+    return family_of_type(family)
+
+
+def family_of_type(model_type: str | None) -> str:
+    """The patch family of a model type: its ``MODEL_TYPES`` entry, the table family whose attention classes
+    it uses, else the type itself when restkv can serve it (``restkv.integrations.transformers.seams``); unsupported types raise."""
+    if model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    try:
+        classes = set(attention_classes(model_type)[0])
+    except UnknownModelType:
+        raise UnsupportedModel(f"model type {model_type!r} is not supported by restkv: not a decoder-only model type of "
+                         f"this transformers (supported: {', '.join(sorted(MODEL_TYPES))} and any decoder whose "
+                         "attention uses transformers' registry)") from None
+    return next((family for family in FAMILIES if classes <= set(_classes(FAMILIES, family))), model_type)
+
+
+def family_of(model_or_config: Any) -> str:
+    """The patch family of a model (or its config): see ``family_of_type``. A model whose config names a
+    sub-model type (``MllamaForCausalLM``'s ``mllama_text_model``) is found by its class instead."""
+    config = getattr(model_or_config, "config", model_or_config)
+    model_type = getattr(config, "model_type", None)
+    if isinstance(model_or_config, torch.nn.Module):
+        model_type = mapped_model_type(model_type, type(model_or_config))
+    return family_of_type(model_type)
+
+
+def _replace(family: str, config: CompressionConfig | None) -> None:
+    """Patch ``family``'s classes; ``config`` is what every model of the family runs (None: only the
+    models given their own config, by ``compression`` or ``configure``)."""
+    check_transformers_version()
+    classes = _attention_classes(family)
+    install_dispatchers()
+    for cls in classes:
+        if cls not in _ORIGINAL_FORWARDS:
+            _ORIGINAL_FORWARDS[cls] = cls.forward
+            cls.forward = recording_forward(cls.forward)
+        set_class_config(cls, config)  # a new patch: per-model configs set before no longer apply
+    for cls in _decoder_classes(family):
+        if cls not in _ORIGINAL_MODEL_FORWARDS:
+            _ORIGINAL_MODEL_FORWARDS[cls] = cls.forward
+            cls.forward = _one_row_reconstruction(model_forward(cls.forward))
+    _PATCHED_FAMILIES[family] = tuple(classes)
+    _watch_unpatched()
+
+
+def _one_row_reconstruction(forward):
+    """A patched decoder model's ``forward``, refusing before it runs a prefill that the
+    reconstruction observation cannot compress: it repeats one context by its token ids, so it needs
+    the ``input_ids`` of one row (found after the whole prefill otherwise)."""
+
+    def checked(self, *args, **kwargs):
+        attention = patched_attention_of(self)
+        config = module_config(attention) if attention is not None else None
+        if config is not None:
+            _refuse_batched_reconstruction(config, args, kwargs)
+        return forward(self, *args, **kwargs)
+
+    return checked
+
+
+def _refuse_batched_reconstruction(config: CompressionConfig, args: tuple, kwargs: dict) -> None:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    tokens = ids if ids is not None else kwargs.get("inputs_embeds")
+    cache = kwargs.get(CACHE_ARGUMENT, kwargs.get("past_key_values"))
+    prefill = tokens is not None and kwargs.get("use_cache") is not False and (cache is None or
+                                                                               cache.get_seq_length() == 0)
+    if config.run.observation != "reconstruction" or not prefill:
+        return
+    length = tokens.shape[1]
+    if config.budget_for(length) >= length:
+        return
+    # deferring_flags() names the reconstruction observation first, as the user chose it
+    flag = config.deferring_flags()[0]
+    if ids is None:
+        raise ConfigError(f"{flag} repeats the context by its token ids; this prefill reached the decoder as "
+                         "embeddings (an image or audio prompt, or inputs_embeds), which it cannot repeat: use a "
+                         "method that scores with the prompt's own queries")
+    if ids.shape[0] != 1:
+        raise ConfigError(f"{flag} compresses one prompt at a time: this prefill has {ids.shape[0]} rows; give "
+                         "input_ids of one row")
+
+
+def replace_family(family: str, method: str = "snapkv", **options: Any) -> CompressionConfig:
+    """Patch the attention of ``family``: a key of ``FAMILIES`` (the four below) or any decoder-only
+    model type restkv can serve (``qwen3``, ``phi3``, ``olmo2``...: ``restkv.integrations.transformers.seams``), and give every
+    model of it the config of ``method`` and ``options``: ``CompressionConfig`` options, the original
+    release's flag names (``max_capacity_prompts``, ``window_size``, ``kernel_size``, ``pooling``, ...).
+
+    A model of another family runs uncompressed, with a one-line warning at its first forward.
+    What only a model shows (its attention implementation, its cache layers, its RoPE) is checked
+    at its first prefill; ``replace_for_model`` and ``compression`` check it before anything runs."""
+    family = _family_named(family)
+    config = CompressionConfig.from_options(method=method, **options)
+    _replace(family, config)
+    return config
+
+
+def replace_llama(method: str = "snapkv", **options: Any) -> CompressionConfig:
+    """Patch Llama attention and give every Llama model the config of ``method`` and ``options``
+    (``CompressionConfig``'s options: ``max_capacity_prompts=128, window_size=32, ...``); returns it.
+    Models of other families warn that they run uncompressed. See ``replace_family``, and
+    ``restkv.compression`` for one model in a ``with`` block."""
+    return replace_family("llama", method, **options)
+
+
+def replace_mistral(method: str = "snapkv", **options: Any) -> CompressionConfig:
+    """Patch Mistral attention (see ``replace_llama``)."""
+    return replace_family("mistral", method, **options)
+
+
+def replace_qwen2(method: str = "snapkv", **options: Any) -> CompressionConfig:
+    """Patch Qwen2 attention (see ``replace_llama``)."""
+    return replace_family("qwen2", method, **options)
+
+
+def replace_gemma(method: str = "snapkv", **options: Any) -> CompressionConfig:
+    """Patch Gemma, Gemma 2 and Gemma 3 (text) attention (see ``replace_llama``)."""
+    return replace_family("gemma", method, **options)
+
+
+def replace_for_model(model: torch.nn.Module, method: str = "snapkv", **options: Any) -> CompressionConfig:
+    """Patch the family ``model`` belongs to (the runners use this), after checking the config
+    against the model (``check_for_model``)."""
+    family = family_of(model)
+    config = CompressionConfig.from_options(method=method, **options)
+    check_for_model(model, config, _attention_modules_of(model, family))
+    _replace(family, config)
+    return config
+
+
+def shape_of(model: torch.nn.Module) -> ModelShape:
+    """The shape of a supported model (layers, heads, KV heads, head dim...), as its attention reads it."""
+    return model_shape(_attention_modules_of(model, family_of(model)))
+
+
+def check_for_model(model: torch.nn.Module, config: CompressionConfig, modules: list[torch.nn.Module]) -> None:
+    """Refuse, before ``model`` runs (and before anything is patched), what ``config`` cannot do with it:
+    its shape (``CompressionConfig.check_model``), an attention implementation restkv does not serve, cache
+    layers a compressed layer cannot replace, what a layer that reads each head's values from other heads
+    cannot hold (DiffLlama), and keys rotated in a way restkv cannot undo where a part of the config reads
+    them before RoPE."""
+    config.check_model(model_shape(modules))
+    implementations = sorted({module.config._attn_implementation for module in modules} - set(SERVED_KERNELS))
+    if implementations:
+        raise UnsupportedModel(f"restkv serves the {', '.join(SERVED_KERNELS)} attention implementations; this model uses "
+                         f"{', '.join(map(repr, implementations))} (load it with attn_implementation='sdpa')")
+    if config.policy.evicts:
+        check_cache_layers(modules[0].config.model_type, model.config)
+        if derives_values(type(modules[0])):
+            check_exact_tokens_only(modules[0], config)
+    if any(part.pre_rope_flags() for part in config.parts):
+        for module, kind in probe_rotations(model, modules).items():
+            if kind == "other":
+                check_pre_rope(module, config)
+
+
+def configure(model: torch.nn.Module, config: CompressionConfig | None = None, /, *, reset: bool = False,
+              **options: Any) -> CompressionConfig:
+    """Change one model's compression config without re-patching; returns the new config.
+
+    * ``configure(model, max_capacity_prompts=256)``: options not given keep the model's
+      current values (those no part of the new composition uses are dropped).
+    * ``configure(model, reset=True, method="snapkv", ...)``: a complete fresh config from
+      the given options alone.
+    * ``configure(model, CompressionConfig(...))``: exactly that config.
+
+    The model's family must be patched (``replace_*``, or use ``compression``).
+    """
+    modules = _patched_attention_modules(model)
+    current = config_of(model)
+    if config is not None:
+        if options or reset:
+            raise ConfigError("configure(model, config) takes a complete CompressionConfig and no other options")
+        new = CompressionConfig.from_any(config)
+    elif reset or current is None:
+        new = CompressionConfig.from_options(**options)
+    else:
+        new = current.replace(**options)
+    _set_model_config(model, modules, new)
+    return new
+
+
+@contextlib.contextmanager
+def compression(model: torch.nn.Module, config: CompressionConfig | None = None, /,
+                **options: Any) -> Iterator[CompressionConfig]:
+    """``with compression(model, method="snapkv", max_capacity_prompts=128) as config:`` — the model
+    runs a complete fresh config inside the block (``config`` or the options; nothing is inherited).
+
+    Only this model: if its family was not patched, it is patched for the block with no config of its
+    own, so any other model of the family runs natively meanwhile. The config is checked against the
+    model (``check_for_model``) before anything is patched, so a refused config leaves nothing behind;
+    on exit everything is as before."""
+    if config is not None and options:
+        raise ConfigError("compression(model, config) takes a complete CompressionConfig and no other options")
+    new = CompressionConfig.from_any(config) if config is not None else CompressionConfig.from_options(**options)
+    family = family_of(model)
+    check_for_model(model, new, _attention_modules_of(model, family))
+    patched_here = not is_patched(family)
+    if patched_here:
+        _replace(family, None)
+    try:
+        modules = _patched_attention_modules(model)
+        previous = [(module, module_config_entry(module)) for module in modules]
+        for module in modules:
+            set_module_config(module, new)
+        try:
+            yield new
+        finally:
+            for module, entry in previous:
+                restore_module_config(module, entry)
+    finally:
+        if patched_here:
+            unpatch(family)
+
+
+def config_of(model: torch.nn.Module) -> CompressionConfig | None:
+    """The config the model's attention layers use now (None: patched, but for other models only)."""
+    return module_config(_patched_attention_modules(model)[0])
+
+
+def model_shape(modules: list[torch.nn.Module]) -> ModelShape:
+    """What a config is checked against (``CompressionConfig.check_model``), read from a model's
+    attention modules in layer order: as the attention forward reads them."""
+    first = modules[0]
+    weight = output_weight(first)
+    element = weight if weight is not None else next(first.parameters())
+    return ModelShape(
+        num_layers=first.config.num_hidden_layers, num_heads=first.config.num_attention_heads,
+        num_kv_heads=first.config.num_key_value_heads, head_dim=first.head_dim, hidden_size=first.config.hidden_size,
+        sliding_windows=tuple(LayerParams.of(module).sliding_window for module in modules),
+        element_size=element.element_size(),
+    )
+
+
+def _set_model_config(model: torch.nn.Module, modules: list[torch.nn.Module], config: CompressionConfig) -> None:
+    """Give these modules their own config, valid while their class's current patch lasts, once
+    it is checked against their model."""
+    check_for_model(model, config, modules)
+    for module in modules:
+        set_module_config(module, config)
+
+
+def _patched_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's attention modules whose classes are patched, in layer order; a subclass that
+    overrides the patched ``forward`` is refused (restkv's seams would not see it)."""
+    modules = sorted((m for m in model.modules() if has_class_config(type(m))), key=lambda m: m.layer_idx)
+    if not modules:
+        family = family_of(model)
+        call = f"replace_{family}()" if family in FAMILIES else f"replace_family({family!r})"
+        raise RuntimeError(f"the model's attention is not patched; call restkv.integrations.transformers.patching.{call} first, or use "
+                           "restkv.compression(model, ...)")
+    for cls in {type(module) for module in modules} - set(_ORIGINAL_FORWARDS):  # subclasses of patched classes
+        patched = next(base for base in cls.__mro__ if base in _ORIGINAL_FORWARDS)
+        if cls.forward is not patched.forward:
+            raise UnsupportedModel(f"{cls.__name__} overrides forward, so restkv's patch of {patched.__name__}.forward "
+                             "does not reach it")
+    return modules
+
+
+def unpatch(family: str | None = None) -> None:
+    """Restore the original forwards (of one family, or all), exactly."""
+    family = None if family is None else _family_named(family)
+    families = list(_PATCHED_FAMILIES) if family is None else [family]
+    attention = list(_ORIGINAL_FORWARDS) if family is None else _attention_classes(family)
+    decoders = list(_ORIGINAL_MODEL_FORWARDS) if family is None else _decoder_classes(family)
+    for cls in attention:
+        if cls in _ORIGINAL_FORWARDS:
+            cls.forward = _ORIGINAL_FORWARDS.pop(cls)
+            clear_class_config(cls)
+    for cls in decoders:
+        if cls in _ORIGINAL_MODEL_FORWARDS:
+            cls.forward = _ORIGINAL_MODEL_FORWARDS.pop(cls)
+    for name in families:
+        _PATCHED_FAMILIES.pop(name, None)
+    if not _ORIGINAL_FORWARDS:
+        remove_dispatchers()
+    _watch_unpatched()
+
+
+def is_patched(family: str) -> bool:
+    return any(cls in _ORIGINAL_FORWARDS for cls in _attention_classes(family))
+
+
+def _watch_unpatched() -> None:
+    """Tell the dispatcher which families are patched: an attention of any other warns once that it
+    runs uncompressed."""
+    set_unpatched_watch(sorted(_PATCHED_FAMILIES), tuple(_ORIGINAL_FORWARDS))

@@ -1,0 +1,7 @@
+"""The parts that wrap any scorer, turned on by a flag named after them, one file (or folder) each:
+CriticalKV, ChunkKV, threshold eviction, chunk and block press, key re-rotation, ThinK's key-channel
+pruning, the residual cache (ResKV)."""
+
+from restkv.config.options import import_folder
+
+import_folder(__name__, __path__)
