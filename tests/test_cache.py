@@ -134,16 +134,22 @@ def test_beam_style_reordering_and_cropping_of_the_tail():
         cache.crop(-5)
 
 
-def test_update_follows_the_cache_layer_contract():
-    """transformers' ``update`` appends the new tokens and returns every token the layer holds."""
+def test_update_hands_the_new_tokens_to_the_steps_read_which_appends_them():
+    """transformers' ``update``, with one meaning: the step's new tokens go on as they are to restkv's read of the
+    step, which appends them (with their columns) and attends over every segment; tokens no read appended (another
+    kernel read the layer) are refused at the next update instead of being lost."""
     keys, values = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4)
     layer = CompressedLayer.from_tokens(keys, values, torch.tensor([[[0, 3]]]), tokens_seen=5)
     new_keys, new_values = torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4)
-    held_keys, held_values = layer.update(new_keys, new_values)
-    assert torch.equal(held_keys, torch.cat([keys, new_keys], dim=2))
-    assert torch.equal(held_values, torch.cat([values, new_values], dim=2))
+    handed_keys, handed_values = layer.update(new_keys, new_values)
+    assert handed_keys is new_keys and handed_values is new_values and layer.get_seq_length() == 5
+    output = layer.attend(torch.randn(1, 2, 1, 4), *layer.take_incoming(), None, 0.5)
+    assert output.shape == (1, 1, 2, 4) and layer.take_incoming() == (None, None)
     assert layer.get_seq_length() == 6 and layer.kept_columns.tolist() == [[[0, 3]]]
     assert layer.kept_tokens(appended=True)[2].tolist() == [[[0, 3, 5]]]
+    layer.update(new_keys, new_values)
+    with pytest.raises(RuntimeError, match="its last new tokens were read by another kernel"):
+        layer.update(new_keys, new_values)
 
 
 

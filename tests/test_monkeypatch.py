@@ -169,18 +169,20 @@ def test_a_later_replace_call_overrides_what_configure_set_before_an_unpatch():
 
 
 def test_a_model_of_an_unpatched_family_warns_while_another_family_is_patched():
+    from transformers.generation.utils import GenerationMixin
+
+    original_generate = GenerationMixin.generate
     replace_llama(method="snapkv", max_capacity_prompts=16, window_size=4)
     qwen = tiny_model("qwen2")
-    with pytest.warns(UserWarning, match="Qwen2Attention model runs uncompressed: restkv is patched for llama"):
-        with torch.no_grad():
-            qwen(random_prompt(1, 30))
+    with pytest.warns(UserWarning, match="Qwen2ForCausalLM model runs uncompressed: restkv is patched for llama"):
+        qwen.generate(random_prompt(1, 30), max_new_tokens=1, pad_token_id=0)
     unpatch()
     import warnings
 
+    assert GenerationMixin.generate is original_generate
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with torch.no_grad():
-            qwen(random_prompt(1, 30))  # nothing patched: nothing to warn about
+        qwen.generate(random_prompt(1, 30), max_new_tokens=1, pad_token_id=0)  # nothing patched: nothing to warn
 
 
 def test_unpatching_an_unknown_family_names_the_known_ones():
@@ -381,14 +383,13 @@ def test_a_config_the_model_refuses_leaves_nothing_patched():
 @pytest.mark.parametrize("patch, family", [(replace_llama, "llama"),
                                            (lambda **o: replace_family("phi3", **o), "phi3")])
 def test_a_model_of_any_other_family_warns_that_it_runs_uncompressed(patch, family):
-    """The warning comes from restkv's dispatcher, which every model's attention reaches while a patch is
-    active: it knows discovered families too (Qwen3 after replace_llama) and names the patched one."""
+    """The warning comes from generate, which restkv watches while a patch is active: it knows discovered
+    families too (Qwen3 after replace_llama) and names the patched one."""
     patch(method="snapkv", max_capacity_prompts=16, window_size=4)
     other = tiny_model("qwen3")
-    with pytest.warns(UserWarning, match=f"Qwen3Attention model runs uncompressed: restkv is patched for {family}, "
-                                         r"not qwen3\. Call restkv.integrations.transformers.patching.replace_family\('qwen3', \.\.\.\)"):
-        with torch.no_grad():
-            other(random_prompt(1, 30))
+    with pytest.warns(UserWarning, match=f"Qwen3ForCausalLM model runs uncompressed: restkv is patched for {family}, "
+                                         r"not qwen3\. Call restkv.monkeypatch.replace_family\('qwen3', \.\.\.\)"):
+        other.generate(random_prompt(1, 30), max_new_tokens=1, pad_token_id=0)
 
 
 def test_attention_implementations_restkv_does_not_serve_are_refused():

@@ -63,8 +63,6 @@ class CompressedLayer(CacheLayerMixin):
 
     is_compileable = False
     is_croppable = False
-    #: set while a patched attention module's forward runs over this layer (``restkv.integrations.transformers.attention``)
-    reader_appends = False
 
     def __init__(self, kept: list, tokens_seen: int, sliding_window: int | None = None, summaries=(),
                  corrections=(), config: Any = None, prompt_padding: torch.Tensor | None = None,
@@ -95,7 +93,7 @@ class CompressedLayer(CacheLayerMixin):
         #: per kernel call of a step, the KV head whose cached values each head reads (None: its own), for a
         #: module that hands its kernel values of other heads (DiffLlama); None for every other module
         self.value_views: list[torch.Tensor | None] | None = None
-        #: the new keys and values ``update`` was given this step, appended by the step's first read
+        #: the new keys and values ``update`` was given this step, until the step's first read appends them
         self.incoming: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
@@ -301,18 +299,22 @@ class CompressedLayer(CacheLayerMixin):
         return None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """transformers' contract: append the new tokens and return the keys and values to attend
-        over: every exact token held, ``[B, H_kv, S, d]`` in slot order (quantised ones
-        dequantised). Complete for a layer without summaries or corrections whose heads hold the
-        same tokens. Inside a patched module's forward (``reader_appends``) restkv's attention
-        reads the layer itself (``attend`` appends with the step's padding columns and attends
-        over every segment), so the new tokens come back as they are and nothing is joined."""
-        if self.reader_appends:
-            self.incoming = (key_states, value_states)
-            return key_states, value_states
-        self.append(key_states, value_states)
-        keys, values, _ = self.kept_tokens(appended=True)
-        return keys, values
+        """transformers' contract, with one meaning: the step's new tokens, handed on as they are. restkv's
+        attention backend reads the layer itself: its read of the step appends them (``take_incoming``, with the
+        step's padding columns) and attends over every segment. Refused when the last step's tokens were
+        never read that way (a kernel other than restkv's read this layer, and they would be lost)."""
+        if self.incoming is not None:
+            raise RuntimeError("restkv: a compressed cache layer is read by restkv's attention backend; its last new "
+                               "tokens were read by another kernel (this model runs attn_implementation "
+                               "without restkv: use restkv.compression(model, ...) or the patched family)")
+        self.incoming = (key_states, value_states)
+        return key_states, value_states
+
+    def take_incoming(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The new tokens ``update`` was given this step, once (``(None, None)`` after): what the step's first read
+        appends."""
+        incoming, self.incoming = self.incoming, None
+        return incoming if incoming is not None else (None, None)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """Mirror the layer type this one replaced, so masks built for the whole model agree."""

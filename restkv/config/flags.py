@@ -13,8 +13,7 @@ import argparse
 from typing import Any
 
 from restkv.config import CompressionConfig, RunOptions, flat_option_specs
-from restkv.config.options import activation_flag
-from restkv.policies import available_methods, get_policy
+from restkv.config.options import activation_flag, lookup, names
 
 
 def _method_name(text: str) -> str:
@@ -35,7 +34,7 @@ def _argument(name: str, declarations: list) -> tuple[dict[str, Any], str]:
         keywords["choices"] = spec.choices
     help_text = spec.help.replace("%", "%%")  # argparse formats help with %
     if name == "method":
-        help_text += f"; one of {', '.join(available_methods())}"
+        help_text += f"; one of {', '.join(names('method'))}"
     defaults = {repr(s.default) for _, s in declarations}
     if owner is not RunOptions and len(declarations) == 1 and getattr(owner, "name", None):
         help_text += f" [{activation_flag(owner)}]"
@@ -60,7 +59,7 @@ def config_from_flags(args: argparse.Namespace) -> CompressionConfig:
     any budget flag (the release's scripts pass one for every method)."""
     options = {name: getattr(args, name) for name in flat_option_specs() if getattr(args, name, None) is not None}
     method = options.get("method", RunOptions.method)
-    if method in available_methods() and not get_policy(method).evicts:
+    if method in names("method") and not lookup("method", method).evicts:
         options.pop("max_capacity_prompts", None)
         options.pop("compression_ratio", None)
     return CompressionConfig.from_options(**options)

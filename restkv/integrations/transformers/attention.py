@@ -49,6 +49,7 @@ from weakref import WeakKeyDictionary
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from restkv.cache import CompressedLayer, native_layer
@@ -58,7 +59,8 @@ from restkv.integrations.transformers.context_span import protected_span
 from restkv.integrations.transformers.deferred import (PendingLayer, chunk_budgets, chunked_prompt, defer_layer,
                                                        finish_prefill, kept_hidden, observe_chunk, observe_held_chunk,
                                                        pending_of, query_weights, trailing_queries)
-from restkv.integrations.transformers.handles import cache_state, has_class_config, module_config
+from restkv.integrations.transformers.handles import (cache_state, forget_switched, has_class_config, module_config,
+                                                      note_switched)
 from restkv.integrations.transformers.seams import UnsupportedModel, derives_values
 from restkv.pipeline.compress import compress_layer, exact_tokens_only_conflicts, prunes_fitting_layers
 from restkv.pipeline.plan import LayerPlan, ScoringContext, plan_layer, valid_from_mask
@@ -119,10 +121,7 @@ def recording_forward(original: Callable) -> Callable:
         config = module_config(self)
         if config is None or self in _CAPTURES:  # attention_inputs runs the forward only to its kernel: no step
             return original(self, *args, **kwargs)
-        implementation = self.config._attn_implementation
-        if implementation not in SERVED_KERNELS:
-            raise UnsupportedModel(f"restkv serves the {', '.join(SERVED_KERNELS)} attention implementations; this model "
-                             f"uses {implementation!r} (load it with attn_implementation='sdpa')")
+        check_backend(self.config._attn_implementation)
         arguments = kwargs if len(args) <= 1 else signature.bind_partial(self, *args, **kwargs).arguments
         hidden_states = arguments["hidden_states"] if "hidden_states" in arguments else args[0]
         cache = arguments.get(CACHE_ARGUMENT, arguments.get("past_key_values"))
@@ -132,17 +131,12 @@ def recording_forward(original: Callable) -> Callable:
         layer = _cache_layer(cache, self.layer_idx)
         if isinstance(layer, CompressedLayer) and layer.tokens_seen == 0:  # reset: a new prompt starts native
             cache.layers[self.layer_idx] = layer = native_layer(LayerParams.of(self).sliding_window)
-        reads_segments = isinstance(layer, CompressedLayer)
         _STEPS[self] = Step(cache, layer, layer is not None and layer.get_seq_length() == 0, hidden_states,
                             arguments.get("position_embeddings"), config)
-        if reads_segments:
-            layer.reader_appends = True
         try:
             return original(self, *args, **kwargs)
         finally:
             del _STEPS[self]
-            if reads_segments:
-                layer.reader_appends = False
 
     forward.__wrapped__ = original
     return forward
@@ -168,62 +162,73 @@ def output_weight(module: torch.nn.Module) -> torch.Tensor | None:
 #: the attention implementations restkv serves: its dispatcher is registered under each that transformers has
 #: (the native kernel runs the prefill; restkv reads compressed layers itself)
 SERVED_KERNELS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
-#: kernel name -> the function it named before restkv registered (None: eager, the module's own default)
-_NATIVE_KERNELS: dict[str, Callable | None] = {}
+#: restkv's backend for implementation ``name`` is registered as ``restkv_<name>``
+BACKEND_PREFIX = "restkv_"
 #: attention class -> its family's eager function
 _FAMILY_EAGER: dict[type, Callable] = {}
-#: the patched families and attention classes (``restkv.integrations.transformers.patching``), and the classes already warned about
-_WATCH: dict[str, Any] = {"families": (), "classes": (), "warned": set()}
 
 
-def install_dispatchers() -> None:
-    """Register restkv's dispatcher under every kernel name it serves (idempotent)."""
-    if _NATIVE_KERNELS:
-        return
-    registered = AttentionInterface._global_mapping
+def backend_name(implementation: str) -> str:
+    """The name of restkv's backend over a native attention implementation (``sdpa`` -> ``restkv_sdpa``)."""
+    return implementation if implementation.startswith(BACKEND_PREFIX) else BACKEND_PREFIX + implementation
+
+
+def native_name(implementation: str) -> str:
+    """The native implementation a backend name runs (``restkv_sdpa`` -> ``sdpa``)."""
+    return implementation.removeprefix(BACKEND_PREFIX)
+
+
+def register_backends() -> None:
+    """Register restkv's attention backend with transformers' public interfaces, once, as ``restkv_<name>`` for
+    each implementation it serves that this transformers has (with that implementation's mask function). A model
+    runs it once switched with ``set_attn_implementation`` (``restkv.integrations.transformers.patching``); the
+    built-in names stay transformers' own, so every other model is untouched."""
     for name in SERVED_KERNELS:
-        if name == "eager" or name in registered:
-            _NATIVE_KERNELS[name] = registered.get(name)
-            AttentionInterface.register(name, _dispatcher(name))
+        if backend_name(name) in ALL_ATTENTION_FUNCTIONS.valid_keys() or \
+                (name != "eager" and name not in ALL_ATTENTION_FUNCTIONS.valid_keys()):
+            continue
+        AttentionInterface.register(backend_name(name), _dispatcher(name))
+        AttentionMaskInterface.register(backend_name(name), ALL_MASK_ATTENTION_FUNCTIONS[name])
 
 
-def remove_dispatchers() -> None:
-    """Give every kernel name back its own function."""
-    registered = AttentionInterface._global_mapping
-    for name, native in _NATIVE_KERNELS.items():
-        if native is None:
-            registered.pop(name, None)
-        else:
-            AttentionInterface.register(name, native)
-    _NATIVE_KERNELS.clear()
+def check_served(implementation: str) -> None:
+    """Refuse an attention implementation restkv does not serve (flex attention, a user's own)."""
+    if native_name(implementation) not in SERVED_KERNELS:
+        raise UnsupportedModel(f"restkv serves the {', '.join(SERVED_KERNELS)} attention implementations; this model "
+                               f"uses {implementation!r} (load it with attn_implementation='sdpa')")
 
 
-def set_unpatched_watch(families: list[str], classes: tuple[type, ...]) -> None:
-    """The patched families and attention classes: the dispatcher warns once per other attention class
-    of a decoder that reaches it (it runs uncompressed)."""
-    _WATCH.update(families=tuple(families), classes=classes, warned=set())
+def check_backend(implementation: str) -> None:
+    """Refuse a configured attention that would not reach restkv's backend: an implementation restkv does not
+    serve, or a served one the model was not switched from (its decoder's forward, ``restkv.compression``,
+    ``configure`` and ``replace_for_model`` switch it)."""
+    check_served(implementation)
+    if not implementation.startswith(BACKEND_PREFIX):
+        raise UnsupportedModel(f"this attention runs {implementation!r}, not restkv's backend {backend_name(implementation)!r}: "
+                               "run it through its model (restkv.compression(model, ...) switches it)")
 
 
-def _warn_unpatched(module: torch.nn.Module) -> None:
-    cls = type(module)
-    if (cls in _WATCH["warned"] or isinstance(module, _WATCH["classes"]) or not _WATCH["families"]
-            or not hasattr(module, "layer_idx") or getattr(module, "is_causal", True) is False
-            or any(cls.__module__ == patched.__module__ for patched in _WATCH["classes"])):
-        return  # a patched model's own attention that restkv leaves native (Mllama's cross-attention)
-    _WATCH["warned"].add(cls)
-    model_type = getattr(module.config, "model_type", None)
-    warnings.warn(
-        f"restkv: this {cls.__name__} model runs uncompressed: restkv is patched for {', '.join(_WATCH['families'])}, "
-        f"not {model_type}. Call restkv.integrations.transformers.patching.replace_family({model_type!r}, ...) or use "
-        "restkv.compression(model, ...)",
-        UserWarning,
-        stacklevel=4,
-    )
+def use_backend(decoder: torch.nn.Module) -> None:
+    """Switch a decoder model (a ``PreTrainedModel`` whose ``layers`` hold patched attention) to restkv's backend
+    over its implementation, with transformers' ``set_attn_implementation``; idempotent. ``use_native`` undoes it."""
+    current = decoder.config._attn_implementation
+    if current.startswith(BACKEND_PREFIX):
+        return
+    check_served(current)
+    decoder.set_attn_implementation(backend_name(current))
+    note_switched(decoder, current)
+
+
+def use_native(decoder: torch.nn.Module) -> None:
+    """Give a decoder model back the implementation it ran before ``use_backend`` (nothing if not switched)."""
+    native = forget_switched(decoder)
+    if native is not None:
+        decoder.set_attn_implementation(native)
 
 
 def native_kernel(name: str, module: torch.nn.Module) -> Callable:
-    """The function ``name`` meant for ``module`` before restkv registered: eager is the family's own."""
-    native = _NATIVE_KERNELS.get(name) if _NATIVE_KERNELS else ALL_ATTENTION_FUNCTIONS.get(name)
+    """The native function of implementation ``name`` for ``module``: eager is the family's own."""
+    native = ALL_ATTENTION_FUNCTIONS.get(name) if name != "eager" else None
     if native is not None:
         return native
     cls = type(module)
@@ -236,6 +241,9 @@ def native_kernel(name: str, module: torch.nn.Module) -> Callable:
 
 
 def _dispatcher(name: str) -> Callable:
+    """restkv's backend over native implementation ``name``: a noted step goes to ``restkv_attention``,
+    anything else (a module of an unconfigured model, a vision tower) to the native kernel."""
+
     def dispatch(module, query, key, value, attention_mask, **kwargs):
         captured = _CAPTURES.get(module)
         if captured is not None:
@@ -244,11 +252,10 @@ def _dispatcher(name: str) -> Callable:
         native = native_kernel(name, module)
         step = _STEPS.get(module)
         if step is None:
-            _warn_unpatched(module)
             return native(module, query, key, value, attention_mask, **kwargs)
         return restkv_attention(module, step, native, query, key, value, attention_mask, kwargs)
 
-    dispatch.__name__ = dispatch.__qualname__ = f"restkv_{name}"
+    dispatch.__name__ = dispatch.__qualname__ = backend_name(name)
     return dispatch
 
 
@@ -260,9 +267,9 @@ def attention_inputs(module: torch.nn.Module, hidden_states: torch.Tensor, posit
     """Post-RoPE ``query [B, H, N, d]``, ``key``, ``value [B, H_kv, N, d]`` of an attention module, as its
     own forward hands them to its kernel (its projections, norms and RoPE with ``position_embeddings``);
     no cache, nothing after the kernel runs."""
-    installed_here = not _NATIVE_KERNELS
-    install_dispatchers()
+    implementation = module.config._attn_implementation
     captured = _CAPTURES[module] = []
+    module.config._attn_implementation = backend_name(implementation)  # the kernel call reaches the backend
     try:
         # forward, not __call__: the module's hooks (a caller's own capture) stay out of it
         module.forward(hidden_states=hidden_states, position_embeddings=position_embeddings, attention_mask=None)
@@ -270,8 +277,7 @@ def attention_inputs(module: torch.nn.Module, hidden_states: torch.Tensor, posit
         pass
     finally:
         del _CAPTURES[module]
-        if installed_here:
-            remove_dispatchers()
+        module.config._attn_implementation = implementation
     if not captured:
         raise ValueError(f"restkv: {type(module).__name__} does not call an attention function of the registry")
     return tuple(captured)
@@ -396,14 +402,14 @@ def restkv_attention(module, step: Step, native: Callable, query, key, value, at
     pending = pending_of(cache) if cache is not None else None
     weights = None
     if isinstance(layer, CompressedLayer) and layer.value_views is not None:  # each call reads other heads' values
-        new = layer.incoming if call == 0 else (None, None)  # the cached keys and values, appended once a step
-        output = layer.attend(query, *new, attention_mask, params.scaling, params.softcap,
+        # the cached keys and values (update's, not the call's), appended once a step
+        output = layer.attend(query, *layer.take_incoming(), attention_mask, params.scaling, params.softcap,
                               value_heads=layer.value_views[call])
         return output, None
-    if isinstance(layer, CompressedLayer):  # update left the new tokens to this read (reader_appends)
+    if isinstance(layer, CompressedLayer):  # update handed the new tokens on: this read appends them
         rotary = layer_rotary(module, step.position_embeddings, hidden_states, query.shape[-1])
         in_chunks, first = chunked_prompt(cache) is not None, layer.tokens_seen
-        output = layer.attend(query, key, value, attention_mask, params.scaling, params.softcap, rotary,
+        output = layer.attend(query, *layer.take_incoming(), attention_mask, params.scaling, params.softcap, rotary,
                               prompt=in_chunks)
         if pending is not None and pending.observing:  # a reconstruction piece of a chunked prompt
             waiting = pending.layers.get(module.layer_idx)
@@ -487,6 +493,9 @@ def model_forward(original: Callable) -> Callable:
     compression of layers that waited for the whole prefill (``restkv.integrations.transformers.deferred``)."""
 
     def forward(self, *args, **kwargs):
+        attention = patched_attention_of(self)
+        if attention is not None and module_config(attention) is not None:  # replace_*'s models switch lazily
+            use_backend(self)
         chunk = _prefill_chunk(self, args, kwargs)
         output = original(self, *args, **kwargs) if chunk is None else _chunked_prefill(original, self, chunk, kwargs)
         cache = kwargs.get(CACHE_ARGUMENT, kwargs.get("past_key_values")) or output_cache(output)
@@ -669,3 +678,6 @@ def key_validity(attention_mask, batch: int, length: int, device, empty_rows: bo
     if diagonal.dtype != torch.bool:
         diagonal = diagonal > torch.finfo(diagonal.dtype).min / 2
     return valid_from_mask(diagonal, batch, length, device, empty_rows)
+
+
+register_backends()

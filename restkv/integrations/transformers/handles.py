@@ -49,6 +49,25 @@ def cache_state(cache) -> CacheState:
     return state
 
 
+#: decoder model -> the attention implementation it ran before restkv switched it to its backend
+_SWITCHED: WeakKeyDictionary = WeakKeyDictionary()
+
+
+def note_switched(decoder, implementation: str) -> None:
+    """``decoder`` now runs restkv's backend; it ran ``implementation`` before."""
+    _SWITCHED.setdefault(decoder, implementation)
+
+
+def forget_switched(decoder) -> str | None:
+    """The implementation ``decoder`` ran before restkv switched it (None: not switched), forgotten."""
+    return _SWITCHED.pop(decoder, None)
+
+
+def switched_decoders() -> list:
+    """The decoder models restkv switched to its backend that are still alive."""
+    return list(_SWITCHED.keys())
+
+
 def model_state(model) -> ModelState:
     """The decoder model's state, created empty on first use."""
     state = _MODELS.get(model)

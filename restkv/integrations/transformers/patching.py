@@ -37,20 +37,22 @@ call of every model reaches while a patch is active, warns once per attention cl
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import warnings
 from typing import Any, Iterator
 
 import torch
 
 from restkv.config import CompressionConfig, ConfigError, ModelShape
 from restkv.integrations.transformers.attention import (SERVED_KERNELS, LayerParams, check_exact_tokens_only,
-                                                        check_pre_rope, install_dispatchers, model_forward,
-                                                        output_weight, patched_attention_of, probe_rotations,
-                                                        recording_forward, remove_dispatchers, set_unpatched_watch)
+                                                        check_pre_rope, model_forward, native_name, output_weight,
+                                                        patched_attention_of, probe_rotations, recording_forward,
+                                                        use_backend, use_native)
 from restkv.integrations.transformers.compat import CACHE_ARGUMENT, check_transformers_version
 from restkv.integrations.transformers.handles import (clear_class_config, has_class_config, module_config,
                                                       module_config_entry, restore_module_config, set_class_config,
-                                                      set_module_config)
+                                                      set_module_config, switched_decoders)
 from restkv.integrations.transformers.seams import (UnknownModelType, UnsupportedModel, attention_classes,
                                                     check_cache_layers, derives_values, mapped_model_type)
 
@@ -160,7 +162,6 @@ def _replace(family: str, config: CompressionConfig | None) -> None:
     models given their own config, by ``compression`` or ``configure``)."""
     check_transformers_version()
     classes = _attention_classes(family)
-    install_dispatchers()
     for cls in classes:
         if cls not in _ORIGINAL_FORWARDS:
             _ORIGINAL_FORWARDS[cls] = cls.forward
@@ -256,6 +257,8 @@ def replace_for_model(model: torch.nn.Module, method: str = "snapkv", **options:
     config = CompressionConfig.from_options(method=method, **options)
     check_for_model(model, config, _attention_modules_of(model, family))
     _replace(family, config)
+    for decoder in _decoders_of(model, family):
+        use_backend(decoder)
     return config
 
 
@@ -271,7 +274,8 @@ def check_for_model(model: torch.nn.Module, config: CompressionConfig, modules: 
     cannot hold (DiffLlama), and keys rotated in a way restkv cannot undo where a part of the config reads
     them before RoPE."""
     config.check_model(model_shape(modules))
-    implementations = sorted({module.config._attn_implementation for module in modules} - set(SERVED_KERNELS))
+    implementations = sorted({module.config._attn_implementation for module in modules
+                              if native_name(module.config._attn_implementation) not in SERVED_KERNELS})
     if implementations:
         raise UnsupportedModel(f"restkv serves the {', '.join(SERVED_KERNELS)} attention implementations; this model uses "
                          f"{', '.join(map(repr, implementations))} (load it with attn_implementation='sdpa')")
@@ -318,9 +322,9 @@ def compression(model: torch.nn.Module, config: CompressionConfig | None = None,
     runs a complete fresh config inside the block (``config`` or the options; nothing is inherited).
 
     Only this model: if its family was not patched, it is patched for the block with no config of its
-    own, so any other model of the family runs natively meanwhile. The config is checked against the
-    model (``check_for_model``) before anything is patched, so a refused config leaves nothing behind;
-    on exit everything is as before."""
+    own, so any other model of the family runs natively meanwhile; the model runs restkv's attention
+    backend for the block. The config is checked against the model (``check_for_model``) before anything
+    is patched, so a refused config leaves nothing behind; on exit everything is as before."""
     if config is not None and options:
         raise ConfigError("compression(model, config) takes a complete CompressionConfig and no other options")
     new = CompressionConfig.from_any(config) if config is not None else CompressionConfig.from_options(**options)
@@ -329,14 +333,21 @@ def compression(model: torch.nn.Module, config: CompressionConfig | None = None,
     patched_here = not is_patched(family)
     if patched_here:
         _replace(family, None)
+    switched: list[torch.nn.Module] = []
     try:
         modules = _patched_attention_modules(model)
         previous = [(module, module_config_entry(module)) for module in modules]
         for module in modules:
             set_module_config(module, new)
         try:
+            for decoder in _decoders_of(model, family):
+                if native_name(decoder.config._attn_implementation) == decoder.config._attn_implementation:
+                    use_backend(decoder)
+                    switched.append(decoder)
             yield new
         finally:
+            for decoder in switched:
+                use_native(decoder)
             for module, entry in previous:
                 restore_module_config(module, entry)
     finally:
@@ -365,10 +376,19 @@ def model_shape(modules: list[torch.nn.Module]) -> ModelShape:
 
 def _set_model_config(model: torch.nn.Module, modules: list[torch.nn.Module], config: CompressionConfig) -> None:
     """Give these modules their own config, valid while their class's current patch lasts, once
-    it is checked against their model."""
+    it is checked against their model, and switch the model to restkv's attention backend."""
     check_for_model(model, config, modules)
     for module in modules:
         set_module_config(module, config)
+    for decoder in _decoders_of(model, family_of(model)):
+        use_backend(decoder)
+
+
+def _decoders_of(model: torch.nn.Module, family: str) -> list[torch.nn.Module]:
+    """The model's decoders of ``family`` (``LlamaModel``...), which run its attention: what switches to restkv's
+    backend (a multimodal model's vision tower keeps its own)."""
+    classes = tuple(_decoder_classes(family))
+    return [module for module in model.modules() if isinstance(module, classes)]
 
 
 def _patched_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -378,7 +398,7 @@ def _patched_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     if not modules:
         family = family_of(model)
         call = f"replace_{family}()" if family in FAMILIES else f"replace_family({family!r})"
-        raise RuntimeError(f"the model's attention is not patched; call restkv.integrations.transformers.patching.{call} first, or use "
+        raise RuntimeError(f"the model's attention is not patched; call restkv.monkeypatch.{call} first, or use "
                            "restkv.compression(model, ...)")
     for cls in {type(module) for module in modules} - set(_ORIGINAL_FORWARDS):  # subclasses of patched classes
         patched = next(base for base in cls.__mro__ if base in _ORIGINAL_FORWARDS)
@@ -401,10 +421,11 @@ def unpatch(family: str | None = None) -> None:
     for cls in decoders:
         if cls in _ORIGINAL_MODEL_FORWARDS:
             cls.forward = _ORIGINAL_MODEL_FORWARDS.pop(cls)
+    for decoder in switched_decoders():  # the models restkv switched run their own attention again
+        if isinstance(decoder, tuple(decoders)):
+            use_native(decoder)
     for name in families:
         _PATCHED_FAMILIES.pop(name, None)
-    if not _ORIGINAL_FORWARDS:
-        remove_dispatchers()
     _watch_unpatched()
 
 
@@ -412,7 +433,36 @@ def is_patched(family: str) -> bool:
     return any(cls in _ORIGINAL_FORWARDS for cls in _attention_classes(family))
 
 
+#: ``GenerationMixin.generate`` as transformers defined it, while restkv wraps it (any family patched)
+_ORIGINAL_GENERATE: dict[str, Any] = {}
+
+
 def _watch_unpatched() -> None:
-    """Tell the dispatcher which families are patched: an attention of any other warns once that it
-    runs uncompressed."""
-    set_unpatched_watch(sorted(_PATCHED_FAMILIES), tuple(_ORIGINAL_FORWARDS))
+    """While a family is patched, ``generate`` of a model that restkv does not patch warns once per model class
+    that it runs uncompressed (``replace_llama()`` then a Qwen3 model); with nothing patched it is transformers'
+    own again."""
+    from transformers.generation.utils import GenerationMixin
+
+    if _PATCHED_FAMILIES and not _ORIGINAL_GENERATE:
+        _ORIGINAL_GENERATE["generate"] = GenerationMixin.generate
+        GenerationMixin.generate = _warning_generate(GenerationMixin.generate)
+    elif not _PATCHED_FAMILIES and _ORIGINAL_GENERATE:
+        GenerationMixin.generate = _ORIGINAL_GENERATE.pop("generate")
+
+
+def _warning_generate(original):
+    warned: set[type] = set()
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        if type(self) not in warned and not any(has_class_config(type(module)) for module in self.modules()):
+            warned.add(type(self))
+            model_type = getattr(self.config, "model_type", None)
+            warnings.warn(
+                f"restkv: this {type(self).__name__} model runs uncompressed: restkv is patched for "
+                f"{', '.join(sorted(_PATCHED_FAMILIES))}, not {model_type}. Call "
+                f"restkv.monkeypatch.replace_family({model_type!r}, ...) or use restkv.compression(model, ...)",
+                UserWarning, stacklevel=2)
+        return original(self, *args, **kwargs)
+
+    return generate

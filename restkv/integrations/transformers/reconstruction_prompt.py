@@ -110,7 +110,8 @@ def reconstruction_prompt(decoder) -> ReconstructionPrompt:
     if prompt is None:
         warnings.warn(
             "restkv: --observation reconstruction without a reconstruction prompt: the context is repeated with no "
-            "instruction. Call restkv.integrations.transformers.reconstruction_prompt.set_reconstruction_prompt(model, tokenizer) once.",
+            "instruction. Call restkv.integrations.transformers.reconstruction_prompt.set_reconstruction_prompt(model, "
+            "tokenizer) once.",
             UserWarning,
             stacklevel=4,
         )

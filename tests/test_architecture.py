@@ -1,0 +1,134 @@
+"""docs/ARCHITECTURE.md holds true: every module under restkv/ is on its map, every module-level import goes
+to its own layer or an earlier one, no module imports another back at module level (no cycle), the package
+root names no part, and every kind of registered part lives in its own folder."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "restkv"
+DOC = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+
+
+def modules() -> dict[str, Path]:
+    """``restkv.x.y`` -> its file, for every module of the package."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def layers() -> list[list[str]]:
+    """The doc's layer table: per layer, in order, the paths it names (folders end with ``/``)."""
+    section = DOC.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if re.match(r"\| \d+ \|", line)]
+    return [re.findall(r"`(restkv/[^`]*)`", row.split("|")[2]) for row in rows]
+
+
+def layer_of(path: Path) -> int:
+    """The layer of a module: the layer naming the longest path that contains it."""
+    relative = path.relative_to(ROOT).as_posix()
+    best, index = "", None
+    for number, names in enumerate(layers()):
+        for name in names:
+            if (relative == name or (name.endswith("/") and relative.startswith(name))) and len(name) > len(best):
+                best, index = name, number
+    if index is None:
+        raise AssertionError(f"{relative} is in no layer of docs/ARCHITECTURE.md")
+    return index
+
+
+def module_level_imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` of the restkv modules ``path`` imports when it is imported (not inside a function, not
+    under ``TYPE_CHECKING``): the edges of the import graph."""
+    tree = ast.parse(path.read_text())
+    found = []
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("restkv"):
+                found.append((node.lineno, node.module))
+                if node.module == "restkv":  # ``from restkv import allocations``: the submodules
+                    found.extend((node.lineno, f"restkv.{alias.name}") for alias in node.names)
+            elif isinstance(node, ast.Import):
+                found.extend((node.lineno, alias.name) for alias in node.names if alias.name.startswith("restkv"))
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                visit([*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                       *[handler for handler in getattr(node, "handlers", [])]])
+            elif isinstance(node, ast.ExceptHandler):
+                visit(node.body)
+
+    visit(tree.body)
+    return found
+
+
+def test_every_module_is_on_the_map():
+    """A module of the package that docs/ARCHITECTURE.md names nowhere (by its path, or a folder's glob)."""
+    named = set(re.findall(r"`(restkv/[^`]*)`", DOC))
+    missing = []
+    for path in modules().values():
+        relative = path.relative_to(ROOT).as_posix()
+        if not any(relative == name or Path(relative).match(name) for name in named):
+            missing.append(relative)
+    assert not missing, f"not on docs/ARCHITECTURE.md's map: {missing}"
+
+
+def test_every_import_goes_to_its_own_layer_or_an_earlier_one():
+    table = modules()
+    broken = []
+    for name, path in table.items():
+        mine = layer_of(path)
+        for line, imported in module_level_imports(path):
+            target = table.get(imported)
+            if target is not None and layer_of(target) > mine:
+                broken.append(f"{path.relative_to(ROOT)}:{line} imports {imported} (layer {layer_of(target) + 1} > "
+                              f"{mine + 1})")
+    assert not broken, "imports against docs/ARCHITECTURE.md's layer order:\n" + "\n".join(broken)
+
+
+def test_no_module_imports_another_back():
+    table = modules()
+    graph = {name: {imported for _, imported in module_level_imports(path) if imported in table and imported != name}
+             for name, path in table.items()}
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def walk(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := walk(nxt)):
+                return cycle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := walk(node)):
+            pytest.fail("import cycle: " + " -> ".join(cycle))
+
+
+def test_the_package_root_names_no_part_and_each_kind_lives_in_one_folder():
+    import restkv
+    from restkv.config.options import KINDS, registered
+
+    root = (PACKAGE / "__init__.py").read_text()
+    for kind in KINDS:
+        folders = {cls.__module__.split(".")[1] for cls in registered(kind)}
+        assert len(folders) == 1, f"the {kind} parts live in {sorted(folders)}"
+        for cls in registered(kind):
+            assert cls.__name__ not in root, f"restkv/__init__.py names the {kind} {cls.__name__}"
+    top_level = [path.name for path in PACKAGE.glob("*.py")]
+    assert len(top_level) <= 10, f"{len(top_level)} modules directly under restkv/: {top_level}"
+    assert restkv.available_methods()
