@@ -132,3 +132,15 @@ def test_the_package_root_names_no_part_and_each_kind_lives_in_one_folder():
     top_level = [path.name for path in PACKAGE.glob("*.py")]
     assert len(top_level) <= 10, f"{len(top_level)} modules directly under restkv/: {top_level}"
     assert restkv.available_methods()
+
+
+def test_every_data_file_in_the_package_is_declared_as_package_data():
+    """A file moved to another folder must still ship in the wheel, or an installed restkv loses it."""
+    import tomllib
+
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["restkv"]
+    tracked = [path for path in PACKAGE.rglob("*") if path.is_file() and path.suffix not in {".py", ".pyc"}]
+    for path in tracked:
+        relative = path.relative_to(PACKAGE)
+        assert any(relative.match(pattern) for pattern in globs), f"restkv/{relative} is not in package-data {globs}"
+    assert tracked, "the package ships its learned weights"

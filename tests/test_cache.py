@@ -196,7 +196,7 @@ def test_a_compressed_prefill_leaves_no_layer_context_alive(method):
     gc.disable()
     try:
         cache = prefill(model, random_prompt(1, 90))
-        alive = [obj for obj in gc.get_objects() if type(obj).__name__ in ("ScoringContext", "WindowObservation")]
+        alive = [obj for obj in gc.get_objects() if type(obj).__name__ in ("LayerInputs", "WindowObservation")]
     finally:
         gc.enable()
     assert isinstance(cache.layers[0], CompressedLayer) and alive == []

@@ -6,14 +6,15 @@ import torch
 from tiny_models import assert_model_compresses, random_qkv
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.pipeline.plan import ScoringContext, plan_layer, valid_from_mask
+from restkv.pipeline.inputs import LayerInputs
+from restkv.pipeline.plan import plan_layer, valid_from_mask
 
 
 def test_chunkkv_keeps_the_window_and_the_best_whole_chunks_the_budget_holds():
     query, key, value = random_qkv(length=95, seed=21)
     options = dict(method="snapkv", max_capacity_prompts=40, window_size=5)
     config = CompressionConfig(**options)
-    ctx = ScoringContext.of(query, key, value, plan_layer(config, valid_from_mask(None, 1, 95, key.device)))
+    ctx = LayerInputs(query, key, value, plan_layer(config, valid_from_mask(None, 1, 95, key.device)))
     summed = config.policy.score(ctx)[0].sum(dim=0)
     chunk_scores = torch.stack([summed[start : start + 10].mean() for start in range(0, 95, 10)])
     expected, held = set(range(90, 95)), 5  # the window: the last chunk's 5 tokens

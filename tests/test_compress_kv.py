@@ -167,8 +167,9 @@ def test_window_attention_on_a_sliding_layer_equals_the_models_own_weights():
     computes (over every key each window query sees), only the competing tokens are limited."""
     from tiny_models import random_prompt, tiny_model
 
-    from restkv.integrations.transformers.attention import attention_inputs
-    from restkv.pipeline.plan import ScoringContext, plan_layer
+    from restkv.integrations.transformers.capture import attention_inputs
+    from restkv.pipeline.inputs import LayerFacts, LayerInputs
+    from restkv.pipeline.plan import plan_layer
 
     model = tiny_model("mistral", "eager", sliding_window=16, num_hidden_layers=1)
     captured = {}
@@ -185,7 +186,7 @@ def test_window_attention_on_a_sliding_layer_equals_the_models_own_weights():
     config = CompressionConfig(method="snapkv", max_capacity_prompts=10, window_size=6)
     plan = plan_layer(config, torch.ones(1, 40, dtype=torch.bool), sliding_window=16)
     assert plan.compress and int(plan.visible_counts) == 15
-    ctx = ScoringContext.of(query, key, value, plan, attention.scaling)
+    ctx = LayerInputs(query, key, value, plan, LayerFacts(attention.scaling))
     torch.testing.assert_close(ctx.window_attention(), weights[:, :, -6:, :].float(), rtol=1e-5, atol=1e-6)
     out = compress_kv(query, key, value, config, sliding_window=16)
     assert bool((out.indices[out.indices >= 0] >= 40 - 15).all())  # only visible tokens compete

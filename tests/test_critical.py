@@ -6,7 +6,8 @@ import torch
 from tiny_models import assert_model_compresses, random_qkv
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.pipeline.plan import ScoringContext, plan_layer, valid_from_mask
+from restkv.pipeline.inputs import LayerInputs
+from restkv.pipeline.plan import plan_layer, valid_from_mask
 
 O_PROJ = torch.randn(40, 4 * 16, generator=torch.Generator().manual_seed(2))
 
@@ -26,7 +27,7 @@ def test_critical_keeps_the_first_stage_by_the_score_and_the_rest_by_score_times
     query, key, value = random_qkv(length=80, seed=11)
     config = CompressionConfig(method="snapkv", max_capacity_prompts=30, window_size=6, critical=True,
                                critical_first_stage=0.5, critical_epsilon=0.01)
-    ctx = ScoringContext.of(query, key, value, plan_layer(config, valid_from_mask(None, 1, 80, key.device)))
+    ctx = LayerInputs(query, key, value, plan_layer(config, valid_from_mask(None, 1, 80, key.device)))
     scores = config.policy.score(ctx)[0]  # [H_kv, N]
     out = compress_kv(query, key, value, config, o_proj_weight=O_PROJ)
     weighted = (scores + 0.01) * output_norms(value)
@@ -47,7 +48,7 @@ def test_a_first_stage_of_the_whole_budget_is_the_scorer_alone_and_none_is_the_w
         assert ours == kept_sets(compress_kv(query, key, value, options))
         return
     config = CompressionConfig(**options)
-    ctx = ScoringContext.of(query, key, value, plan_layer(config, valid_from_mask(None, 1, 80, key.device)))
+    ctx = LayerInputs(query, key, value, plan_layer(config, valid_from_mask(None, 1, 80, key.device)))
     weighted = config.policy.score(ctx)[0] * output_norms(value)
     for head, kept in enumerate(ours):
         top = torch.argsort(weighted[head, :74], descending=True, stable=True)[:24].tolist()

@@ -6,8 +6,8 @@ from tiny_models import left_padded, random_prompt, replace_for, tiny_model
 
 from restkv.cache import CompressedLayer, new_token_columns
 from restkv.cache.partial import Probe
-from restkv.integrations.transformers.attention import key_validity
 from restkv.integrations.transformers.generation import answer_many, answer_nll, generate_after_context
+from restkv.integrations.transformers.steps import key_validity
 
 GENERATE = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
 

@@ -83,12 +83,13 @@ def test_chunk_press_compresses_a_model_with_the_other_parts(extra):
 def test_global_scores_give_each_chunk_its_share_of_the_whole_prompts_ranking():
     """--chunk_press_global (Finch's chunk_length): each chunk keeps, beside the window, its best tokens
     by the scores of the whole prompt (one SnapKV window), floor(n x 40 / 100) per chunk in all."""
-    from restkv.pipeline.plan import ScoringContext, plan_layer, valid_from_mask
+    from restkv.pipeline.inputs import LayerInputs
+    from restkv.pipeline.plan import plan_layer, valid_from_mask
 
     query, key, value = random_qkv(length=100, seed=43)
     options = dict(method="snapkv", max_capacity_prompts=40, window_size=6)
     config = CompressionConfig(**options)
-    ctx = ScoringContext.of(query, key, value, plan_layer(config, valid_from_mask(None, 1, 100, key.device)))
+    ctx = LayerInputs(query, key, value, plan_layer(config, valid_from_mask(None, 1, 100, key.device)))
     scores = config.policy.score(ctx)[0]
     out = compress_kv(query, key, value, dict(options, chunk_press=True, chunk_press_length=60, chunk_press_global=True))
     for head in range(2):

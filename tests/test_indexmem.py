@@ -15,11 +15,12 @@ from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.cache import CompressedLayer, cache_report
 from restkv.cache.partial import use_kernel
 from restkv.cache.segments.memory import slots_for
-from restkv.integrations.transformers.attention import attention_inputs
+from restkv.integrations.transformers.capture import attention_inputs
 from restkv.integrations.transformers.compat import output_cache
 from restkv.learned.indexmem import Architecture, IndexMemLayer, IndexMemWeights, load_weights
 from restkv.pipeline.compress import compress_layer
-from restkv.pipeline.plan import ScoringContext, plan_layer, valid_from_mask
+from restkv.pipeline.inputs import LayerInputs
+from restkv.pipeline.plan import plan_layer, valid_from_mask
 from restkv.scoring.rope import unrotate
 from restkv.tools.train_indexmem import build_parser, capture_layers, read_attention, read_distances, train
 
@@ -182,7 +183,7 @@ def test_no_evicted_tokens_leave_the_output_bitwise_unchanged():
 def compressed_layer(query, key, value, options) -> CompressedLayer:
     cfg = config(**options)
     plan = plan_layer(cfg, valid_from_mask(None, 1, key.shape[2], key.device))
-    state = compress_layer(cfg, ScoringContext.of(query, key, value, plan))
+    state = compress_layer(cfg, LayerInputs(query, key, value, plan))
     return CompressedLayer.from_state(state, key.shape[2], None, cfg)
 
 
@@ -239,7 +240,7 @@ def memory_read_at(path, offset, pre_rope=True):
     rotated_query, rotated_key = apply_rotary_pos_emb(query, key, *prompt)
     rotated_step = apply_rotary_pos_emb(new_query, new_query, *step)[0]
     plan = plan_layer(cfg, valid_from_mask(None, 1, 120, key.device))
-    ctx = ScoringContext.of(rotated_query, rotated_key, value, plan, rotary=prompt if pre_rope else None)
+    ctx = LayerInputs(rotated_query, rotated_key, value, plan, rotary=prompt if pre_rope else None)
     columns = torch.arange(80, 120).expand(1, 2, -1)  # the newest 40 kept, 80 evicted into the memory
     state = cfg.policy.summarise(ctx, columns, None)[0]
     output, lse = torch.randn(1, 1, 4, 16, generator=torch.Generator().manual_seed(9)), torch.zeros(1, 4, 1)

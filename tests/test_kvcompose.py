@@ -9,13 +9,14 @@ from tiny_models import greedy, random_prompt, random_qkv, replace_for, tiny_mod
 from restkv import CompressionConfig
 from restkv.cache import kept_positions
 from restkv.integrations.transformers.compat import output_cache
-from restkv.pipeline.plan import ScoringContext, plan_layer, valid_from_mask
+from restkv.pipeline.inputs import LayerInputs
+from restkv.pipeline.plan import plan_layer, valid_from_mask
 
 
 def test_a_tokens_score_is_its_largest_attention_group_averaged_plus_the_mean_over_heads():
     query, key, value = random_qkv(length=60, seed=71)
     config = CompressionConfig(method="kvcompose", max_capacity_prompts=20, window_size=10, observation="window")
-    ctx = ScoringContext.of(query, key, value, plan_layer(config, valid_from_mask(None, 1, 60, key.device)))
+    ctx = LayerInputs(query, key, value, plan_layer(config, valid_from_mask(None, 1, 60, key.device)))
     logits = query[0, :, -10:] @ key[0].repeat_interleave(2, dim=0).transpose(-1, -2) / 4.0
     causal = torch.arange(60)[None] > torch.arange(50, 60)[:, None]
     largest = logits.masked_fill(causal, float("-inf")).softmax(dim=-1).amax(dim=1)  # [H, N]
@@ -25,10 +26,10 @@ def test_a_tokens_score_is_its_largest_attention_group_averaged_plus_the_mean_ov
 
 
 def contexts_of(config, scores: list[torch.Tensor]):
-    """One ScoringContext per layer of a 40-token prompt, for allocation tests on given scores."""
+    """One LayerInputs per layer of a 40-token prompt, for allocation tests on given scores."""
     query, key, value = random_qkv(length=40, seed=72)
     valid = valid_from_mask(None, 1, 40, key.device)
-    return {layer: ScoringContext.of(query, key, value, plan_layer(config, valid, layer, len(scores)))
+    return {layer: LayerInputs(query, key, value, plan_layer(config, valid, layer, len(scores)))
             for layer in range(len(scores))}
 
 

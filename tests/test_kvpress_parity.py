@@ -271,9 +271,10 @@ def test_block_press_first_block_scores_are_kvpress_once_its_window_queries_take
     the whole prompt's last positions; turned so, restkv's first-block scores are
     kvpress', with their own positions they differ, and so do the kept sets (later blocks also pool
     along kvpress' top-k order and recompute queries from mixed hidden-state slices)."""
-    from restkv.switches import block_press
-    from restkv.pipeline.plan import ScoringContext, plan_layer
+    from restkv.pipeline.inputs import LayerInputs
+    from restkv.pipeline.plan import plan_layer
     from restkv.scoring.rope import rotate, unrotate
+    from restkv.switches import block_press
 
     data, first_blocks = fixture("block_snapkv_r0.5"), {}
     original = block_press.choose_as_prompt
@@ -294,7 +295,7 @@ def test_block_press_first_block_scores_are_kvpress_once_its_window_queries_take
         scores = {}
         for name, window in (("own", query[:, :, -64:]), ("kvpress", turned)):
             plan = plan_layer(config, torch.ones(1, 320, dtype=torch.bool), layer, 4, budgets=[192])
-            piece = ScoringContext.of(torch.cat([query[:, :, :-64], window], dim=2), key, value, plan, ctx.scaling)
+            piece = LayerInputs(torch.cat([query[:, :, :-64], window], dim=2), key, value, plan, ctx.facts)
             scores[name] = config.policy.score(piece)[0, :, :256] / 64
         assert data["pos_inner_L%d_c0" % layer][:, :256].tolist() == [list(range(256))] * 2
         theirs = torch.from_numpy(data["scores_inner_L%d_c0" % layer][:, :256])
@@ -362,8 +363,9 @@ def test_think_channels_are_kvpress_thinks_given_its_own_32_query_window():
     exactly kvpress' channels in every layer and head (the kept tokens are SnapKV's either way)."""
     from safetensors.torch import load_file
 
-    from restkv.integrations.transformers.attention import attention_inputs
-    from restkv.pipeline.plan import ScoringContext, plan_layer
+    from restkv.integrations.transformers.capture import attention_inputs
+    from restkv.pipeline.inputs import LayerInputs
+    from restkv.pipeline.plan import plan_layer
     from restkv.scoring.selection import gather_columns
 
     case = "composed_snapkv_think_r0.5"
@@ -376,7 +378,7 @@ def test_think_channels_are_kvpress_thinks_given_its_own_32_query_window():
         with torch.no_grad():
             rotary = model.model.rotary_emb(hidden, torch.arange(384)[None])
             query, key, value = attention_inputs(model.model.layers[layer].self_attn, hidden, rotary)
-        ctx = ScoringContext.of(query, key, value, plan_layer(config, torch.ones(1, 384, dtype=torch.bool), layer, 4))
+        ctx = LayerInputs(query, key, value, plan_layer(config, torch.ones(1, 384, dtype=torch.bool), layer, 4))
         columns = torch.tensor([kept[layer]])
         channels = config.switch("think").choose_channels(ctx, gather_columns(key, columns), columns)[0]
         dropped = torch.ones(2, 32, dtype=torch.bool).scatter(1, channels, False)

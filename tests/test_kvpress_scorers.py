@@ -15,7 +15,8 @@ from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.allocations.pyramid_kvpress import kvpress_pyramid_totals
 from restkv.cache import cache_report, kept_positions
 from restkv.integrations.transformers.compat import output_cache
-from restkv.pipeline.plan import ScoringContext, plan_layer, valid_from_mask
+from restkv.pipeline.inputs import LayerInputs
+from restkv.pipeline.plan import plan_layer, valid_from_mask
 
 PORTED = ["keydiff", "lagkv", "cur", "noncausal_attn", "finch", "qfilter", "expected_attention", "leverage", "compactor",
           "capkv"]
@@ -26,7 +27,7 @@ def scores_of(options, query, key, value, attention_mask=None, rotary=None):
     layer's tensors."""
     config = CompressionConfig(**{"window_size": 0, **options})
     valid = valid_from_mask(attention_mask, key.shape[0], key.shape[2], key.device)
-    ctx = ScoringContext.of(query, key, value, plan_layer(config, valid), rotary=rotary)
+    ctx = LayerInputs(query, key, value, plan_layer(config, valid), rotary=rotary)
     return config.policy.score(ctx)
 
 
@@ -340,7 +341,7 @@ def test_leverage_sketch_is_seeded_per_layer():
     query, key, value = random_qkv(length=20)
     config = CompressionConfig(method="leverage", max_capacity_prompts=8, window_size=0)
     valid = valid_from_mask(None, 1, 20, key.device)
-    draws = [gaussian_sketch(ScoringContext.of(query, key, value, plan_layer(config, valid, layer, 3)), 48)
+    draws = [gaussian_sketch(LayerInputs(query, key, value, plan_layer(config, valid, layer, 3)), 48)
              for layer in (0, 0, 1)]
     assert draws[0].shape == (1, 2, 16, 48) and torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
 
@@ -416,7 +417,7 @@ def test_qfilter_scores_minus_the_projection_on_the_layers_filter(tmp_path):
     filters = torch.randn(3, 2, 16, generator=torch.Generator().manual_seed(0))
     path = write_filters(tmp_path / "filters.safetensors", filters)
     config = CompressionConfig(method="qfilter", max_capacity_prompts=10, window_size=0, qfilter_file=path)
-    ctx = ScoringContext.of(query, key, value, plan_layer(config, torch.ones(1, 30, dtype=torch.bool), 2, 3))
+    ctx = LayerInputs(query, key, value, plan_layer(config, torch.ones(1, 30, dtype=torch.bool), 2, 3))
     expected = torch.stack([-(key[0, head] @ filters[2, head]) for head in range(2)])
     torch.testing.assert_close(config.policy.score(ctx)[0], expected)
 

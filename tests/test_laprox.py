@@ -13,7 +13,8 @@ from restkv.allocations.laprox import LaProxAllocation
 from restkv.cache import cache_report, format_report
 from restkv.integrations.transformers.compat import output_cache
 from restkv.integrations.transformers.generation import prefill
-from restkv.pipeline.plan import ScoringContext, plan_layer
+from restkv.pipeline.inputs import LayerFacts, LayerInputs
+from restkv.pipeline.plan import plan_layer
 
 
 def scores_of(query, key, value, o_proj, **options):
@@ -21,7 +22,7 @@ def scores_of(query, key, value, o_proj, **options):
     options = {"window_size": 2, "max_capacity_prompts": 4, "pooling": "none", "laprox_norm": "none", **options}
     config = CompressionConfig(method="laprox", **options)
     valid = torch.ones(query.shape[0], key.shape[2], dtype=torch.bool)
-    ctx = ScoringContext.of(query, key, value, plan_layer(config, valid), None, None, o_proj)
+    ctx = LayerInputs(query, key, value, plan_layer(config, valid), LayerFacts(1.0 / math.sqrt(query.shape[-1]), o_proj_weight=o_proj))
     return config.policy.score(ctx), ctx
 
 

@@ -14,7 +14,8 @@ from restkv.cache.segments.exact import joined_view
 from restkv.integrations.transformers.compat import output_cache, with_cache
 from restkv.integrations.transformers.generation import prefill
 from restkv.pipeline.compress import compress_layer
-from restkv.pipeline.plan import ScoringContext, plan_layer
+from restkv.pipeline.inputs import LayerInputs
+from restkv.pipeline.plan import plan_layer
 
 DIM = 8
 SLOTS = 1 + DIM // 2  # the entry and the d x d covariance in 2d-number slots
@@ -25,7 +26,7 @@ def compressed_layer(query, key, value, **options):
     options = {"method": "momentkv", "window_size": 4, "pooling": "none", **options}
     config = CompressionConfig(**options)
     valid = torch.ones(query.shape[0], key.shape[2], dtype=torch.bool)
-    ctx = ScoringContext.of(query, key, value, plan_layer(config, valid))
+    ctx = LayerInputs(query, key, value, plan_layer(config, valid))
     state = compress_layer(config, ctx)
     return CompressedLayer.from_state(state, key.shape[2], None, config), state
 
@@ -154,7 +155,7 @@ def test_without_moment_informed_eviction_the_kept_set_is_snapkv_at_the_smaller_
 def test_moment_informed_eviction_multiplies_the_scores_by_the_residual_against_the_evicted_mean():
     query, key, value = random_qkv(batch=1, heads=4, kv_heads=2, length=40, dim=DIM, seed=10)
     config = CompressionConfig(method="momentkv", max_capacity_prompts=20, window_size=4, pooling="none")
-    ctx = ScoringContext.of(query, key, value, plan_layer(config, torch.ones(1, 40, dtype=torch.bool)))
+    ctx = LayerInputs(query, key, value, plan_layer(config, torch.ones(1, 40, dtype=torch.bool)))
     base = config.policy.score(ctx)
     moments = config.switch("moments")
     rescored, keep, (summarised, previous) = moments.reserve(ctx, base, torch.full((1, 2), 20))

@@ -21,7 +21,8 @@ from restkv.integrations.transformers.generation import answer_many, generate_af
 from restkv.integrations.transformers.handles import model_state
 from restkv.integrations.transformers.reconstruction_prompt import ReconstructionPrompt, set_reconstruction_prompt
 from restkv.pipeline.compress import compress_layer
-from restkv.pipeline.plan import ScoringContext, plan_layer
+from restkv.pipeline.inputs import LayerFacts, LayerInputs
+from restkv.pipeline.plan import plan_layer
 from restkv.scoring.observation import ReconstructionObservation, ReconstructionStats
 from restkv.scoring.window import window_attention
 
@@ -177,7 +178,7 @@ def test_kvzip_keeps_the_token_that_takes_all_the_reconstruction_attention():
     keys = torch.cat([key, torch.zeros(1, 2, 8, 16)], dim=2)
     weights = window_attention(reconstruction, keys, torch.ones(1, 72, dtype=torch.bool), 8, 0.25)
     stats.add(weights[..., :64], 0, reconstruction)
-    ctx = ScoringContext.of(query, key, value, plan, 0.25, observation=ReconstructionObservation(stats))
+    ctx = LayerInputs(query, key, value, plan, LayerFacts(0.25), observation=ReconstructionObservation(stats))
     columns = joined_view(compress_layer(config, ctx).kept)[2]
     for head in range(2):
         kept = columns[0, head][columns[0, head] >= 0].tolist()

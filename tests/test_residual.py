@@ -10,9 +10,9 @@ from tiny_models import (FAMILY_BACKENDS, assert_rows_match_single_row_runs, dec
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.cache import CompressedLayer, cache_nbytes
 from restkv.cache.partial import Probe, softmax_partial
-from restkv.integrations.transformers.attention import LayerParams
 from restkv.integrations.transformers.compat import output_cache
 from restkv.integrations.transformers.generation import generate_after_context, prefill
+from restkv.pipeline.inputs import LayerFacts
 from restkv.switches.residual import (ResidualEntries, ResidualReadout, choose_ratios, entries_of, lloyd_kmeans,
                                       split_observations)
 from restkv.switches.residual.validation import KeySegments
@@ -496,7 +496,7 @@ def test_on_sliding_window_layers_an_entry_expires_with_its_oldest_member():
         return CompressedLayer.from_tokens(keys[:, :, :2].clone(), values[:, :, :2].clone(), columns, tokens_seen=10,
                                            sliding_window=8, summaries=[entry])
 
-    params = LayerParams(scaling=0.5, softcap=None, sliding_window=8)
+    params = LayerFacts(scaling=0.5, softcap=None, sliding_window=8)
     query = torch.randn(1, 1, 1, 4, generator=generator)
     new_key, new_value = torch.randn(1, 1, 1, 4, generator=generator), torch.randn(1, 1, 1, 4, generator=generator)
 

@@ -11,7 +11,8 @@ from tiny_models import (FAMILY_BACKENDS, assert_patch_reproduces_unpatched, ass
                          left_padded, random_prompt, replace_for, tiny_model)
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.pipeline.plan import ScoringContext, plan_layer
+from restkv.pipeline.inputs import LayerFacts, LayerInputs
+from restkv.pipeline.plan import plan_layer
 from restkv.policies.restkv import _projected_norms
 from restkv.scoring.adaptive_pooling import attention_shift, kernel_and_shift, shifted_replicate_mean
 from restkv.scoring.temporal import aggregate_queries
@@ -33,8 +34,8 @@ def restkv_scores(query, key, value, o_proj_weight=None, scaling=None, **options
     config = CompressionConfig(method="restkv", **options)
     batch, _, length, dim = query.shape
     plan = plan_layer(config, torch.ones(batch, length, dtype=torch.bool))
-    ctx = ScoringContext.of(query, key, value, plan, scaling if scaling is not None else 1 / math.sqrt(dim),
-                            o_proj_weight=o_proj_weight)
+    facts = LayerFacts(scaling if scaling is not None else 1 / math.sqrt(dim), o_proj_weight=o_proj_weight)
+    ctx = LayerInputs(query, key, value, plan, facts)
     return config.policy.score(ctx)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import greedy, left_padded, random_prompt, replace_for, tiny_model
 
-from restkv.integrations.transformers.attention import attention_inputs
+from restkv.integrations.transformers.capture import attention_inputs
 from restkv.integrations.transformers.generation import position_ids_from_mask
 from restkv.scoring.rope import rotary_inverse, unrotate
 
@@ -85,7 +85,7 @@ def test_a_forwards_keys_are_undone_to_its_projections(family):
 # ---------------------------------------------------------------- the layer's own rotation, probed
 def rotations_after_a_prefill(family: str, **overrides) -> list:
     """What ``layer_rotary`` found for each layer of a tiny ``family`` model after one compressing prefill."""
-    from restkv.integrations.transformers.attention import _ROTATIONS
+    from restkv.integrations.transformers.rotation import _ROTATIONS
 
     model = tiny_model(family, **overrides)
     replace_for(family)(method="snapkv", max_capacity_prompts=40, window_size=8)
@@ -104,7 +104,8 @@ def test_each_layers_rotation_is_read_from_its_own_forward(family, overrides, ex
 
 
 def test_a_layer_without_rope_hands_scorers_the_identity_rotation():
-    from restkv.integrations.transformers.attention import attention_inputs, layer_rotary
+    from restkv.integrations.transformers.capture import attention_inputs
+    from restkv.integrations.transformers.rotation import layer_rotary
 
     model = tiny_model("smollm3")
     attention = model.model.layers[1].self_attn

@@ -5,7 +5,8 @@ import torch
 from tiny_models import assert_model_compresses, random_qkv
 
 from restkv import CompressionConfig, ConfigError, compress_kv
-from restkv.pipeline.plan import ScoringContext, plan_layer, valid_from_mask
+from restkv.pipeline.inputs import LayerInputs
+from restkv.pipeline.plan import plan_layer, valid_from_mask
 
 
 @pytest.mark.parametrize("budget", [90, 30])
@@ -13,7 +14,7 @@ def test_the_window_and_every_token_reaching_the_threshold_stay_up_to_the_budget
     query, key, value = random_qkv(length=100, seed=31)
     options = dict(method="snapkv", max_capacity_prompts=budget, window_size=8)
     config = CompressionConfig(**options)
-    ctx = ScoringContext.of(query, key, value, plan_layer(config, valid_from_mask(None, 1, 100, key.device)))
+    ctx = LayerInputs(query, key, value, plan_layer(config, valid_from_mask(None, 1, 100, key.device)))
     scores = config.policy.score(ctx)[0]
     threshold = float(scores[:, :92].median())
     out = compress_kv(query, key, value, dict(options, dms=True, dms_threshold=threshold))

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from restkv import CompressionConfig, compress_kv
-from restkv.integrations.transformers.attention import attention_inputs
+from restkv.integrations.transformers.capture import attention_inputs
 
 
 @dataclass(frozen=True)

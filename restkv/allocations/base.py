@@ -9,7 +9,8 @@ from typing import ClassVar
 import torch
 
 from restkv.config.options import Options
-from restkv.pipeline.plan import LayerShape, RowShape, ScoringContext, layer_shape
+from restkv.pipeline.inputs import LayerInputs
+from restkv.pipeline.plan import LayerShape, RowShape
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Allocation(Options):
         reads it, so that whether a layer is compressed at all follows the layer's budget."""
         return budget
 
-    def allocate(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
+    def allocate(self, ctx: LayerInputs, scores: torch.Tensor) -> torch.Tensor:
         """``[B, H_kv]`` tokens kept per row and KV head, protected tokens included."""
         protected = ctx.protected.sum(dim=-1)
         rows = []
@@ -50,7 +51,7 @@ class Allocation(Options):
                 rows.append(torch.full((ctx.num_kv_heads,), shape.candidates, dtype=torch.long))
             else:
                 available = torch.full((ctx.num_kv_heads,), shape.candidates, dtype=torch.long)
-                rows.append(self.candidate_counts(layer_shape(ctx), scores[row][:, ctx.candidates[row]], shape,
+                rows.append(self.candidate_counts(ctx.shape, scores[row][:, ctx.candidates[row]], shape,
                                                   available).cpu())
         return torch.stack(rows).to(ctx.budgets.device) + protected[:, None]
 
@@ -65,7 +66,7 @@ class Allocation(Options):
         """
         raise NotImplementedError
 
-    def allocate_model(self, contexts: dict[int, ScoringContext], scores: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    def allocate_model(self, contexts: dict[int, LayerInputs], scores: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Model-wide allocations: ``{layer: [B, H_kv] kept counts}`` from every compressed layer's
         context and scores (protected tokens included)."""
         raise NotImplementedError

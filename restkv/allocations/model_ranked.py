@@ -9,7 +9,8 @@ import torch
 
 from restkv.allocations.base import Allocation
 from restkv.config.options import register
-from restkv.pipeline.plan import RowShape, ScoringContext
+from restkv.pipeline.inputs import LayerInputs
+from restkv.pipeline.plan import RowShape
 
 
 @register("allocation")
@@ -28,7 +29,7 @@ class ModelRanked(Allocation):
         """Candidates every (layer, KV head) keeps before the model-wide ranking (none here)."""
         return 0
 
-    def allocate(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
+    def allocate(self, ctx: LayerInputs, scores: torch.Tensor) -> torch.Tensor:
         """A single layer ranks its heads alone (the model of one layer)."""
         return self.allocate_model({ctx.layer_idx: ctx}, {ctx.layer_idx: scores})[ctx.layer_idx]
 

@@ -9,7 +9,7 @@ import torch
 
 from restkv.allocations.base import Allocation
 from restkv.config.options import option, register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import SinkOptions
 
 
@@ -27,12 +27,12 @@ class SimLayerAllocation(SinkOptions, Allocation):
     simlayer_last_queries: int = option(1, "SimLayerKV: the last prompt queries whose attention tells a lazy layer",
                                         minimum=1)
 
-    def allocate(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
+    def allocate(self, ctx: LayerInputs, scores: torch.Tensor) -> torch.Tensor:
         counts = [int(budget) if self.lazy_share(ctx, row, int(budget)) > self.simlayer_threshold else int(visible)
                   for row, (budget, visible) in enumerate(zip(ctx.budgets.tolist(), ctx.plan.visible_counts.tolist()))]
         return torch.tensor(counts, device=ctx.budgets.device)[:, None].expand(-1, ctx.num_kv_heads).clone()
 
-    def lazy_share(self, ctx: ScoringContext, row: int, budget: int) -> float:
+    def lazy_share(self, ctx: LayerInputs, row: int, budget: int) -> float:
         """The share of row ``row``'s last queries' attention (mean over heads and queries) on its
         sinks and the ``budget - n_sink + last_queries`` tokens before those queries."""
         length = ctx.key.shape[2]

@@ -177,7 +177,7 @@ def compression_record(model, config: CompressionConfig, cache, prefill_tokens: 
     compression internals.
     """
     from restkv.cache import CompressedLayer, cache_report
-    from restkv.integrations.transformers.attention import LayerParams
+    from restkv.integrations.transformers.steps import layer_facts
     from restkv.pipeline.plan import plan_layer
 
     valid = torch.ones(1, prefill_tokens, dtype=torch.bool)
@@ -185,7 +185,7 @@ def compression_record(model, config: CompressionConfig, cache, prefill_tokens: 
     expected = [
         module.layer_idx
         for module in _attention_modules(model)
-        if plan_layer(config, valid, module.layer_idx, layers, LayerParams.of(module).sliding_window).compress
+        if plan_layer(config, valid, module.layer_idx, layers, layer_facts(module).sliding_window).compress
     ]
     reports = cache_report(cache)
     held = {layer: reports[layer] for layer in expected if layer < len(reports) and reports[layer].kind == "compressed"}

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from restkv.config.options import Options, register
 from restkv.merges.evicted import evicted_mask
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 
 #: query positions per block when matching evicted keys to pivots (bounds the similarity matrix)
 PIVOT_BLOCK = 1024
@@ -24,7 +24,7 @@ class PivotMerge(Options):
     name = "pivot"
 
     def merge(
-        self, ctx: ScoringContext, columns: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+        self, ctx: LayerInputs, columns: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return pivot_merge(ctx.key, ctx.value, evicted_mask(ctx.visible, columns), columns, keys, values)
 

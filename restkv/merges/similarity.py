@@ -11,7 +11,7 @@ import torch
 from restkv.config.options import Options, option, register
 from restkv.merges.evicted import evicted_mask
 from restkv.merges.pivot import nearest_kept
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.scoring.selection import descending_ranks
 
 
@@ -29,7 +29,7 @@ class SimilarityMerge(Options):
                                         "similar) that merge", minimum=0, maximum=1)
 
     def merge(
-        self, ctx: ScoringContext, columns: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+        self, ctx: LayerInputs, columns: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         evicted = evicted_mask(ctx.visible, columns)
         return keys, similarity_merge(ctx.key, ctx.value, evicted, columns, keys, values,

@@ -40,7 +40,8 @@ from restkv.cache.segments.ragged import RaggedTokens
 from restkv.cache.segments.residual_entries import ResidualEntries
 from restkv.config import CompressionConfig
 from restkv.config.options import activation_flag
-from restkv.pipeline.plan import ScoringContext, plan_layer, valid_from_mask
+from restkv.pipeline.inputs import LayerFacts, LayerInputs
+from restkv.pipeline.plan import plan_layer, valid_from_mask
 from restkv.scoring.selection import Reservation, gather_columns, rank_keys, select_columns
 
 
@@ -48,9 +49,9 @@ from restkv.scoring.selection import Reservation, gather_columns, rank_keys, sel
 class Summariser(Protocol):
     """A part that summarises what it evicts (see the module docstring)."""
 
-    def reserve(self, ctx: ScoringContext, scores: torch.Tensor, keep: torch.Tensor, previous=()) -> Reservation: ...
+    def reserve(self, ctx: LayerInputs, scores: torch.Tensor, keep: torch.Tensor, previous=()) -> Reservation: ...
 
-    def summarise(self, ctx: ScoringContext, columns: torch.Tensor, memo: Any) -> list: ...
+    def summarise(self, ctx: LayerInputs, columns: torch.Tensor, memo: Any) -> list: ...
 
 
 @runtime_checkable
@@ -58,7 +59,7 @@ class Rescorer(Protocol):
     """A part that reweights the scores once each head's count is known, and may change the count
     (CriticalKV, ChunkKV, threshold eviction, independent chunks): it returns both."""
 
-    def rescore(self, config: CompressionConfig, ctx: ScoringContext, scores: torch.Tensor,
+    def rescore(self, config: CompressionConfig, ctx: LayerInputs, scores: torch.Tensor,
                 keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -71,14 +72,14 @@ class KeyPruner(Protocol):
 
     def exact_recent_tokens(self, config: Any) -> int: ...
 
-    def choose_channels(self, ctx: ScoringContext, keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor | None: ...
+    def choose_channels(self, ctx: LayerInputs, keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor | None: ...
 
 
 @runtime_checkable
 class KeyRewriter(Protocol):
     """A part that rewrites the kept keys once they are chosen (``--rerotate_keys``)."""
 
-    def rewrite_keys(self, ctx: ScoringContext, columns: torch.Tensor, keys: torch.Tensor) -> torch.Tensor: ...
+    def rewrite_keys(self, ctx: LayerInputs, columns: torch.Tensor, keys: torch.Tensor) -> torch.Tensor: ...
 
 
 @runtime_checkable
@@ -110,7 +111,7 @@ class LayerState:
     seal_every: int = 0
 
 
-def compress_layer(config: CompressionConfig, ctx: ScoringContext, scores: torch.Tensor | None = None,
+def compress_layer(config: CompressionConfig, ctx: LayerInputs, scores: torch.Tensor | None = None,
                    keep: torch.Tensor | None = None, previous=()) -> LayerState:
     """The segments one layer keeps, following its plan (``ctx.plan``).
 
@@ -192,7 +193,7 @@ def _part(config: CompressionConfig, protocol: type):
     return next((part for part in config.parts if isinstance(part, protocol)), None)
 
 
-def store(config: CompressionConfig, ctx: ScoringContext, keys: torch.Tensor, values: torch.Tensor,
+def store(config: CompressionConfig, ctx: LayerInputs, keys: torch.Tensor, values: torch.Tensor,
           columns: torch.Tensor) -> list:
     """The exact-token segments of the kept ``keys``/``values`` ``[B, H_kv, K, d]`` at ``columns``
     (indices of ``ctx``'s keys, each head's in position order, unused slots last): one exact
@@ -249,7 +250,7 @@ def co_locate(kept: list, summaries: list) -> tuple[list, list]:
     return [host], [entries.hosted_by(host, last)]
 
 
-def _recent_tokens(ctx: ScoringContext, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor,
+def _recent_tokens(ctx: LayerInputs, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor,
                    first_recent: torch.Tensor, held: torch.Tensor, recent: int) -> DenseTokens:
     """The segment that holds each head's ``recent`` newest kept tokens whole (slots
     ``first_recent .. held``; a head that keeps fewer leaves holes) and takes the tokens appended later."""
@@ -351,8 +352,9 @@ def compress_kv(
         raise ValueError(f"--method {config.run.method} scores the attention's input: give compress_kv the layer's "
                          "hidden_states [B, N, D]")
     plan = plan_layer(config, valid, layer_idx, num_layers, sliding_window)
-    state = compress_layer(config, ScoringContext.of(query, key, value, plan, scaling, softcap, o_proj_weight,
-                                                     rotary=rotary, hidden=hidden_states))
+    facts = LayerFacts(scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1]), softcap, sliding_window,
+                       o_proj_weight)
+    state = compress_layer(config, LayerInputs(query, key, value, plan, facts, rotary=rotary, hidden=hidden_states))
     return public_view(state, plan.padding)
 
 

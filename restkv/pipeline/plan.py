@@ -1,4 +1,4 @@
-"""One layer's prefill plan, and the context every scorer sees.
+"""One layer's prefill plan.
 
 ``plan_layer`` decides once per layer what the compressing prefill does: which tokens are
 real, which ones the next query can still see (a sliding-window layer forgets older
@@ -13,16 +13,12 @@ Positions: every tensor here indexes the padded batch (prompts are left-padded; 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
 from restkv.config.options import ConfigError
-from restkv.scoring.observation import WindowObservation
-from restkv.scoring.rope import unrotate
-from restkv.scoring.window import pool_scores, reduce_groups
 
 
 @dataclass(frozen=True)
@@ -157,127 +153,6 @@ def valid_from_mask(attention_mask: torch.Tensor | None, batch: int, length: int
     if not empty_rows and not bool(valid.any(dim=-1).all()):
         raise ValueError("a row of the batch is all padding; every row needs at least one real token")
     return valid
-
-
-@dataclass
-class ScoringContext:
-    """One layer's prompt, as every scorer sees it.
-
-    query: ``[B, H, n, d]`` post-RoPE queries of the last ``n`` prompt tokens (all of them, or
-        those the observation window and the residual cache read).
-    key, value: ``[B, H_kv, N, d]``, stored once per KV head.
-    plan: the layer's ``LayerPlan`` (real and visible tokens, budgets, protected tokens).
-    scaling, softcap: the layer's attention scale and logit soft-cap.
-    o_proj_weight: ``[D, H*d]`` output projection (methods that score in output space).
-    observation: what the scorers read of the observation queries (``restkv.scoring.observation``;
-        default: the window of the last ``window_size`` prompt queries). Its reductions are
-        computed once and shared by every part of the layer's compression.
-    positions: ``[B, H_kv, N]`` the padded-batch column of every key, when the keys are not the
-        prompt itself (recompression scores each head's held tokens as its own sequence); None:
-        key ``j`` is column ``j``. prompt_padding: ``[B]`` each row's left padding in those columns
-        (with ``positions``).
-    rotary: the ``(cos, sin)`` ``[B, N, d]`` the keys were rotated with (the forward's position
-        embeddings), for parts that read keys before RoPE (``pre_rope_key``); None where unknown.
-    hidden: ``[B, N, D]`` the attention's input (after the layer's input norm) at every key, for
-        scorers of hidden states (``Policy.needs_hidden_states``: KVzap); None where not kept.
-    """
-
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    plan: LayerPlan
-    scaling: float
-    softcap: float | None = None
-    o_proj_weight: torch.Tensor | None = None
-    observation: Any = field(default=None, repr=False)
-    positions: torch.Tensor | None = field(default=None, repr=False)
-    prompt_padding: torch.Tensor | None = field(default=None, repr=False)
-    rotary: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
-    hidden: torch.Tensor | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.observation is None:
-            self.observation = WindowObservation(self)
-        if self.rotary is not None:  # a model called without position_ids gives every row one [1, N, d] table
-            self.rotary = tuple(table.expand(self.key.shape[0], -1, -1) for table in self.rotary)
-
-    @classmethod
-    def of(cls, query, key, value, plan: LayerPlan, scaling: float | None = None, softcap=None,
-           o_proj_weight=None, observation=None, positions=None, prompt_padding=None,
-           rotary=None, hidden=None) -> "ScoringContext":
-        return cls(query, key, value, plan, scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1]),
-                   softcap, o_proj_weight, observation, positions, prompt_padding, rotary, hidden)
-
-    @property
-    def pre_rope_key(self) -> torch.Tensor | None:
-        """``[B, H_kv, N, d]`` the keys before RoPE (None without ``rotary``)."""
-        return None if self.rotary is None else unrotate(self.key, *self.rotary)
-
-    @property
-    def row_padding(self) -> torch.Tensor:
-        """``[B]`` each row's left padding in the padded batch the ``positions`` index (the plan's,
-        unless the keys are held sequences: ``prompt_padding`` then)."""
-        return self.plan.padding if self.prompt_padding is None else self.prompt_padding
-
-    def positions_of(self, columns: torch.Tensor) -> torch.Tensor:
-        """``[B, H_kv, K]`` int32 padded-batch columns of the keys at ``columns`` (-1 stays -1)."""
-        if self.positions is None:
-            return columns.to(torch.int32)
-        picked = self.positions.gather(2, columns.clamp(min=0).long())
-        return torch.where(columns >= 0, picked, -1).to(torch.int32)
-
-    # The plan's fields, as scorers read them.
-    @property
-    def valid(self) -> torch.Tensor:
-        return self.plan.valid
-
-    @property
-    def visible(self) -> torch.Tensor:
-        return self.plan.visible
-
-    @property
-    def budgets(self) -> torch.Tensor:
-        return self.plan.budgets
-
-    @property
-    def protected(self) -> torch.Tensor:
-        return self.plan.protected
-
-    @property
-    def candidates(self) -> torch.Tensor:
-        return self.plan.candidates
-
-    @property
-    def layer_idx(self) -> int:
-        return self.plan.layer_idx
-
-    @property
-    def num_layers(self) -> int:
-        return self.plan.num_layers
-
-    @property
-    def window_size(self) -> int:
-        return self.plan.window_size
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.key.shape[1]
-
-    def window_attention(self, num_queries: int | None = None) -> torch.Tensor:
-        """``[B, H, w, N]`` attention of the observation window's queries (``WindowObservation.attention``)."""
-        return self.observation.attention(num_queries)
-
-    def reduce_groups(self, scores: torch.Tensor, how: str = "mean") -> torch.Tensor:
-        """Per-query-head ``[B, H, N]`` to per-KV-head ``[B, H_kv, N]``."""
-        return reduce_groups(scores, self.num_kv_heads, how)
-
-    def pool(self, scores: torch.Tensor, pooling: str, kernel_size: int) -> torch.Tensor:
-        """Plain spatial smoothing (``none``, ``avgpool``, ``maxpool``) over the candidates."""
-        return pool_scores(scores, self.plan.candidates, pooling, kernel_size)
-
-
-def layer_shape(ctx: ScoringContext) -> LayerShape:
-    return LayerShape(ctx.layer_idx, ctx.num_layers, ctx.query.shape[1], ctx.num_kv_heads)
 
 
 class LayerShape(NamedTuple):

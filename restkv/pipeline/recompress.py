@@ -11,7 +11,7 @@ most ``B + K`` entries however long the generation.
 A layer's heads may hold different tokens, so each KV head's exact tokens (kept, then appended,
 in position order) form its own sequence, right-aligned; the one pipeline
 (``restkv.pipeline.compress.compress_layer``) then compresses the layer as a single-pass prefill would,
-the sequences standing for the prompt (``ScoringContext.positions`` maps each back to its
+the sequences standing for the prompt (``LayerInputs.positions`` maps each back to its
 padded-batch column). When every head of a row holds as many tokens (uniform budgets), the
 sequences line up and the whole layer is one compression; otherwise each head is scored on its
 own and the allocation shares the row's budget over the heads (a head-adaptive one sees each
@@ -41,7 +41,8 @@ import torch
 
 from restkv.cache.segments.exact import exact_tokens, joined_view
 from restkv.pipeline.compress import LayerState, compress_layer
-from restkv.pipeline.plan import LayerShape, RowShape, ScoringContext, layer_budgets, plan_layer
+from restkv.pipeline.inputs import LayerFacts, LayerInputs
+from restkv.pipeline.plan import LayerShape, RowShape, layer_budgets, plan_layer
 from restkv.scoring.selection import gather_columns
 
 
@@ -74,10 +75,9 @@ class HeldSequences:
         """Whether every head of a row holds as many tokens and summary slots."""
         return bool((self.counts == self.counts[:, :1]).all()) and bool((self.slots == self.slots[:, :1]).all())
 
-    def head_contexts(self, layer, queries: torch.Tensor, config: Any, budgets: list[int], scaling: float,
-                      softcap: float | None, o_proj_weight: torch.Tensor | None, layer_idx: int, num_layers: int,
-                      protected: torch.Tensor | None = None) -> list[ScoringContext]:
-        """One scoring context per KV head over its own sequence (``queries`` ``[B, H, w, d]``: the
+    def head_contexts(self, layer, queries: torch.Tensor, config: Any, budgets: list[int], facts: LayerFacts,
+                      layer_idx: int, num_layers: int, protected: torch.Tensor | None = None) -> list[LayerInputs]:
+        """One ``LayerInputs`` per KV head over its own sequence (``queries`` ``[B, H, w, d]``: the
         newest tokens'), each row keeping ``budgets`` (the layer's, ``layer_budgets``); ``protected``
         ``[B, H_kv, M]``: tokens kept whatever their score."""
         num_kv_heads = self.counts.shape[1]
@@ -89,16 +89,17 @@ class HeldSequences:
                               seen=seen_tokens(layer))
             if protected is not None:
                 plan = dataclasses.replace(plan, protected=plan.protected | protected[:, head])
-            contexts.append(ScoringContext.of(
+            head_facts = dataclasses.replace(
+                facts, o_proj_weight=_group_columns(facts.o_proj_weight, head, num_kv_heads, queries.shape[1]))
+            contexts.append(LayerInputs(
                 queries[:, head * groups : (head + 1) * groups], self.keys[:, head : head + 1],
-                self.values[:, head : head + 1], plan, scaling, softcap,
-                _group_columns(o_proj_weight, head, num_kv_heads, queries.shape[1]),
+                self.values[:, head : head + 1], plan, head_facts,
                 positions=self.positions[:, head : head + 1], prompt_padding=layer.prompt_padding))
         return contexts
 
 
-def recompress(layer, queries: torch.Tensor, config: Any, budgets: list[int], scaling: float,
-               softcap: float | None, o_proj_weight: torch.Tensor | None, layer_idx: int, num_layers: int) -> None:
+def recompress(layer, queries: torch.Tensor, config: Any, budgets: list[int], facts: LayerFacts, layer_idx: int,
+               num_layers: int) -> None:
     """Evict ``layer``'s exact tokens (kept and appended) down to ``budgets[b]`` per KV head (the layer's
     own share of it, ``layer_budgets``; summary entries counted), scored by ``queries`` ``[B, H, w, d]``
     (the newest tokens' post-RoPE queries); the layer is rewritten in place. Nothing happens when every
@@ -111,12 +112,11 @@ def recompress(layer, queries: torch.Tensor, config: Any, budgets: list[int], sc
         plan = plan_layer(config, held.positions[:, 0] >= 0, layer_idx, num_layers,
                           budgets=[b - int(s) for b, s in zip(budgets, held.slots[:, 0].tolist())],
                           seen=seen_tokens(layer))
-        ctx = ScoringContext.of(queries, held.keys, held.values, plan, scaling, softcap, o_proj_weight,
-                                positions=held.positions, prompt_padding=layer.prompt_padding)
+        ctx = LayerInputs(queries, held.keys, held.values, plan, facts, positions=held.positions,
+                          prompt_padding=layer.prompt_padding)
         layer.replace(compress_layer(config, ctx, previous=layer.summaries))
         return
-    contexts = held.head_contexts(layer, queries, config, budgets, scaling, softcap, o_proj_weight, layer_idx,
-                                  num_layers)
+    contexts = held.head_contexts(layer, queries, config, budgets, facts, layer_idx, num_layers)
     scores = [config.policy.score(ctx) for ctx in contexts]
     if config.policy.shares_scores_across_heads:  # one kept set per layer
         shared = torch.stack(scores).mean(dim=0)
@@ -130,7 +130,7 @@ def seen_tokens(layer) -> list[int]:
     return (layer.tokens_seen - layer.prompt_padding).tolist()
 
 
-def _head_allocation(config, contexts: list[ScoringContext], scores: list[torch.Tensor]) -> list:
+def _head_allocation(config, contexts: list[LayerInputs], scores: list[torch.Tensor]) -> list:
     """Each head's kept counts ``[B, 1]`` when the allocation shares the row's budget over the heads,
     else None for each (every head allocates its own)."""
     if not config.allocator.head_adaptive:
@@ -141,7 +141,7 @@ def _head_allocation(config, contexts: list[ScoringContext], scores: list[torch.
     return [shared_keep[:, head : head + 1] for head in range(len(contexts))]
 
 
-def _compress_heads(config, layer, contexts: list[ScoringContext], scores: list[torch.Tensor],
+def _compress_heads(config, layer, contexts: list[LayerInputs], scores: list[torch.Tensor],
                     keep: list) -> LayerState:
     """The layer's state from each KV head's own compression (its summaries absorbing what it evicts)."""
     return _joined_heads([compress_layer(config, ctx, head_scores, head_keep,
@@ -158,9 +158,7 @@ class ScoredChunk:
     scores: torch.Tensor  # [B, H_kv, n] the chunk's token scores
     protected: torch.Tensor  # [B, n] tokens kept whatever their score
     queries: torch.Tensor  # [B, H, w, d] the chunk's newest queries
-    scaling: float
-    softcap: float | None
-    o_proj_weight: torch.Tensor | None
+    facts: LayerFacts
 
 
 def rank_chunk(config: Any, chunks: dict[int, ScoredChunk], budgets: list[int], num_layers: int) -> None:
@@ -176,7 +174,7 @@ def rank_chunk(config: Any, chunks: dict[int, ScoredChunk], budgets: list[int], 
         protected = torch.isposinf(scores)
         contexts = held.head_contexts(chunk.layer, chunk.queries, config,
                                       layer_budgets(config, budgets, seen_tokens(chunk.layer), index, num_layers),
-                                      chunk.scaling, chunk.softcap, chunk.o_proj_weight, index, num_layers, protected)
+                                      chunk.facts, index, num_layers, protected)
         scores = scores.masked_fill(protected, 0.0)
         prepared[index] = (held, contexts, [scores[:, head : head + 1] for head in range(len(contexts))], protected)
     if config.allocator.model_wide:  # one ranking over every (layer, KV head)
@@ -259,7 +257,7 @@ def _group_columns(o_proj_weight: torch.Tensor | None, head: int, num_kv_heads: 
     return o_proj_weight[:, head * groups * head_dim : (head + 1) * groups * head_dim]
 
 
-def _allocate(config, contexts: list[ScoringContext], scores: list[torch.Tensor], layer_idx: int,
+def _allocate(config, contexts: list[LayerInputs], scores: list[torch.Tensor], layer_idx: int,
               num_layers: int, num_heads: int) -> torch.Tensor:
     """``[B, H_kv]`` tokens each head keeps (protected included): the row's budget (the heads'
     mean, when summaries lowered some) shared over heads whose candidate sequences differ."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.config.options import register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import PooledScores
 
 
@@ -25,6 +25,6 @@ class AdaKV(PooledScores):
     allocation = "adakv"
     base_method = "snapkv"
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         """``[B, H_kv, N]`` window-mean attention per KV head, pooled (AdaKV's and HeadKV's scores)."""
         return self.smooth(ctx, self.reduce(ctx, ctx.observation.mean()))

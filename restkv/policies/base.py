@@ -29,7 +29,7 @@ import torch
 
 from restkv.config.composition import RECONSTRUCTION_CHUNK
 from restkv.config.options import ConfigError, Options, option
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.scoring.adaptive_pooling import adaptive_pool
 from restkv.scoring.selection import Reservation
 
@@ -82,10 +82,10 @@ class Policy(Options):
     #: ranks the context alone as KVzip does without reading reconstruction queries (``learned_zip``): the
     #: template around a given context span is kept whatever its score (``restkv.integrations.transformers.context_span``)
     ranks_context_alone: ClassVar[bool] = False
-    #: reads the RoPE tables the keys were rotated with (``ScoringContext.rotary``): keys or queries
+    #: reads the RoPE tables the keys were rotated with (``LayerInputs.rotary``): keys or queries
     #: before RoPE, or rotations to other positions; ``compress_kv`` needs its ``rotary`` then
     needs_rotary: ClassVar[bool] = False
-    #: reads the attention's input at every key (``ScoringContext.hidden``: KVzap); ``compress_kv``
+    #: reads the attention's input at every key (``LayerInputs.hidden``: KVzap); ``compress_kv``
     #: needs its ``hidden_states`` then, and held tokens (chunked prefill, decode budgets) cannot give them
     needs_hidden_states: ClassVar[bool] = False
 
@@ -157,23 +157,23 @@ class Policy(Options):
                 f"(--window_size {config.run.window_size}); lower the ratio or the window"
             )
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         """``[B, H_kv, N]`` float32 importance; only candidate columns are read."""
         raise NotImplementedError
 
-    def reserve(self, ctx: ScoringContext, scores: torch.Tensor, keep: torch.Tensor, previous=()) -> Reservation:
+    def reserve(self, ctx: LayerInputs, scores: torch.Tensor, keep: torch.Tensor, previous=()) -> Reservation:
         """The scores and the tokens per head ``keep`` ``[B, H_kv]`` (from the allocation) once the
         method's own state has taken its token slots (none by default); ``previous``: the layer's
         summary segments from its last compression (when it is compressed again)."""
         return Reservation(scores, keep)
 
-    def summarise(self, ctx: ScoringContext, columns: torch.Tensor, memo: Any) -> list:
+    def summarise(self, ctx: LayerInputs, columns: torch.Tensor, memo: Any) -> list:
         """The segments the layer adds for the tokens ``columns`` leaves out (an output correction:
         IndexMem's memory), from ``reserve``'s ``memo`` (default: nothing)."""
         return []
 
     def finalize(
-        self, ctx: ScoringContext, columns: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+        self, ctx: LayerInputs, columns: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook after selection for methods that also change the kept entries (merging).
 
@@ -197,7 +197,7 @@ class GroupedScores(Policy):
     gqa_score_agg: str = option("mean", "how a query group's scores are reduced to one per KV head",
                                 GQA_AGGREGATIONS)
 
-    def reduce(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
+    def reduce(self, ctx: LayerInputs, scores: torch.Tensor) -> torch.Tensor:
         """``[B, H, N]`` per query head to ``[B, H_kv, N]`` (``--gqa_score_agg``)."""
         return ctx.reduce_groups(scores, self.gqa_score_agg)
 
@@ -280,7 +280,7 @@ class PooledScores(GroupedScores):
     def reads_attention_drift(self) -> bool:
         return self.pooling == "adaptive"
 
-    def smooth(self, ctx: ScoringContext, scores: torch.Tensor) -> torch.Tensor:
+    def smooth(self, ctx: LayerInputs, scores: torch.Tensor) -> torch.Tensor:
         """Spatial smoothing with ``--pooling``/``--kernel_size`` over the candidates
         (``adaptive``: ReST-KV's drift-driven kernel, ``restkv.scoring.adaptive_pooling``)."""
         if self.pooling == "adaptive":

@@ -19,7 +19,7 @@ import torch
 from restkv.config.options import ConfigError, option, register
 from restkv.merges.cam import cam_merge, cam_reference_values
 from restkv.merges.evicted import evicted_mask
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import GroupedScores
 from restkv.scoring.selection import gather_columns
 
@@ -44,11 +44,11 @@ class CaM(GroupedScores):
             raise ConfigError("--cam_mode reference cascades over the whole prompt in one pass; with "
                               "--prefill_chunk_size or --decode_budget use --cam_mode paper")
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         return self.reduce(ctx, ctx.observation.total())
 
     def finalize(
-        self, ctx: ScoringContext, columns: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+        self, ctx: LayerInputs, columns: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         mean_attention = self.reduce(ctx, ctx.observation.mean())
         draws = None if self.cam_expected else self._row_local_draws(ctx)
@@ -70,7 +70,7 @@ class CaM(GroupedScores):
             )
         return keys, gather_columns(merged, columns)
 
-    def _row_local_draws(self, ctx: ScoringContext) -> torch.Tensor:
+    def _row_local_draws(self, ctx: LayerInputs) -> torch.Tensor:
         """``[B, H_kv, N]`` uniform numbers from ``--cam_seed`` and the layer, in row-local order."""
         batch, length = ctx.valid.shape
         draws = torch.ones(batch, ctx.num_kv_heads, length, dtype=torch.float64)

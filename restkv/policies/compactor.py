@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.config.options import option, redeclared, register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import SinkOptions
 from restkv.policies.leverage import SketchOptions
 from restkv.policies.noncausal import NonCausalAttention
@@ -52,7 +52,7 @@ class Compactor(SketchOptions, SinkOptions, NonCausalAttention):
         ratio = run.compression_ratio
         return dataclasses.replace(self, compactor_blending=TOKEN_BUDGET_BLENDING if ratio is None else ratio)
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         keys = ctx.pre_rope_key
 
         def row_scores(row: int, columns: slice) -> torch.Tensor:

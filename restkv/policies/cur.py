@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.config.options import option, register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import Policy, SinkOptions
 from restkv.policies.random_control import layer_generator
 from restkv.policies.row_local import score_rows
@@ -54,7 +54,7 @@ class CUR(SinkOptions, Policy):
     )
     cur_projection_dim: int = option(20, "CUR: columns of the --cur_random_projection matrix", minimum=1)
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         keys, values = ctx.key.float(), ctx.value.float()
         if self.cur_random_projection:
             projection = random_projection(ctx, self.cur_projection_dim).to(keys.device) / math.sqrt(
@@ -75,7 +75,7 @@ class CUR(SinkOptions, Policy):
         return scores
 
 
-def random_projection(ctx: ScoringContext, columns: int) -> torch.Tensor:
+def random_projection(ctx: LayerInputs, columns: int) -> torch.Tensor:
     """``[d, columns]`` standard Gaussian draws of the layer (``layer_generator``), shared by every row."""
     return torch.randn(ctx.key.shape[-1], columns, generator=layer_generator(ctx))
 

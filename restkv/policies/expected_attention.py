@@ -29,7 +29,7 @@ import torch
 
 from restkv.config.options import ConfigError, option, register
 from restkv.files.reading import check_shape, finite_floats, load_safetensors, read_file_once
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.future_queries import FutureQueries
 
 
@@ -59,7 +59,7 @@ class ExpectedAttention(FutureQueries):
         scores = self.expected_attention(ctx, queries, keys, rotation)
         return (scores + self.ea_epsilon) * values.norm(dim=-1) if self.ea_vnorm else scores
 
-    def expected_attention(self, ctx: ScoringContext, queries: torch.Tensor, keys: torch.Tensor,
+    def expected_attention(self, ctx: LayerInputs, queries: torch.Tensor, keys: torch.Tensor,
                            rotation: torch.Tensor) -> torch.Tensor:
         """``[H_kv, n]`` the normalised expected attention of ``keys`` ``[H_kv, n, d]`` (post-RoPE)
         under future queries distributed as ``queries`` ``[H, n, d]`` (pre-RoPE), turned by ``rotation``."""
@@ -73,7 +73,7 @@ class ExpectedAttention(FutureQueries):
         weights = logits.squeeze(-1).softmax(dim=-1)  # [H, n]
         return ctx.reduce_groups(weights[None], self.gqa_score_agg)[0]
 
-    def statistics(self, ctx: ScoringContext, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def statistics(self, ctx: LayerInputs, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The future queries' pre-RoPE mean ``[H, d]`` and covariance ``[H, d, d]``: the prompt's
         (``queries`` ``[H, n, d]``, covariance divided by ``n``) or the ``--ea_stats`` file's."""
         if self.ea_stats is not None:

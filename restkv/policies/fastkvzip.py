@@ -25,7 +25,7 @@ import torch
 
 from restkv.config.options import ConfigError, option, register
 from restkv.files.reading import check_shape, finite_floats, load_safetensors, read_file_once
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import KeepsSinks, Policy, check_weights_fit, layer_weights
 
 GATE_PARAMETERS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "q_norm.weight", "k_norm.weight", "k_base", "b")
@@ -68,7 +68,7 @@ class FastKVzip(KeepsSinks, Policy):
         for name, shape in needed.items():  # every layer's are layer 0's (checked when read)
             check_shape("--fastkvzip_gates", self.fastkvzip_gates, f"gate0.{name}", gates[0][name].shape, shape)
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         gate = layer_weights("--fastkvzip_gates", self.fastkvzip_gates, "gates", gates_of(self.fastkvzip_gates),
                              ctx.layer_idx)
         scores = gate_scores({name: t.to(ctx.key.device) for name, t in gate.items()}, ctx.hidden.float())

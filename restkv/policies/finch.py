@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.config.options import ConfigError, option, register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import GroupedScores
 
 
@@ -45,7 +45,7 @@ class Finch(GroupedScores):
             raise ConfigError(f"--method {self.name} weights each window query's attention row; --observation "
                               "reconstruction keeps no row per query (use --observation window)")
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         weights = ctx.observation.attention()  # [B, H, w, N]
         if self.finch_normalize:
             earlier = ctx.valid.cumsum(dim=-1) - 1  # real tokens before each column

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.config.options import ConfigError, option
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import GroupedScores, KeepsSinks
 from restkv.policies.row_local import score_rows
 from restkv.scoring.rope import following_rotation, rotation_matrix, unrotate
@@ -52,7 +52,7 @@ class FutureQueries(KeepsSinks, GroupedScores):
                               f"{' and '.join(flags)} leave{'s' if len(flags) == 1 else ''} it a window of them or "
                               "none")
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         if ctx.query.shape[2] != ctx.key.shape[2]:
             raise ValueError(f"--method {self.name} reads every prompt query: give as many queries as keys")
         cos, sin = ctx.rotary
@@ -72,7 +72,7 @@ class FutureQueries(KeepsSinks, GroupedScores):
 
         return score_rows(ctx, row_scores)
 
-    def future_scores(self, ctx: ScoringContext, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    def future_scores(self, ctx: LayerInputs, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       rotation: torch.Tensor) -> torch.Tensor:
         """``[H_kv, n]`` the scores of one row's tokens after the sinks: ``queries`` ``[H, n, d]``
         before RoPE, ``keys``/``values`` ``[H_kv, n, d]`` (keys after RoPE), ``rotation`` ``[d, d]``."""

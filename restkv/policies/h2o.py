@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.config.options import ConfigError, option, register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import GroupedScores
 from restkv.scoring.window import window_attention
 
@@ -47,7 +47,7 @@ class H2O(GroupedScores):
                 f"--h2o_queries all accumulates the attention of every prompt query at once; it cannot {cannot}"
             )
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         if self.h2o_queries == "window":
             accumulated = ctx.observation.total()
             queries = min(ctx.window_size, ctx.valid.shape[-1])
@@ -60,7 +60,7 @@ class H2O(GroupedScores):
         return self.reduce(ctx, accumulated)
 
 
-def all_query_column_sums(ctx: ScoringContext) -> torch.Tensor:
+def all_query_column_sums(ctx: LayerInputs) -> torch.Tensor:
     """``[B, H, N]``: causal attention received by each key, summed over every prompt query."""
     length = ctx.query.shape[2]
     total = torch.zeros(ctx.query.shape[:3], dtype=torch.float32, device=ctx.query.device)

@@ -32,7 +32,7 @@ import torch
 from restkv.cache.segments.memory import MemoryState, memory_input, slots_for
 from restkv.config.options import ConfigError, option, register
 from restkv.learned.indexmem import FUSIONS, QUERY_REDUCTIONS, Architecture, IndexMemLayer, load_weights
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import PooledScores
 from restkv.scoring.selection import Reservation
 
@@ -116,7 +116,7 @@ class IndexMem(PooledScores):
             return self.indexmem_fusion
         return _weights(self.indexmem_weights).arch.fusion if self.indexmem_weights else "shared_softmax"
 
-    def layer_for(self, ctx: ScoringContext) -> IndexMemLayer:
+    def layer_for(self, ctx: LayerInputs) -> IndexMemLayer:
         """The layer's trained parts, or the fallback's, on the context's device."""
         num_heads, head_dim = ctx.query.shape[1], ctx.key.shape[-1]
         if self.indexmem_weights is None:
@@ -129,7 +129,7 @@ class IndexMem(PooledScores):
             layer = _weights(self.indexmem_weights).layers[ctx.layer_idx]
         return _on_device(layer, ctx.key.device)
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         if self.indexmem_weights is None:
             observation = ctx.observation
             reduction = self.indexmem_query_reduction
@@ -140,13 +140,13 @@ class IndexMem(PooledScores):
         return self.smooth(ctx, self.reduce(ctx, per_head))
 
     # ------------------------------------------------------------ the memory
-    def memory_slots(self, ctx: ScoringContext) -> int:
+    def memory_slots(self, ctx: LayerInputs) -> int:
         """Token slots the memory takes per evicting KV head (0 without one)."""
         if not self.indexmem_memory or ctx.plan.sliding_window is not None:
             return 0
         return slots_for(self.indexmem_features, ctx.key.shape[-1], _slot_bytes(ctx))
 
-    def reserve(self, ctx: ScoringContext, scores: torch.Tensor, keep: torch.Tensor, previous=()) -> Reservation:
+    def reserve(self, ctx: LayerInputs, scores: torch.Tensor, keep: torch.Tensor, previous=()) -> Reservation:
         slots = self.memory_slots(ctx)
         if slots == 0:
             return Reservation(scores, keep)
@@ -157,7 +157,7 @@ class IndexMem(PooledScores):
             raise self._no_room(slots, ctx.key.shape[-1], int(keep.min()), int(protected.max()))
         return Reservation(scores, reserved)
 
-    def summarise(self, ctx: ScoringContext, columns: torch.Tensor, memo) -> list:
+    def summarise(self, ctx: LayerInputs, columns: torch.Tensor, memo) -> list:
         """The memory of the tokens ``columns`` evicts (a memory trained on pre-RoPE keys reads
         ``ctx.pre_rope_key``)."""
         if self.memory_slots(ctx) == 0:
@@ -174,7 +174,7 @@ class IndexMem(PooledScores):
         return [MemoryState(state.log_mass, state.feature_values, layer, self.fusion, ctx.scaling, _slot_bytes(ctx))]
 
 
-def _slot_bytes(ctx: ScoringContext) -> int:
+def _slot_bytes(ctx: LayerInputs) -> int:
     """Bytes of one token slot: its key and value in one KV head."""
     return 2 * ctx.key.shape[-1] * ctx.key.element_size()
 

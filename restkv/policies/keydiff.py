@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from restkv.config.options import register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import Policy
 from restkv.policies.row_local import score_rows
 
@@ -30,7 +30,7 @@ class KeyDiff(Policy):
     name = "keydiff"
     observes_queries = False
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         def row_scores(row: int, columns: slice) -> torch.Tensor:
             keys = ctx.key[row, :, columns].float()  # [H_kv, n, d]
             anchor = F.normalize(keys, dim=-1).mean(dim=1, keepdim=True)

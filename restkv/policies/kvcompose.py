@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.config.options import option, register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import GroupedScores
 
 
@@ -49,7 +49,7 @@ class KVCompose(GroupedScores):
     def protected_count(self, window_size: int, budget: int) -> int:
         return 0
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         scores = self.reduce(ctx, ctx.observation.maximum())
         if self.kvcompose_vnorm:
             scores = scores * ctx.value.float().norm(dim=-1)

@@ -24,7 +24,7 @@ import torch
 
 from restkv.config.options import ConfigError, option, register
 from restkv.files.reading import check_shape, finite_floats, load_safetensors, read_file_once
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import Policy, check_weights_fit, layer_weights
 
 
@@ -56,7 +56,7 @@ class KVzap(Policy):
         first = "layers.0.weight" if len(layers[0]) == 1 else "layers.0.0.weight"
         check_shape("--kvzap_weights", self.kvzap_weights, first, layers[0][0][0].shape, (None, model.hidden_size))
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         surrogate = layer_weights("--kvzap_weights", self.kvzap_weights, "surrogates", surrogates_of(self.kvzap_weights),
                                   ctx.layer_idx)
         output = ctx.hidden.float()

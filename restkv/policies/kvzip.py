@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.config.options import option, redeclared, register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import GroupedScores, KeepsSinks
 from restkv.scoring.output_space import head_grams
 
@@ -92,7 +92,7 @@ class KVzip(KeepsSinks, GroupedScores):
         """Whether each token's largest attention is multiplied by ``||v W_o||_2`` (KVzip+, KVgrad)."""
         return self.kvzip_plus
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         maximum = ctx.observation.maximum()  # [B, H, N]; KVzip+ (KVgrad): of the attention / ||h|| (x ||dPhi/da||)
         if not self.weighs_by_output:
             return self.mark_sinks(ctx, self.reduce(ctx, maximum), SINK_SCORE)
@@ -100,7 +100,7 @@ class KVzip(KeepsSinks, GroupedScores):
         return self.mark_sinks(ctx, self.reduce(ctx, weighted), torch.finfo(torch.float32).max)
 
 
-def value_output_norms(ctx: ScoringContext) -> torch.Tensor:
+def value_output_norms(ctx: LayerInputs) -> torch.Tensor:
     """``[B, H, N]`` ``||v_i W_o^h||_2`` of each token's value through each query head's slice of
     ``o_proj`` (``v^T Gamma_h v``, no ``N x hidden`` product)."""
     grams = head_grams(ctx)  # [H_kv, G, d, d]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.config.options import option, register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import Policy
 
 
@@ -32,5 +32,5 @@ class L2Norm(Policy):
     def compresses_layer(self, layer_idx: int) -> bool:
         return layer_idx not in self.l2norm_skip_layers
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         return -ctx.key.float().norm(dim=-1)

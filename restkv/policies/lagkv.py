@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.config.options import option, register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import KeepsSinks, Policy
 from restkv.policies.row_local import score_rows
 
@@ -67,7 +67,7 @@ class LagKV(KeepsSinks, Policy):
         super().check(config)
         self.check_sinks(config)
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         return score_rows(ctx, lambda row, columns: self.row_scores(ctx.key[row, :, columns].float(),
                                                                      ctx.value[row, :, columns].float()))
 

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.config.options import ConfigError, option, redeclared, register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import PooledScores
 from restkv.scoring.output_space import column_chunks, group_grams, head_grams, output_weight
 
@@ -90,7 +90,7 @@ class LaProx(PooledScores):
                 "its queries); use --observation window"
             )
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         if ctx.o_proj_weight is None:
             raise ValueError("LaProx scores in output space: pass the layer's o_proj_weight ([hidden, heads * "
                              "head_dim]) to compress_kv")
@@ -110,7 +110,7 @@ class LaProx(PooledScores):
         return scores / mass.clamp(min=torch.finfo(torch.float32).tiny)[:, None, None]
 
     @staticmethod
-    def _projected_value_norms(ctx: ScoringContext) -> torch.Tensor:
+    def _projected_value_norms(ctx: LayerInputs) -> torch.Tensor:
         """``[B, H, N]`` ``||W_o^h v_{k(h), j}||`` for every query head."""
         grams = head_grams(ctx)  # [H_kv, G, d, d]
         values = ctx.value.float()
@@ -123,7 +123,7 @@ class LaProx(PooledScores):
         return norms.clamp(min=0).sqrt().flatten(1, 2)
 
     @staticmethod
-    def _group_energy(ctx: ScoringContext, weights: torch.Tensor) -> torch.Tensor:
+    def _group_energy(ctx: LayerInputs, weights: torch.Tensor) -> torch.Tensor:
         """``[B, H_kv, N]`` ``sum_{h,h'} (a_h . a_h') v^T W_o^h^T W_o^h' v`` over each query group."""
         values = ctx.value.float()
         batch, num_kv_heads, length, dim = values.shape
@@ -139,7 +139,7 @@ class LaProx(PooledScores):
         return energy.clamp(min=0)
 
 
-def _window_output_energy(ctx: ScoringContext, weights: torch.Tensor) -> torch.Tensor:
+def _window_output_energy(ctx: LayerInputs, weights: torch.Tensor) -> torch.Tensor:
     """``[B]`` ``||O||_F^2`` of the layer's output for the window queries (every key they see)."""
     batch, num_heads, window, length = weights.shape
     groups = num_heads // ctx.num_kv_heads

@@ -27,7 +27,7 @@ import torch
 
 from restkv.config.options import ConfigError, option, register
 from restkv.learned.scorer import SHIPPED_WEIGHTS, ScorerWeights, load_weights
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import KeepsSinks, Policy
 from restkv.policies.kvzip import SINK_SCORE
 
@@ -78,7 +78,7 @@ class LearnedZip(KeepsSinks, Policy):
         file = Path(self.file_read("learned_zip_weights"))
         return _cached_weights(str(file.resolve()), file.stat().st_mtime if file.is_file() else 0.0)
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         self.check_shape(ctx.num_layers, ctx.num_kv_heads, ctx.key.shape[-1])
         key = ctx.pre_rope_key
         # Predicted log-scores; KVzip's are attention weights, at most 1.

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.config.options import ConfigError, Options, option, register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import Policy
 from restkv.policies.random_control import layer_generator
 from restkv.policies.row_local import score_rows
@@ -38,7 +38,7 @@ JITTER, ATTEMPTS = 1e-2, 5
 class SketchOptions(Options):
     leverage_sketch_dim: int = option(48, "leverage scores: columns of the Gaussian sketch of the keys", minimum=1)
 
-    def leverage(self, ctx: ScoringContext, keys: torch.Tensor) -> torch.Tensor:
+    def leverage(self, ctx: LayerInputs, keys: torch.Tensor) -> torch.Tensor:
         """``[H_kv, n]`` z-scored leverage of one row's pre-RoPE ``keys`` ``[H_kv, n, d]``."""
         sketch = gaussian_sketch(ctx, self.leverage_sketch_dim)[0].to(keys.device, keys.dtype)
         centred = keys - keys.mean(dim=1, keepdim=True)
@@ -63,12 +63,12 @@ class Leverage(SketchOptions, Policy):
             raise ConfigError(f"--method {self.name} reads the keys before RoPE with the prefill's RoPE tables; "
                               f"{' and '.join(config.rescoring_flags())} cannot score a layer again")
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         keys = ctx.pre_rope_key
         return score_rows(ctx, lambda row, columns: self.leverage(ctx, keys[row, :, columns].float()))
 
 
-def gaussian_sketch(ctx: ScoringContext, columns: int) -> torch.Tensor:
+def gaussian_sketch(ctx: LayerInputs, columns: int) -> torch.Tensor:
     """``[1, H_kv, d, columns]`` standard Gaussian draws of the layer (``layer_generator``),
     shared by every row."""
     return torch.randn(1, ctx.num_kv_heads, ctx.key.shape[-1], columns, generator=layer_generator(ctx))

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from restkv.config.options import ConfigError, option, register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import GroupedScores
 from restkv.policies.row_local import score_rows
 
@@ -54,13 +54,13 @@ class NonCausalAttention(GroupedScores):
             raise ConfigError(f"--allocation {run.allocation} compresses after the whole prefill, which keeps only the "
                               f"last prompt queries; --method {self.name} needs the queries of every prompt token")
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         if ctx.query.shape[2] != ctx.key.shape[2]:
             raise ValueError(f"--method {self.name} needs the queries of all {ctx.key.shape[2]} prompt tokens; the "
                              f"scoring context holds {ctx.query.shape[2]}")
         return score_rows(ctx, lambda row, columns: self.row_scores(ctx, row, columns))
 
-    def row_scores(self, ctx: ScoringContext, row: int, columns: slice) -> torch.Tensor:
+    def row_scores(self, ctx: LayerInputs, row: int, columns: slice) -> torch.Tensor:
         """``[H_kv, n]`` z-scored scores of row ``row``'s tokens at ``columns``, scored among themselves."""
         groups = ctx.query.shape[1] // ctx.num_kv_heads
         query = ctx.query[row, :, columns].float()

@@ -20,7 +20,7 @@ import torch
 
 from restkv.config.options import ConfigError, option, register
 from restkv.files.reading import check_shape, finite_floats, load_safetensors, read_file_once
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import Policy
 
 
@@ -48,7 +48,7 @@ class QFilter(Policy):
         check_shape("--qfilter_file", self.qfilter_file, "q_filters", filters_of(self.qfilter_file).shape,
                     (model.num_layers, model.num_kv_heads, model.head_dim))
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         filters = filters_of(self.qfilter_file)
         if filters.shape[0] <= ctx.layer_idx or filters.shape[1:] != (ctx.num_kv_heads, ctx.key.shape[-1]):
             raise ConfigError(

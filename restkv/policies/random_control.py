@@ -11,17 +11,17 @@ from dataclasses import dataclass
 import torch
 
 from restkv.config.options import register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import Policy
 
 
-def layer_generator(ctx: ScoringContext) -> torch.Generator:
+def layer_generator(ctx: LayerInputs) -> torch.Generator:
     """A CPU generator seeded with the run's ``--seed`` and the layer: each layer draws its own
     numbers, the same ones every run (the run's global RNG is never touched)."""
     return torch.Generator().manual_seed(ctx.plan.seed * 100_003 + ctx.layer_idx)
 
 
-def random_scores(ctx: ScoringContext) -> torch.Tensor:
+def random_scores(ctx: LayerInputs) -> torch.Tensor:
     """``[B, H_kv, N]`` uniform scores from the run's seed and the layer, in row-local order."""
     batch, length = ctx.valid.shape
     scores = torch.zeros(batch, ctx.num_kv_heads, length, dtype=torch.float32)
@@ -36,5 +36,5 @@ class RandomPolicy(Policy):
     name = "random"
     observes_queries = False
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         return random_scores(ctx)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.config.options import ConfigError, option, redeclared, register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import PooledScores
 from restkv.policies.random_control import random_scores
 from restkv.scoring.output_space import column_chunks, group_grams, head_grams
@@ -128,7 +128,7 @@ class RestKV(PooledScores):
                 "reconstruction does not keep; use --metric_mode after"
             )
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         if self.indicator == "random":
             return random_scores(ctx)
         if self.indicator == "reconstruction":
@@ -146,7 +146,7 @@ class RestKV(PooledScores):
         return self.smooth(ctx, per_kv_head)
 
 
-def reconstruction_after(ctx: ScoringContext, options: RestKV) -> torch.Tensor:
+def reconstruction_after(ctx: LayerInputs, options: RestKV) -> torch.Tensor:
     """``[B, H, N]``: ``r(ā_j) * ‖W_o^h (ō - v_j)‖^tau`` per query head (``--metric_mode after``)."""
     mean_attention, mean_output = _aggregated_attention_and_output(ctx, options)
     gram = head_grams(ctx) if options.use_wo else None
@@ -160,7 +160,7 @@ def reconstruction_after(ctx: ScoringContext, options: RestKV) -> torch.Tensor:
     return _odds(mean_attention) * _per_query_head(gaps)
 
 
-def group_change_norms(ctx: ScoringContext, options: RestKV) -> torch.Tensor:
+def group_change_norms(ctx: LayerInputs, options: RestKV) -> torch.Tensor:
     """``[B, H_kv, N]``: ``‖Σ_{h in group} r_h W_o^h (v_j - ō_h)‖`` (``--restkv_gqa vector``).
 
     The exact layer-output change when token ``j`` leaves the KV head (all ``G`` query heads
@@ -182,7 +182,7 @@ def group_change_norms(ctx: ScoringContext, options: RestKV) -> torch.Tensor:
     return norms
 
 
-def reconstruction_before(ctx: ScoringContext, options: RestKV) -> torch.Tensor:
+def reconstruction_before(ctx: LayerInputs, options: RestKV) -> torch.Tensor:
     """``[B, H, N]``: ``Agg_i r(A_ij) * ‖W_o^h (o_i - v_j)‖`` per query head (``--metric_mode before``).
 
     ``o_i`` is query ``i``'s true attention output over every key. The squared norms are
@@ -223,7 +223,7 @@ def reconstruction_before(ctx: ScoringContext, options: RestKV) -> torch.Tensor:
     return aggregate_queries(terms, options.temporal, options.alpha)
 
 
-def _aggregated_attention_and_output(ctx: ScoringContext, options: RestKV) -> tuple[torch.Tensor, torch.Tensor]:
+def _aggregated_attention_and_output(ctx: LayerInputs, options: RestKV) -> tuple[torch.Tensor, torch.Tensor]:
     """``ā`` ``[B, H, N]`` (clamped below 1) and ``ō`` ``[B, H_kv, G, d]``, the ``ā``-weighted
     sum of the past values (``--restkv_mean_output past_only``, the release) or of all values.
 
@@ -258,7 +258,7 @@ def _projected_squared_norms(vectors: torch.Tensor, gram: torch.Tensor | None) -
     return ((vectors @ gram) * vectors).sum(dim=-1).clamp(min=0)
 
 
-def _grouped(per_query_head: torch.Tensor, ctx: ScoringContext) -> torch.Tensor:
+def _grouped(per_query_head: torch.Tensor, ctx: LayerInputs) -> torch.Tensor:
     """``[B, H, ...]`` -> ``[B, H_kv, G, ...]`` (query head ``h`` reads KV head ``h // G``)."""
     batch, num_heads = per_query_head.shape[:2]
     return per_query_head.view(batch, ctx.num_kv_heads, num_heads // ctx.num_kv_heads, *per_query_head.shape[2:])

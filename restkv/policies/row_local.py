@@ -12,10 +12,10 @@ from typing import Callable
 
 import torch
 
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 
 
-def score_rows(ctx: ScoringContext, score_row: Callable[[int, slice], torch.Tensor]) -> torch.Tensor:
+def score_rows(ctx: LayerInputs, score_row: Callable[[int, slice], torch.Tensor]) -> torch.Tensor:
     """``[B, H_kv, N]`` float32: row ``b``'s visible columns scored by ``score_row(b, columns)``
     (``[H_kv, n]`` for the ``n`` columns of the slice, oldest first); zero where nothing competes."""
     length = ctx.key.shape[2]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.config.options import register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import PooledScores
 
 
@@ -22,6 +22,6 @@ from restkv.policies.base import PooledScores
 class SnapKV(PooledScores):
     name = "snapkv"
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         summed = ctx.observation.total()
         return self.smooth(ctx, self.reduce(ctx, summed))

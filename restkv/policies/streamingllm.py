@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.config.options import register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import KeepsSinks, Policy
 
 
@@ -34,7 +34,7 @@ class StreamingLLM(KeepsSinks, Policy):
     def check(self, config) -> None:
         self.check_sinks(config)  # not the window check: the recent tokens here are budget - n_sink
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         # Earlier tokens rank higher, so the top `n_sink` candidates are the first real tokens.
         length = ctx.valid.shape[-1]
         earliest_first = -torch.arange(length, device=ctx.valid.device, dtype=torch.float32)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from restkv.config.options import option, register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import GroupedScores
 
 
@@ -30,7 +30,7 @@ class TOVA(GroupedScores):
     def protected_count(self, window_size: int, budget: int) -> int:
         return 1
 
-    def score(self, ctx: ScoringContext) -> torch.Tensor:
+    def score(self, ctx: LayerInputs) -> torch.Tensor:
         last_row = ctx.observation.last()
         if self.tova_per_head:
             return self.reduce(ctx, last_row)

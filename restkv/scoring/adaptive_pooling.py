@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from restkv.scoring.observation import top_position_sums
 
 if TYPE_CHECKING:
-    from restkv.pipeline.plan import ScoringContext
+    from restkv.pipeline.inputs import LayerInputs
 
 
 def attention_shift(weights: torch.Tensor, valid: torch.Tensor, top: int) -> torch.Tensor:
@@ -75,7 +75,7 @@ def shifted_replicate_mean(scores: torch.Tensor, kernel: int, shift: int) -> tor
     return F.avg_pool1d(padded, kernel_size=kernel, stride=1).view(scores.shape)
 
 
-def adaptive_pool(ctx: "ScoringContext", scores: torch.Tensor, scale: float, min_kernel: int) -> torch.Tensor:
+def adaptive_pool(ctx: "LayerInputs", scores: torch.Tensor, scale: float, min_kernel: int) -> torch.Tensor:
     """Adaptive pooling of per-KV-head ``[B, H_kv, N]`` scores over each row's candidates.
 
     The drift statistic uses the row's whole budget minus its protected tokens (with a

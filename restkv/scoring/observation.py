@@ -32,7 +32,7 @@ from restkv.scoring.window import window_attention
 
 
 class ObservedLayer(Protocol):
-    """What a window observation reads of its layer (``restkv.pipeline.plan.ScoringContext`` has it)."""
+    """What a window observation reads of its layer (``restkv.pipeline.plan.LayerInputs`` has it)."""
 
     query: torch.Tensor
     key: torch.Tensor

@@ -35,7 +35,8 @@ import torch
 
 from restkv.config import kept_at_ratio
 from restkv.config.options import ConfigError, Options, option, register
-from restkv.pipeline.plan import ScoringContext, plan_layer
+from restkv.pipeline.inputs import LayerInputs
+from restkv.pipeline.plan import plan_layer
 from restkv.policies.base import require_ranking
 from restkv.scoring.rope import rotate, unrotate
 from restkv.scoring.selection import descending_ranks, rank_keys, select_columns
@@ -83,14 +84,14 @@ class IndependentChunks(Options):
         return ranked, counts
 
     @staticmethod
-    def global_choice(ctx: ScoringContext, scores: torch.Tensor, row: int, columns: slice, share: int) -> torch.Tensor:
+    def global_choice(ctx: LayerInputs, scores: torch.Tensor, row: int, columns: slice, share: int) -> torch.Tensor:
         """``[H_kv, n]`` bool: the chunk's protected tokens and its best-scored others (by the whole
         prompt's ``scores``), ``share`` per head in all."""
         protected = ctx.protected[row, columns]
         ranked = scores[row, :, columns].float().masked_fill(~ctx.candidates[row, columns], float("-inf"))
         return protected[None] | (descending_ranks(ranked) < share - int(protected.sum()))
 
-    def chunk_choice(self, config, ctx: ScoringContext, row: int, columns: slice, share: int) -> torch.Tensor:
+    def chunk_choice(self, config, ctx: LayerInputs, row: int, columns: slice, share: int) -> torch.Tensor:
         """``[H_kv, n]`` bool: the ``share`` tokens per head the method keeps of row ``row``'s
         chunk at ``columns``, scored as a prompt of its own."""
         piece = lambda t: t[row : row + 1, :, columns]  # noqa: E731
@@ -102,7 +103,7 @@ class IndependentChunks(Options):
         return choose_as_prompt(config, ctx, query, piece(ctx.key), piece(ctx.value), share, rotary, hidden)
 
     @staticmethod
-    def kvpress_window_queries(ctx: ScoringContext, row: int, query: torch.Tensor, rotary, window: int) -> torch.Tensor:
+    def kvpress_window_queries(ctx: LayerInputs, row: int, query: torch.Tensor, rotary, window: int) -> torch.Tensor:
         """``query`` ``[1, H, n, d]`` with its last ``window`` queries turned to the prompt's last
         ``window`` positions (kvpress' ChunkPress with a scorer that recomputes them)."""
         if ctx.rotary is None:
@@ -147,7 +148,7 @@ def check_pieces_scored_at_prefill(config, flag: str, pieces: str, uniform: str,
     require_ranking(flag, config.policy)
 
 
-def choose_as_prompt(config, ctx: ScoringContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def choose_as_prompt(config, ctx: LayerInputs, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      share: int, rotary=None, hidden=None) -> torch.Tensor:
     """``[H_kv, n]`` bool: the ``share`` tokens per KV head the method keeps of a piece of layer
     ``ctx``'s prompt (``query`` ``[1, H, n, d]``, ``key``/``value`` ``[1, H_kv, n, d]``, in position
@@ -161,8 +162,7 @@ def choose_as_prompt(config, ctx: ScoringContext, query: torch.Tensor, key: torc
         return newest
     valid = torch.ones(1, count, dtype=torch.bool, device=key.device)
     plan = plan_layer(config, valid, ctx.layer_idx, ctx.num_layers, budgets=[share])
-    piece = ScoringContext.of(query, key, value, plan, ctx.scaling, ctx.softcap, ctx.o_proj_weight, rotary=rotary,
-                              hidden=hidden)
+    piece = LayerInputs(query, key, value, plan, ctx.facts, rotary=rotary, hidden=hidden)
     if not plan.compress:
         return torch.ones(key.shape[1:3], dtype=torch.bool, device=key.device)
     selected = select_columns(rank_keys(policy.score(piece), plan.visible, plan.protected, ctx.layer_idx),

@@ -47,7 +47,7 @@ import torch
 
 from restkv.cache.segments.moment_entry import MomentEntry
 from restkv.config.options import ConfigError, Options, option, register
-from restkv.pipeline.plan import ScoringContext
+from restkv.pipeline.inputs import LayerInputs
 from restkv.scoring.selection import Reservation, rank_keys, select_columns
 
 MOMENT_VECTORS = ("key", "value")
@@ -107,7 +107,7 @@ class Moments(Options):
         """Token slots the statistics of one KV head cost: the entry, and ``C`` in ``2 d``-number slots."""
         return 1 + (math.ceil(head_dim / 2) if self.moments_covariance else 0)
 
-    def reserve(self, ctx: ScoringContext, scores: torch.Tensor, keep: torch.Tensor, previous=()) -> Reservation:
+    def reserve(self, ctx: LayerInputs, scores: torch.Tensor, keep: torch.Tensor, previous=()) -> Reservation:
         """The statistics take their slots (``keep`` less their cost on the heads that keep them:
         those that evict and whose budget holds the statistics besides the protected tokens; the
         others evict as the base method does), and moment-informed eviction rescores. A head that
@@ -131,7 +131,7 @@ class Moments(Options):
         rescored = torch.where(candidates, (scores.float() - floor) * residual, scores.float())
         return Reservation(rescored, keep, memo)
 
-    def summarise(self, ctx: ScoringContext, columns: torch.Tensor, memo) -> list:
+    def summarise(self, ctx: LayerInputs, columns: torch.Tensor, memo) -> list:
         """The evicted set's ``MomentEntry`` on the heads that keep statistics (none if none of them
         evicted anything), merged with the entry they held before (``merged_with``)."""
         summarised, old = memo
@@ -140,7 +140,7 @@ class Moments(Options):
             return [entry for entry in (fresh, old) if entry is not None]
         return [fresh.merged_with(old)]
 
-    def _entry(self, ctx: ScoringContext, evicted: torch.Tensor) -> "MomentEntry | None":
+    def _entry(self, ctx: LayerInputs, evicted: torch.Tensor) -> "MomentEntry | None":
         """The ``MomentEntry`` of the ``evicted`` ``[B, H_kv, N]`` tokens, or None if there are none."""
         counts = evicted.sum(dim=-1)  # [B, H_kv]
         if not bool(counts.any()):
@@ -165,7 +165,7 @@ class Moments(Options):
                            self.moments_outside_softmax, cost)
 
 
-def _evicted(ctx: ScoringContext, columns: torch.Tensor) -> torch.Tensor:
+def _evicted(ctx: LayerInputs, columns: torch.Tensor) -> torch.Tensor:
     """``[B, H_kv, N]`` bool: visible tokens that ``columns`` (``[B, H_kv, K]``, -1 unused) does not keep."""
     batch, heads = columns.shape[:2]
     kept = torch.zeros(batch, heads, ctx.key.shape[2] + 1, dtype=torch.bool, device=columns.device)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +40,9 @@ from restkv.benchmarks.flags import check_output_path
 from restkv.benchmarks.text import synthetic_prose
 from restkv.cache.partial import Probe, reference_kernel
 from restkv.config.options import ConfigError
-from restkv.integrations.transformers.attention import attention_inputs, undoable_rotary
+from restkv.integrations.transformers.capture import attention_inputs
 from restkv.integrations.transformers.models import check_model_path, load_frozen
+from restkv.integrations.transformers.rotation import undoable_rotary
 from restkv.learned.indexmem import (FUSIONS, INDEXER_FORMS, MEMORY_INPUTS, QUERY_REDUCTIONS, Architecture,
                                      IndexMemLayer, IndexMemWeights)
 from restkv.scoring.rope import unrotate
@@ -137,7 +139,7 @@ class CapturedLayer:
 
 def capture_layers(model, input_ids: torch.Tensor) -> list[CapturedLayer]:
     """Every layer's ``CapturedLayer`` of one full-cache forward (pre-RoPE: ``restkv.scoring.rope.unrotate``
-    with the tables the compressed path turns the layer with, ``restkv.integrations.transformers.attention.undoable_rotary``)."""
+    with the tables the compressed path turns the layer with, ``restkv.integrations.transformers.rotation.undoable_rotary``)."""
     captured: dict[int, CapturedLayer] = {}
     hooks = []
     for index, block in enumerate(model.model.layers):
@@ -149,7 +151,8 @@ def capture_layers(model, input_ids: torch.Tensor) -> list[CapturedLayer]:
             captured[index] = CapturedLayer(query, key, value, unrotate(query, *tables), unrotate(key, *tables))
         hooks.append(block.self_attn.register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():  # a full-cache forward on purpose, patched or not
+            warnings.filterwarnings("ignore", message="restkv: this forward has no cache")
             model(input_ids=input_ids, use_cache=False)
     finally:
         for handle in hooks:

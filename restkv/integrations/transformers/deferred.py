@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -65,7 +66,8 @@ from restkv.integrations.transformers.handles import cache_state
 from restkv.integrations.transformers.reconstruction_prompt import NO_PROMPT, reconstruction_prompt
 from restkv.integrations.transformers.replay_gradients import replay_gradient_norms
 from restkv.pipeline.compress import compress_layer
-from restkv.pipeline.plan import LayerPlan, ScoringContext
+from restkv.pipeline.inputs import LayerInputs
+from restkv.pipeline.plan import LayerPlan
 from restkv.pipeline.recompress import ScoredChunk, rank_chunk
 from restkv.scoring.observation import ReconstructionObservation, ReconstructionStats
 
@@ -76,25 +78,22 @@ RECONSTRUCTION_BLOCK_ELEMENTS = 1 << 22
 
 @dataclass
 class PendingLayer:
-    """A layer whose prefill is stored whole until the model's forward has finished."""
+    """A layer whose prefill is stored whole until the model's forward has finished: its ``LayerInputs`` as
+    the prefill made them (``query``: the trailing prompt queries its window observation and residual proxy
+    read; ``hidden`` only for a policy that scores it, ``kept_hidden``), and what the wait adds to them."""
 
     config: Any
-    plan: LayerPlan
-    key: torch.Tensor
-    value: torch.Tensor
-    queries: torch.Tensor  # [B, H, n, d] trailing prompt queries (window observation, residual proxy)
-    scaling: float
-    softcap: float | None
-    o_proj_weight: torch.Tensor
-    rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # the prefill's (cos, sin), shared by the layers
+    inputs: LayerInputs
     stats: ReconstructionStats | None = None
     #: None: the cache holds the layer's whole prefill (``key``, ``value``); else the layer is already
     #: compressed and ``key``/``value`` are a later prompt chunk appended to it from this padded-batch column
     first_column: int | None = None
     #: ``[1, q]`` the running reconstruction chunk's gradient norms (KVgrad), set before its scoring forward
     gradient_norms: torch.Tensor | None = None
-    #: ``[B, N, D]`` the attention's input, kept only for a policy that scores it (``kept_hidden``)
-    hidden: torch.Tensor | None = None
+
+    @property
+    def plan(self) -> LayerPlan:
+        return self.inputs.plan
 
     @property
     def reconstructed(self) -> bool:
@@ -173,8 +172,8 @@ def observe_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torc
     block = max(1, RECONSTRUCTION_BLOCK_ELEMENTS // (query.shape[1] * scored.shape[2]))
     for start in range(0, repeated, block):
         stop = min(start + block, repeated)
-        weights = chunk_attention(query[:, :, start:stop], scored[:, :, : context + stop], pending_layer.scaling,
-                                  pending_layer.softcap)
+        weights = chunk_attention(query[:, :, start:stop], scored[:, :, : context + stop],
+                                  pending_layer.inputs.scaling, pending_layer.inputs.softcap)
         if weights_of_queries is not None:
             weights = weights * weights_of_queries[:, None, start:stop, None]
         pending_layer.stats.add(weights[..., sinks:context], chunk.start - chunk.offset, query[:, :, start:stop])
@@ -321,7 +320,7 @@ def _stats_for(layer: PendingLayer, expected: int) -> ReconstructionStats:
 
 
 def _compress_pending(cache, pending: PendingPrefill) -> None:
-    contexts = {index: _scoring_context(cache, index, layer) for index, layer in pending.layers.items()}
+    contexts = {index: _scoring_inputs(cache, index, layer) for index, layer in pending.layers.items()}
     by_config: dict[Any, list[int]] = {}
     for index, layer in pending.layers.items():
         by_config.setdefault(layer.config, []).append(index)
@@ -348,7 +347,7 @@ def _compress_pending(cache, pending: PendingPrefill) -> None:
             cache.layers[index] = compressed
 
 
-def _rank_chunk(cache, config, layers: dict[int, PendingLayer], contexts: dict[int, ScoringContext],
+def _rank_chunk(cache, config, layers: dict[int, PendingLayer], contexts: dict[int, LayerInputs],
                 scores: dict[int, torch.Tensor]) -> None:
     """Rank the chunk each compressed layer of ``layers`` was appended beside what it kept, to the
     whole prompt's budget (``restkv.pipeline.recompress.rank_chunk``)."""
@@ -356,8 +355,8 @@ def _rank_chunk(cache, config, layers: dict[int, PendingLayer], contexts: dict[i
     for index, layer in layers.items():
         compressed = cache.layers[index]
         chunks[index] = ScoredChunk(compressed, scores[index], _outside_span(cache, layer, compressed.prompt_padding),
-                                    layer.queries, layer.scaling, layer.softcap, layer.o_proj_weight)
-    rank_chunk(config, chunks, chunk_budgets(config, cache), next(iter(layers.values())).plan.num_layers)
+                                    layer.inputs.query, layer.inputs.facts)
+    rank_chunk(config, chunks, chunk_budgets(config, chunked_prompt(cache)), next(iter(layers.values())).plan.num_layers)
 
 
 def _outside_span(cache, layer: PendingLayer, padding: torch.Tensor) -> torch.Tensor:
@@ -372,14 +371,14 @@ def _outside_span(cache, layer: PendingLayer, padding: torch.Tensor) -> torch.Te
     return valid & ((local < span[0]) | (local >= span[1]))
 
 
-def chunk_budgets(config, cache) -> list[int]:
-    """Each row's budget at the end of every chunk of the prompt the cache is reading in chunks:
-    the whole prompt's (a ratio counts every token of the row's prompt, known before its first
-    chunk, so early chunks are not squeezed to a ratio of the tokens they have seen). A row whose
-    budget the method cannot compress to is refused as a single pass refuses it."""
+def chunk_budgets(config, rows: list[int]) -> list[int]:
+    """Each row's budget at the end of every chunk of a prompt read in chunks, its rows holding ``rows`` real
+    tokens (``chunked_prompt``): the whole prompt's (a ratio counts every token of the row's prompt, known
+    before its first chunk, so early chunks are not squeezed to a ratio of the tokens they have seen). A row
+    whose budget the method cannot compress to is refused as a single pass refuses it."""
     policy, window = config.policy, config.run.window_size
     budgets = []
-    for total in chunked_prompt(cache):
+    for total in rows:
         budget = config.budget_for(total)
         if budget < total:
             policy.check_row(config, total, budget, policy.protected_count(window, budget))
@@ -394,11 +393,11 @@ def chunked_prompt(cache) -> list[int] | None:
 
 
 #: callbacks ``(ctx, scores)`` told every deferred layer's scores (``listening_to_scores``)
-_SCORE_LISTENERS: list[Callable[[ScoringContext, torch.Tensor], None]] = []
+_SCORE_LISTENERS: list[Callable[[LayerInputs, torch.Tensor], None]] = []
 
 
 @contextlib.contextmanager
-def listening_to_scores(listener: Callable[[ScoringContext, torch.Tensor], None]) -> Iterator[None]:
+def listening_to_scores(listener: Callable[[LayerInputs, torch.Tensor], None]) -> Iterator[None]:
     """Within the block, ``listener(ctx, scores)`` receives each deferred layer's scoring context
     and ``[B, H_kv, N]`` scores before it is compressed (``restkv.tools.train_scorer`` reads KVzip's)."""
     _SCORE_LISTENERS.append(listener)
@@ -408,13 +407,15 @@ def listening_to_scores(listener: Callable[[ScoringContext, torch.Tensor], None]
         _SCORE_LISTENERS.remove(listener)
 
 
-def _scoring_context(cache, index: int, layer: PendingLayer) -> ScoringContext:
+def _scoring_inputs(cache, index: int, layer: PendingLayer) -> LayerInputs:
+    """The layer's inputs as its prefill made them, read through what the wait gathered: the reconstruction
+    queries' statistics, and for a chunk its tokens' columns and its rows' padding."""
     observation = (ReconstructionObservation(layer.stats, layer.config.run.reconstruction_reduce)
                    if layer.reconstructed else None)
     positions = padding = None
     if layer.first_column is not None:  # a chunk: its tokens' columns, and its rows' padding
-        batch, num_kv_heads, length = layer.key.shape[:3]
-        positions = (layer.first_column + torch.arange(length, device=layer.key.device)).expand(batch, num_kv_heads, -1)
+        key = layer.inputs.key
+        batch, num_kv_heads, length = key.shape[:3]
+        positions = (layer.first_column + torch.arange(length, device=key.device)).expand(batch, num_kv_heads, -1)
         padding = cache.layers[index].prompt_padding
-    return ScoringContext.of(layer.queries, layer.key, layer.value, layer.plan, layer.scaling, layer.softcap,
-                             layer.o_proj_weight, observation, positions, padding, layer.rotary, layer.hidden)
+    return dataclasses.replace(layer.inputs, observation=observation, positions=positions, prompt_padding=padding)

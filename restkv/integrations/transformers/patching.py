@@ -45,16 +45,17 @@ from typing import Any, Iterator
 import torch
 
 from restkv.config import CompressionConfig, ConfigError, ModelShape
-from restkv.integrations.transformers.attention import (SERVED_KERNELS, LayerParams, check_exact_tokens_only,
-                                                        check_pre_rope, model_forward, native_name, output_weight,
-                                                        patched_attention_of, probe_rotations, recording_forward,
-                                                        use_backend, use_native)
+from restkv.integrations.transformers.attention import model_forward, patched_attention_of, recording_forward
+from restkv.integrations.transformers.backend import use_backend, use_native
+from restkv.integrations.transformers.capture import SERVED_KERNELS, native_name
 from restkv.integrations.transformers.compat import CACHE_ARGUMENT, check_transformers_version
 from restkv.integrations.transformers.handles import (clear_class_config, has_class_config, module_config,
                                                       module_config_entry, restore_module_config, set_class_config,
                                                       set_module_config, switched_decoders)
+from restkv.integrations.transformers.rotation import check_pre_rope, probe_rotations
 from restkv.integrations.transformers.seams import (UnknownModelType, UnsupportedModel, attention_classes,
                                                     check_cache_layers, derives_values, mapped_model_type)
+from restkv.integrations.transformers.steps import check_exact_tokens_only, layer_facts, output_weight
 
 #: the families the release named (``replace_gemma`` covers Gemma 1-3) -> their attention classes, as
 #: (module, class name); every other decoder is its model type, found by ``restkv.integrations.transformers.seams.attention_classes``
@@ -369,7 +370,7 @@ def model_shape(modules: list[torch.nn.Module]) -> ModelShape:
     return ModelShape(
         num_layers=first.config.num_hidden_layers, num_heads=first.config.num_attention_heads,
         num_kv_heads=first.config.num_key_value_heads, head_dim=first.head_dim, hidden_size=first.config.hidden_size,
-        sliding_windows=tuple(LayerParams.of(module).sliding_window for module in modules),
+        sliding_windows=tuple(layer_facts(module).sliding_window for module in modules),
         element_size=element.element_size(),
     )
 

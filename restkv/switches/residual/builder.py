@@ -21,7 +21,7 @@ from restkv.switches.residual.clustering import Entries, RankedRow, ResidualOpti
 from restkv.switches.residual.validation import choose_ratios, validation_losses
 
 if TYPE_CHECKING:
-    from restkv.pipeline.plan import ScoringContext
+    from restkv.pipeline.inputs import LayerInputs
 
 
 def ratio_sizes(ratio: float, budgets: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
@@ -47,7 +47,7 @@ class ResidualPlan(NamedTuple):
     first_columns: torch.Tensor
 
 
-def build_residual(options: "ResidualOptions", ctx: "ScoringContext", scores: torch.Tensor,
+def build_residual(options: "ResidualOptions", ctx: "LayerInputs", scores: torch.Tensor,
                    keep: torch.Tensor) -> ResidualPlan:
     """Choose the residual size of every row and KV head and build its entries.
 
@@ -77,7 +77,7 @@ def build_residual(options: "ResidualOptions", ctx: "ScoringContext", scores: to
 
 
 def _row_entries(
-    options: "ResidualOptions", ctx: "ScoringContext", row: int, scores: torch.Tensor, budgets: torch.Tensor
+    options: "ResidualOptions", ctx: "LayerInputs", row: int, scores: torch.Tensor, budgets: torch.Tensor
 ) -> tuple[torch.Tensor, Entries]:
     """``([H_kv] residual sizes, right-aligned Entries)`` of one row."""
     data = _rank_row(ctx, row, scores, budgets)
@@ -107,7 +107,7 @@ def _row_entries(
     return sizes, chosen
 
 
-def _rank_row(ctx: "ScoringContext", row: int, scores: torch.Tensor, budgets: torch.Tensor) -> RankedRow:
+def _rank_row(ctx: "LayerInputs", row: int, scores: torch.Tensor, budgets: torch.Tensor) -> RankedRow:
     visible = int(ctx.visible[row].sum())
     start = ctx.valid.shape[-1] - visible  # visible tokens are a suffix (left padding, sliding window)
     protected = ctx.protected[row, start:]

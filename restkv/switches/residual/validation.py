@@ -18,7 +18,7 @@ from restkv.cache.segments.residual_entries import capped
 from restkv.switches.residual.clustering import Entries, RankedRow, ResidualOptions
 
 if TYPE_CHECKING:
-    from restkv.pipeline.plan import ScoringContext
+    from restkv.pipeline.inputs import LayerInputs
 
 #: most keys in one segment of the observation queries' attention (bounds their logits)
 KEY_BLOCK = 8192
@@ -134,7 +134,7 @@ def full_attention_output(
 
 
 def validation_losses(
-    options: "ResidualOptions", ctx: "ScoringContext", row: int, data: RankedRow, sizes_of: list[torch.Tensor],
+    options: "ResidualOptions", ctx: "LayerInputs", row: int, data: RankedRow, sizes_of: list[torch.Tensor],
     built: list[Entries | None],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fit and validation losses ``[H_kv, C]`` of every candidate ratio (``sizes_of[c]`` residual
