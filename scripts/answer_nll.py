@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None, model=None, tokenizer=None) -> list[dict
     with open(out, "a") as handle, torch.no_grad():
         for spec, ratio, setting in tqdm(configs, desc="configurations", unit="config"):
             budget = "full" if ratio is None else f"{1 - ratio:.0%}"
-            replace_for_model(model, **config_from_spec(spec, compression_ratio=ratio).to_dict())
+            replace_for_model(model, config_from_spec(spec, compression_ratio=ratio))
             for task, sample in samples:
                 key = (spec, budget, setting, task, sample.id)
                 if key in done:

@@ -181,7 +181,7 @@ def set_method(model, spec: str, budget: int) -> bool:
     """Give ``model`` a fresh config for method ``spec`` at ``budget`` (switches of the previous
     variant must not linger); whether it compresses."""
     config = config_from_spec(spec, max_capacity_prompts=budget)
-    replace_for_model(model, **config.to_dict())
+    replace_for_model(model, config)
     return config.policy.evicts
 
 

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None, model=None, tokenizer=None) -> dict:
         model = model or load_model(args.model_path)
     check_supported(model, args.model_path)
     prompt = tokenizer(synthetic_prose(args.prompt_tokens), return_tensors="pt").input_ids[:, : args.prompt_tokens]
-    replace_for_model(model, **config.to_dict())  # checked against the model before the full-cache run
+    replace_for_model(model, config)  # checked against the model before the full-cache run
     with torch.no_grad():
         with compression(model, method="fullkv"):
             full_ids, full_seconds, full_stored = run(model, prompt, args.new_tokens)

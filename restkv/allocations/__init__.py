@@ -11,4 +11,5 @@ ragged per head; the compressed cache stores each head's own (``restkv.cache.seg
 
 from restkv.config.options import import_folder
 
-import_folder(__name__, __path__)
+#: ``from restkv.allocations import <class>``: a part to give as a value
+__getattr__ = import_folder(__name__, __path__, "allocation")

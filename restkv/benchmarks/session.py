@@ -326,7 +326,7 @@ class BenchmarkRun:
 
         from restkv.integrations.transformers.models import (check_supported, load_model, load_tokenizer,
                                                              model_path_errors, resolve_model_path)
-        from restkv.integrations.transformers.patching import configure, replace_for_model
+        from restkv.integrations.transformers.patching import replace_for_model
 
         config = compression_config_from_args(args)
         shard_id, num_shards = shard_of(args)
@@ -353,10 +353,7 @@ class BenchmarkRun:
             if model is None:
                 with model_path_errors(args.model_path):
                     model = load_model(args.model_path, args.attn_implementation, dtype, _device_map(args))
-            # replace_* patches the family (and drops what an earlier configure() left on this
-            # model); configure() gives the model exactly the run's config.
-            replace_for_model(model, **config.to_dict())
-            configure(model, config)
+            replace_for_model(model, config)  # exactly the run's config (what configure() left before is dropped)
             set_reconstruction_prompt(model, tokenizer)
             results.write_meta(settings, list(inputs.values()), args, model)
         except BaseException:

@@ -44,6 +44,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from restkv.config.parts import check_composed, flat_options, has_parts
 from restkv.config.options import (KIND_FLAGS, ConfigError, Options, OptionSpec, lookup, option, option_specs,
                                    registered, registry_version)
 
@@ -173,8 +174,14 @@ class CompressionConfig:
     switches: the parts turned on by their flag (``--residual``) or by the method, as a tuple.
     """
 
-    def __init__(self, method: str = "snapkv", **options: Any) -> None:
-        self._build({"method": method, **options}, inherited=frozenset())
+    def __init__(self, method: str | None = None, **options: Any) -> None:
+        """``CompressionConfig(method="snapkv", kernel_size=7, allocation="adakv", residual=True, ...)`` (the flat
+        release names), or the same parts as values: ``CompressionConfig(policy=SnapKV(kernel_size=7),
+        allocation=AdaKVAllocation(), switches=[ResidualCache()], ...)`` (``restkv.config.parts``)."""
+        options = {**({} if method is None else {"method": method}), **options}
+        flat, given = flat_options(options) if has_parts(options) else (options, [])
+        self._build({"method": "snapkv", **flat}, inherited=frozenset())
+        check_composed(self, given)
 
     # ------------------------------------------------------------------ composition
     def _build(self, explicit: dict[str, Any], inherited: frozenset[str]) -> None:
@@ -394,11 +401,16 @@ class CompressionConfig:
 
         Options given before are kept unless changed, except those no part of the new
         composition uses (they belonged to the old method or allocation); options a part
-        derives are derived again.
+        derives are derived again. A part given as a value (``policy=H2O()``) brings all its options:
+        none of those given before is kept.
         """
         config = object.__new__(CompressionConfig)
-        inherited = frozenset(self._explicit) - frozenset(changes)
-        config._build({**self._explicit, **changes}, inherited=inherited)
+        flat, given = flat_options(changes) if has_parts(changes) else (changes, [])
+        kept = {name: value for name, value in self._explicit.items()
+                if not any(name in option_specs(type(part)) for _, part in given)}
+        inherited = frozenset(kept) - frozenset(flat)
+        config._build({**kept, **flat}, inherited=inherited)
+        check_composed(config, given)
         return config
 
     # ------------------------------------------------------------------ reading

@@ -270,9 +270,20 @@ def registered(kind: str) -> list[type]:
     return [_REGISTRY[kind][name] for name in names(kind)]
 
 
-def import_folder(package: str, path) -> None:
+def import_folder(package: str, path, kind: str) -> Callable[[str], type]:
     """Import every module of a folder of parts (``restkv/policies``, ``restkv/allocations``...), so each
-    part registers itself from its own file: a new part is one new file, named in no list."""
+    part registers itself from its own file: a new part is one new file, named in no list. Returns the
+    folder's module ``__getattr__``: its registered ``kind`` parts by class name (``from restkv.switches
+    import ResidualCache``), to give as values (``restkv.config.parts``)."""
     for module in pkgutil.iter_modules(path):
         importlib.import_module(f"{package}.{module.name}")
+
+    def part_class(name: str) -> type:
+        found = next((cls for cls in registered(kind) if cls.__name__ == name), None)
+        if found is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r} (its {kind} parts: "
+                                 f"{', '.join(cls.__name__ for cls in registered(kind))})")
+        return found
+
+    return part_class
 

@@ -3,4 +3,5 @@ which ``--method cam`` applies), each registering itself."""
 
 from restkv.config.options import import_folder
 
-import_folder(__name__, __path__)
+#: ``from restkv.merges import <class>``: a part to give as a value
+__getattr__ = import_folder(__name__, __path__, "merge")

@@ -7,14 +7,11 @@ runner flags (its options) and an entry of every per-method test matrix.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
-from restkv.config.options import lookup, names
+from restkv.config.options import import_folder, lookup, names
 from restkv.policies.base import GroupedScores, Policy, PooledScores
 
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+#: ``from restkv.policies import SnapKV``: a method's policy to give as a value
+__getattr__ = import_folder(__name__, __path__, "method")
 
 
 def get_policy(name: str) -> type[Policy]:

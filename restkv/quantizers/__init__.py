@@ -3,4 +3,5 @@ itself (the codes and their segment: ``restkv.cache.segments.quantized``)."""
 
 from restkv.config.options import import_folder
 
-import_folder(__name__, __path__)
+#: ``from restkv.quantizers import <class>``: a part to give as a value
+__getattr__ = import_folder(__name__, __path__, "quantization")

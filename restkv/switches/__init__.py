@@ -4,4 +4,5 @@ pruning, the residual cache (ResKV)."""
 
 from restkv.config.options import import_folder
 
-import_folder(__name__, __path__)
+#: ``from restkv.switches import <class>``: a part to give as a value
+__getattr__ = import_folder(__name__, __path__, "switch")

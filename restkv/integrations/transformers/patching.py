@@ -213,22 +213,34 @@ def _refuse_batched_reconstruction(config: CompressionConfig, args: tuple, kwarg
                          "input_ids of one row")
 
 
-def replace_family(family: str, method: str = "snapkv", **options: Any) -> CompressionConfig:
+def config_of_call(method: str | CompressionConfig | None, options: dict[str, Any]) -> CompressionConfig:
+    """The config a ``replace_*`` call gives: a ``CompressionConfig`` as it is (with no other option), or one
+    composed from ``method`` and ``options`` (the release's flat names, or parts as values: ``policy=``...)."""
+    if isinstance(method, CompressionConfig):
+        if options:
+            raise ConfigError(f"a CompressionConfig takes no other option; got {', '.join(sorted(options))}")
+        return method
+    return CompressionConfig.from_options(**({} if method is None else {"method": method}), **options)
+
+
+def replace_family(family: str, method: str | CompressionConfig | None = None, **options: Any) -> CompressionConfig:
     """Patch the attention of ``family``: a key of ``FAMILIES`` (the four below) or any decoder-only
-    model type restkv can serve (``qwen3``, ``phi3``, ``olmo2``...: ``restkv.integrations.transformers.seams``), and give every
-    model of it the config of ``method`` and ``options``: ``CompressionConfig`` options, the original
-    release's flag names (``max_capacity_prompts``, ``window_size``, ``kernel_size``, ``pooling``, ...).
+    model type restkv can serve (``qwen3``, ``phi3``, ``olmo2``...: ``restkv.integrations.transformers.seams``),
+    and give every model of it the config of ``method`` and ``options``: ``CompressionConfig`` options, the
+    original release's flag names (``max_capacity_prompts``, ``window_size``, ``kernel_size``, ``pooling``, ...)
+    or the parts as values (``policy=SnapKV(kernel_size=7), switches=[ResidualCache()]``); or a whole
+    ``CompressionConfig`` given as ``method``. The method defaults to snapkv.
 
     A model of another family runs uncompressed, with a one-line warning at its first forward.
     What only a model shows (its attention implementation, its cache layers, its RoPE) is checked
     at its first prefill; ``replace_for_model`` and ``compression`` check it before anything runs."""
     family = _family_named(family)
-    config = CompressionConfig.from_options(method=method, **options)
+    config = config_of_call(method, options)
     _replace(family, config)
     return config
 
 
-def replace_llama(method: str = "snapkv", **options: Any) -> CompressionConfig:
+def replace_llama(method: str | CompressionConfig | None = None, **options: Any) -> CompressionConfig:
     """Patch Llama attention and give every Llama model the config of ``method`` and ``options``
     (``CompressionConfig``'s options: ``max_capacity_prompts=128, window_size=32, ...``); returns it.
     Models of other families warn that they run uncompressed. See ``replace_family``, and
@@ -236,26 +248,28 @@ def replace_llama(method: str = "snapkv", **options: Any) -> CompressionConfig:
     return replace_family("llama", method, **options)
 
 
-def replace_mistral(method: str = "snapkv", **options: Any) -> CompressionConfig:
+def replace_mistral(method: str | CompressionConfig | None = None, **options: Any) -> CompressionConfig:
     """Patch Mistral attention (see ``replace_llama``)."""
     return replace_family("mistral", method, **options)
 
 
-def replace_qwen2(method: str = "snapkv", **options: Any) -> CompressionConfig:
+def replace_qwen2(method: str | CompressionConfig | None = None, **options: Any) -> CompressionConfig:
     """Patch Qwen2 attention (see ``replace_llama``)."""
     return replace_family("qwen2", method, **options)
 
 
-def replace_gemma(method: str = "snapkv", **options: Any) -> CompressionConfig:
+def replace_gemma(method: str | CompressionConfig | None = None, **options: Any) -> CompressionConfig:
     """Patch Gemma, Gemma 2 and Gemma 3 (text) attention (see ``replace_llama``)."""
     return replace_family("gemma", method, **options)
 
 
-def replace_for_model(model: torch.nn.Module, method: str = "snapkv", **options: Any) -> CompressionConfig:
-    """Patch the family ``model`` belongs to (the runners use this), after checking the config
-    against the model (``check_for_model``)."""
+def replace_for_model(model: torch.nn.Module, method: str | CompressionConfig | None = None,
+                      **options: Any) -> CompressionConfig:
+    """Patch the family ``model`` belongs to and give it the config (as ``replace_family``: a method and
+    options, parts as values, or a whole ``CompressionConfig``), after checking the config against the
+    model (``check_for_model``); the model runs restkv's attention backend. The runners use this."""
     family = family_of(model)
-    config = CompressionConfig.from_options(method=method, **options)
+    config = config_of_call(method, options)
     check_for_model(model, config, _attention_modules_of(model, family))
     _replace(family, config)
     for decoder in _decoders_of(model, family):
