@@ -1,12 +1,14 @@
-"""Adding a method or an allocation is one new file: docs/ARCHITECTURE.md's worked examples, run.
+"""Adding a method, an allocation, a scorer of hidden states, a summary segment or a stored token kind is one
+new file: docs/ARCHITECTURE.md's worked examples, run.
 
 Each example is written to a temporary module exactly as a contributor would write it in
-``restkv/policies/`` (or next to ``restkv/allocation.py``), imported, and then used through
+``restkv/policies/`` (or ``restkv/allocations/``, ``restkv/switches/``), imported, and then used through
 every entry point without any other edit: ``compress_kv``, ``replace_llama`` + ``generate``,
 the runners' flag parser and its error messages.
 """
 
 import argparse
+import functools
 import importlib.util
 import sys
 import textwrap
@@ -224,3 +226,182 @@ def test_a_new_segment_file_is_a_switch_whose_segment_decode_reads(mean_summary)
     logits[..., -1] += entry.log_count.repeat_interleave(2, dim=1)[..., None]
     expected = torch.softmax(logits, dim=-1) @ every_value
     torch.testing.assert_close(ours, expected.transpose(1, 2), rtol=1e-5, atol=1e-6)
+
+
+HIDDEN_SCORER_FILE = '''
+"""Hidden norm: keeps the tokens whose attention input (after the layer's input norm) is largest."""
+
+from dataclasses import dataclass
+
+from restkv.config.options import register
+from restkv.policies import Policy
+
+
+@register("method")
+@dataclass(frozen=True)
+class HiddenNorm(Policy):
+    name = "hidden_norm"
+    needs_hidden_states = True  # a layer waiting for the whole prefill keeps them for it
+    observes_queries = False
+
+    def score(self, ctx):
+        return ctx.hidden.float().norm(dim=-1)[:, None, :].expand(-1, ctx.num_kv_heads, -1)
+'''
+
+
+@pytest.fixture
+def hidden_norm(tmp_path):
+    yield from installed(tmp_path, "method", "hidden_norm", HIDDEN_SCORER_FILE)
+
+
+def attention_inputs(model) -> dict[int, torch.Tensor]:
+    """The hidden states each attention layer of ``model`` is called with, captured by its next forward."""
+    seen = {}
+
+    def keep(index, module, args, kwargs):
+        seen.setdefault(index, kwargs["hidden_states"])
+
+    for index, layer in enumerate(model.model.layers):
+        layer.self_attn.register_forward_pre_hook(functools.partial(keep, index), with_kwargs=True)
+    return seen
+
+
+@pytest.mark.parametrize("allocation", ["uniform", "model_ranked"])
+def test_a_scorer_of_hidden_states_is_one_file(hidden_norm, allocation):
+    """The scorer reads ``ctx.hidden`` and nothing else is edited: at the prefill (uniform budgets) and after the whole
+    prefill (a model-wide ranking, whose layers wait with their hidden states), each head keeps the window and the
+    tokens of largest hidden norm before it; ``compress_kv`` takes the hidden states as an argument."""
+    model = tiny_model("llama")
+    seen = attention_inputs(model)
+    prompt, budget, window = random_prompt(1, 50), 16, 4
+    replace_llama(method=hidden_norm, max_capacity_prompts=budget, window_size=window, allocation=allocation)
+    generated = model.generate(prompt, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
+    cache = output_cache(generated)
+    for index, layer in enumerate(cache.layers):
+        norms = seen[index][0, : 50 - window].float().norm(dim=-1)
+        for head, count in enumerate(layer.kept_counts[0].tolist()):
+            kept = layer.kept_columns[0, head][: count].tolist()
+            assert kept[-window:] == list(range(50 - window, 50))
+            assert kept[:-window] == sorted(torch.topk(norms, count - window).indices.tolist()), (index, head)
+    query, key, value = random_qkv(length=40)
+    hidden = torch.randn(1, 40, 64)
+    out = compress_kv(query, key, value, dict(method=hidden_norm, max_capacity_prompts=10, window_size=2),
+                      hidden_states=hidden)
+    assert out.indices[0, 0].tolist() == sorted(torch.topk(hidden[0, :38].norm(dim=-1), 8).indices.tolist()) + [38, 39]
+
+
+LOW_RANK_FILE = '''
+"""Low-rank keys: each head's older kept keys held as coefficients on their top singular directions."""
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from restkv.config.options import Options, option, register
+from restkv.cache.segments.base import tensor_bytes
+
+
+@register("switch")
+@dataclass(frozen=True)
+class LowRankKeyStorage(Options):
+    name = "lowrank_keys"
+    switch_help = "hold each head's older kept keys as --lowrank_rank coefficients on their top singular directions"
+
+    lowrank_rank: int = option(8, "--lowrank_keys: the rank each head's older keys keep", minimum=1)
+
+    def exact_recent_tokens(self, config):
+        return config.run.window_size
+
+    def storing(self, ctx, keys, columns):
+        return self.low_rank
+
+    def low_rank(self, keys, values, columns, inner):
+        basis = torch.linalg.svd(keys.float(), full_matrices=False).Vh[..., : self.lowrank_rank, :].to(keys.dtype)
+        return LowRankKeys(inner(keys @ basis.transpose(-1, -2), values, columns), basis)
+
+
+class LowRankKeys:
+    """Tokens whose keys are coefficients (the ``inner`` segment's keys) on a basis ``[B, H_kv, r, d]``."""
+
+    def __init__(self, inner, basis):
+        self.inner, self.basis = inner, basis
+        self.kind = self.storage = f"keys rank {basis.shape[-2]}/{basis.shape[-1]}"
+
+    def attend(self, probe):
+        return self.inner.attend(probe.with_queries(probe.stacked @ self.basis.transpose(-1, -2)))
+
+    def padded(self, appended=True):
+        coefficients, values, columns = self.inner.padded(appended)
+        return coefficients @ self.basis, values, columns
+
+    def kept_counts(self):
+        return self.inner.kept_counts()
+
+    def held_counts(self):
+        return self.inner.held_counts()
+
+    def report(self):
+        inner, basis = self.inner.report(), tensor_bytes([self.basis])
+        return dataclasses.replace(inner, kind=self.kind, nbytes=inner.nbytes + basis,
+                                   used_nbytes=inner.used_nbytes + basis)
+
+    def tensors(self):
+        return [*self.inner.tensors(), self.basis]
+
+    def fork(self):
+        return self
+
+    def map_batch(self, fn):
+        return LowRankKeys(self.inner.map_batch(fn), fn(self.basis))
+'''
+
+
+@pytest.fixture
+def low_rank_keys(tmp_path):
+    yield from installed(tmp_path, "switch", "lowrank_keys", LOW_RANK_FILE)
+
+
+def test_a_new_stored_token_kind_is_one_file(low_rank_keys):
+    """A storage part and its segment, in one file: the older kept keys are held at rank 4 of 16 (fewer bytes), the
+    window whole in the tail; decode reads them in the same softmax as the rest; at full rank it is the exact cache."""
+    from restkv.cache.partial import Probe
+
+    prompt = random_prompt(1, 60)
+    replace_llama(method="snapkv", max_capacity_prompts=24, window_size=4, lowrank_keys=True, lowrank_rank=4)
+    layer = output_cache(tiny_model("llama").generate(prompt, max_new_tokens=3, do_sample=False,
+                                                      return_dict_in_generate=True)).layers[0]
+    low_rank, tail = layer.kept
+    assert [report.kind for report in layer.reports()] == ["keys rank 4/16", "exact dense"]
+    assert low_rank.kept_counts().tolist() == [[20, 20]] and tail.held_counts().tolist() == [[4 + 2, 4 + 2]]  # the last new token is not fed
+    assert low_rank.report().used_nbytes < tail.report().used_nbytes / 6 * 20
+    query = torch.randn(1, 4, 1, 16)
+    keys, values, _ = layer.kept_tokens(appended=True)
+    expected = torch.softmax(query @ keys.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.25, dim=-1)
+    expected = expected @ values.repeat_interleave(2, dim=1)
+    ours = layer.read(Probe(query, 2, layer.tokens_seen, 0.25))
+    torch.testing.assert_close(ours, expected.transpose(1, 2), rtol=1e-5, atol=1e-6)
+
+    runs = []
+    for switch in ({}, dict(lowrank_keys=True, lowrank_rank=16)):
+        replace_llama(method="snapkv", max_capacity_prompts=24, window_size=4, **switch)
+        runs.append(tiny_model("llama").generate(prompt, max_new_tokens=6, do_sample=False, output_logits=True,
+                                                 return_dict_in_generate=True))
+    exact, full_rank = runs
+    assert torch.equal(exact.sequences, full_rank.sequences)
+    torch.testing.assert_close(torch.stack(full_rank.logits), torch.stack(exact.logits), rtol=1e-4, atol=1e-4)
+
+
+def test_a_segment_that_does_not_implement_its_role_is_refused_by_name():
+    from restkv.cache.layer import CompressedLayer
+
+    class HalfEntry:
+        kind = "half"
+
+        def join(self, current, exact, probe):
+            return current
+
+    keys = torch.zeros(1, 2, 3, 16)
+    with pytest.raises(TypeError, match="a summary HalfEntry is not a SummarySegment: it lacks as_slots, budget_slots, "
+                                        "counts, fork, map_batch, needs_count, needs_peak, report, tensors"):
+        CompressedLayer.from_tokens(keys, keys, torch.zeros(1, 2, 3, dtype=torch.int32), 3, summaries=[HalfEntry()])

@@ -287,3 +287,21 @@ def test_similarity_merge_folds_each_evicted_value_into_its_most_similar_kept_ke
     torch.testing.assert_close(merged[0, 0, 1], torch.tensor([0.0, 2.0]))
     none = similarity_merge(key, value, evicted, columns, key[:, :, :2], value[:, :, :2], threshold=0.9)
     torch.testing.assert_close(none, value[:, :, :2])
+
+
+def test_cams_merge_is_a_part_of_its_own_that_any_query_scorer_takes():
+    """``--method cam`` is its scores and the ``cam`` merge: SnapKV without pooling (the same window-summed scores)
+    with ``--merge cam`` keeps and merges exactly the same; cam's own merge takes no other, and a scorer without
+    queries cannot weigh evicted values."""
+    query, key, value = random_qkv(length=96)
+    budget = dict(max_capacity_prompts=40, window_size=8, cam_merge_tokens=4)
+    method = compress_kv(query, key, value, dict(method="cam", **budget))
+    composed = compress_kv(query, key, value, dict(method="snapkv", pooling="none", merge="cam", **budget))
+    plain = compress_kv(query, key, value, dict(method="snapkv", pooling="none", **budget))
+    assert torch.equal(method.indices, composed.indices) and torch.equal(method.values, composed.values)
+    assert not torch.equal(method.values, plain.values)
+    assert CompressionConfig(method="cam", max_capacity_prompts=40).describe() == "--method cam"
+    with pytest.raises(ConfigError, match="--method cam merges with its own cam merge; --merge pivot does not apply"):
+        CompressionConfig(method="cam", merge="pivot", max_capacity_prompts=40)
+    with pytest.raises(ConfigError, match="--merge cam weighs evicted values .* --method streamingllm scores without"):
+        CompressionConfig(method="streamingllm", merge="cam", max_capacity_prompts=40)

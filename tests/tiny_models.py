@@ -274,6 +274,7 @@ def registered_methods(*, uniform: bool = False, splittable: bool = False, keeps
     import warnings
 
     from restkv import CompressionConfig, ConfigError, available_methods
+    from restkv.pipeline.compress import Summariser
 
     chosen = []
     for name in available_methods():
@@ -284,12 +285,13 @@ def registered_methods(*, uniform: bool = False, splittable: bool = False, keeps
                 policy = config.policy
         except ConfigError:
             continue
-        if not policy.evicts or policy.fitted_to_a_model or (uniform and (policy.allocation is not None or policy.summarises_evicted)):
+        summarises = any(isinstance(part, Summariser) for part in config.parts)
+        merges = config.merger is not None
+        if not policy.evicts or policy.fitted_to_a_model or (uniform and (policy.allocation is not None or summarises)):
             continue
-        if splittable and (policy.ranks_by_position or policy.merges_values or policy.summarises_evicted):
+        if splittable and (policy.ranks_by_position or merges or summarises):
             continue
-        changes = (policy.merges_values or policy.summarises_evicted
-                   or any(getattr(part, "changes_entries", False) for part in config.switches))
+        changes = merges or summarises or any(getattr(part, "changes_entries", False) for part in config.switches)
         if (keeps_inputs and changes) or (compresses_first_layer and not policy.compresses_layer(0)):
             continue
         chosen.append(name)

@@ -5,15 +5,18 @@ model's ``Cache`` once its prefill is compressed (``CompressedLayer.from_state``
 the pipeline's ``restkv.pipeline.compress.LayerState``). It is made of segments, each owned by the part
 that made it:
 
-* **exact-token segments** (``kept``): tokens held whole or stored another way: dense or ragged
-  exact tokens (``restkv.cache.segments.exact``), quantised codes (``restkv.quantization``), pruned keys
-  (ThinK, ``restkv.switches.think``). The last one is always exact and takes the tokens
+* **token segments** (``kept``, ``TokenSegment``): tokens held whole or stored another way: dense or
+  ragged exact tokens (``restkv.cache.segments.exact``), quantised codes (``restkv.quantizers``), pruned
+  keys (ThinK, ``restkv.switches.think``). The last one is always exact and takes the tokens
   appended after compression (question chunks, generated tokens): the tail.
-* **summaries**: segments that stand for evicted tokens and join the exact tokens' softmax
-  their own way: ResKV's residual entries with their gate (``restkv.switches.residual``), MomentKV's
-  first-order entry (``restkv.policies.momentkv``).
-* **corrections**: what is applied to the attention output afterwards (IndexMem's memory,
-  ``restkv.learned.indexmem``), given the exact tokens' log-sum-exp.
+* **summaries** (``SummarySegment``): segments that stand for evicted tokens and join the exact tokens'
+  softmax their own way: ResKV's residual entries with their gate (``restkv.switches.residual``),
+  MomentKV's first-order entry (``restkv.switches.moments``).
+* **corrections** (``CorrectionSegment``): what is applied to the attention output afterwards (IndexMem's
+  memory, ``restkv.learned.indexmem``), given the exact tokens' log-sum-exp.
+
+Each role is a protocol declared in ``restkv.cache.segments.base``; the layer refuses a segment that does
+not implement its role when it is built.
 
 A step (``attend``) appends the new tokens to the tail, reads every exact segment as a
 partial attention (``restkv.cache.partial``: output, log-sum-exp, and the peak when a summary asks),
@@ -33,7 +36,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from restkv.cache.partial import Probe, merge
-from restkv.cache.segments.base import SegmentReport, tensor_bytes
+from restkv.cache.segments.base import (CorrectionSegment, SegmentReport, SummarySegment, TokenSegment,
+                                        checked_segment, tensor_bytes)
 from restkv.cache.segments.dense import DenseTokens
 from restkv.cache.segments.exact import exact_tokens, joined_view
 from restkv.scoring.rope import unrotate
@@ -70,7 +74,9 @@ class CompressedLayer(CacheLayerMixin):
         super().__init__()
         if not kept or not hasattr(kept[-1], "append"):
             raise ValueError("a compressed layer's last kept segment must be exact (it takes appended tokens)")
-        self.kept, self.summaries, self.corrections = list(kept), list(summaries), list(corrections)
+        self.kept = [checked_segment(segment, TokenSegment, "a kept segment") for segment in kept]
+        self.summaries = [checked_segment(segment, SummarySegment, "a summary") for segment in summaries]
+        self.corrections = [checked_segment(segment, CorrectionSegment, "a correction") for segment in corrections]
         #: the ``CompressionConfig`` that built the layer (what a benchmark run checks against its settings)
         self.config = config
         self.tokens_seen = self.prompt_tokens = tokens_seen

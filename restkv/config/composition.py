@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from restkv.config.parts import check_composed, flat_options, has_parts
-from restkv.config.options import (KIND_FLAGS, ConfigError, Options, OptionSpec, lookup, option, option_specs,
+from restkv.config.options import (KIND_FLAGS, ConfigError, activation_flag, Options, OptionSpec, lookup, option, option_specs,
                                    registered, registry_version)
 
 __all__ = ["CompressionConfig", "ConfigError", "ModelShape", "RunOptions", "config_from_spec", "method_spec_options",
@@ -86,7 +86,8 @@ class RunOptions(Options):
         "how the budget is spread over layers and KV heads; default: the method's own (pyramid for pyramidkv, "
         "adakv for adakv, headkv for headkv, uniform for the rest)",
     )
-    merge: str = option("none", "merge evicted tokens into kept ones after selection (pivot: LOOK-M)")
+    merge: str = option("none", "merge evicted tokens into kept ones after selection (pivot: LOOK-M; similarity: kvpress' "
+                        "MergingPress; cam: CaM's value merging); default: the method's own (cam for --method cam)")
     quant_method: str = option(
         "none", "store the compressed cache quantised (kivi: KIVI's per-channel keys and per-token values; kvquant: "
         "the same with exact outliers; see restkv.quantization); default: exact"
@@ -205,7 +206,8 @@ class CompressionConfig:
                                if name in option_specs(policy_cls) and value is not None}).for_run(run)
         allocation = _resolve_allocation(policy, run, explicit)
         allocation_cls = lookup("allocation", allocation)
-        merge_cls = None if run.merge == "none" else lookup("merge", run.merge)
+        merge = _resolve_merge(policy_cls, run)
+        merge_cls = None if merge == "none" else lookup("merge", merge)
         quant_cls = None if run.quant_method == "none" else lookup("quantization", run.quant_method, "quant_method")
         switch_flags = {cls.name: cls for cls in registered("switch")}
         for flag in switch_flags:
@@ -250,7 +252,7 @@ class CompressionConfig:
             )
         chunk = (run.reconstruction_chunk if explicit.get("reconstruction_chunk") is not None
                  else policy_cls.default_reconstruction_chunk)
-        set_(self, "run", dataclasses.replace(run, allocation=allocation, observation=observation,
+        set_(self, "run", dataclasses.replace(run, allocation=allocation, merge=merge, observation=observation,
                                               reconstruction_chunk=chunk))
         set_(self, "policy", policy)
         set_(self, "allocator", allocation_cls(**given[allocation_cls]))
@@ -376,6 +378,15 @@ class CompressionConfig:
         """Whether layers wait for the whole prefill before compressing (``restkv.integrations.transformers.deferred``):
         reconstruction observation, or an allocation across the model."""
         return self.run.observation == "reconstruction" or self.allocator.model_wide
+
+    def chosen_by(self, part: Options) -> str:
+        """The flag that made ``part`` active, as the user gave it: ``--merge pivot``, ``--residual``, or
+        ``--method cam`` for a part the method is defined with (its allocation, merge or switches)."""
+        policy = self.policy
+        own = ((part is self.merger and policy.own_merge is not None)
+               or (part is self.allocator and policy.own_allocation() is not None)
+               or (part in self.switches and part.name in policy.own_switches))
+        return f"--method {self.run.method}" if own else activation_flag(type(part))
 
     def switch(self, name: str) -> Options | None:
         """The active switch part named ``name`` (``"residual"``), or None."""
@@ -510,11 +521,20 @@ def _resolve_allocation(policy, run: RunOptions, explicit: Mapping[str, Any]) ->
     return resolved
 
 
+def _resolve_merge(policy_cls: type, run: RunOptions) -> str:
+    """The method's own merge (CaM's), else ``--merge``."""
+    own = policy_cls.own_merge
+    if own is not None and run.merge not in ("none", own):
+        raise ConfigError(f"--method {run.method} merges with its own {own} merge; --merge {run.merge} does not "
+                          "apply to it")
+    return own or run.merge
+
+
 def _describe(run: RunOptions, switch_classes) -> str:
     parts = [f"--method {run.method}"]
     if run.allocation not in (None, "uniform"):
         parts.append(f"--allocation {run.allocation}")
-    if run.merge != "none":
+    if run.merge not in ("none", lookup("method", run.method).own_merge):
         parts.append(f"--merge {run.merge}")
     if run.quant_method != "none":
         parts.append(f"--quant_method {run.quant_method}")

@@ -2,7 +2,7 @@
 
 ``compress_layer(config, ctx)`` is the pipeline every compression runs (a compressing prefill,
 compression after the whole prefill, and recompression under chunked prefill and decode
-budgets): score → allocate → rescore → reserve → select → finalize → rewrite keys → summarise →
+budgets): score → allocate → rescore → reserve → select → merge → rewrite keys → summarise →
 store. It returns a ``LayerState``, the segments a ``restkv.cache.CompressedLayer`` is made of.
 Parts take part by what they do, never by their name:
 
@@ -10,14 +10,15 @@ Parts take part by what they do, never by their name:
   ``--chunk_press``, ``--block_press``) reweights the scores once the counts are known, and may
   change the counts;
 
-* a part with ``reserve`` and ``summarise`` (``Summariser``: the policy itself, ResKV's
-  ``--residual``, MomentKV's ``--moments``) keeps a summary of the tokens it evicts: ``reserve``
+* a part with ``reserve`` and ``summarise`` (``Summariser``: ResKV's ``--residual``, MomentKV's
+  ``--moments``, IndexMem's policy) keeps a summary of the tokens it evicts: ``reserve``
   takes its token slots from the budgets (and may rescore), ``summarise`` returns its segments
   (summaries that join the softmax, output corrections applied after it) from the kept columns;
+* the merge (``--merge``, or the method's own: CaM's) folds evicted tokens into the kept ones;
 * a part with ``rewrite_keys`` (``KeyRewriter``: ``--rerotate_keys``) rewrites the kept keys;
-* a part with ``choose_channels`` (``KeyPruner``: ThinK's ``--think``) stores the kept keys with
-  fewer channels; one with ``quantize_keys`` (``--quant_method``) stores them as codes; both keep
-  each head's ``exact_recent_tokens`` newest kept tokens whole, in the segment that takes appended tokens.
+* a part with ``storing`` (``TokenStorage``: ThinK's ``--think`` stores the kept keys with fewer
+  channels, a ``--quant_method`` as codes) stores each head's older kept tokens its own way, its
+  ``exact_recent_tokens`` newest whole in the segment that takes appended tokens.
 
 ``compress_kv`` is the notebook entry point: it builds the layer's plan itself and returns the
 layer's state as padded tensors with row-local positions, exactly what the model keeps.
@@ -34,12 +35,10 @@ import torch
 
 from restkv.cache.segments.dense import DenseTokens
 from restkv.cache.segments.exact import exact_tokens, joined_view
-from restkv.cache.segments.pruned_keys import PrunedKeyTokens
-from restkv.cache.segments.quantized import QuantizedTokens
+from restkv.cache.segments.base import CorrectionSegment, SummarySegment, TokenSegment, checked_segment
 from restkv.cache.segments.ragged import RaggedTokens
 from restkv.cache.segments.residual_entries import ResidualEntries
 from restkv.config import CompressionConfig
-from restkv.config.options import activation_flag
 from restkv.pipeline.inputs import LayerFacts, LayerInputs
 from restkv.pipeline.plan import plan_layer, valid_from_mask
 from restkv.scoring.selection import Reservation, gather_columns, rank_keys, select_columns
@@ -64,15 +63,19 @@ class Rescorer(Protocol):
 
 
 @runtime_checkable
-class KeyPruner(Protocol):
-    """A part that stores kept keys with fewer channels (ThinK)."""
-
-    #: whether it also prunes a layer whose prompt fits the budget (evicting nothing)
-    prune_fitting_layers: bool
+class TokenStorage(Protocol):
+    """A part that stores each head's older kept tokens its own way (a quantiser's codes, ThinK's keys with
+    fewer channels): the newest ``exact_recent_tokens`` of each head stay whole in the segment that takes
+    appended tokens. A new stored kind (low-rank keys, say) is one such part and the segment it makes
+    (``restkv.cache.segments.base.TokenSegment``). Optional: ``prune_fitting_layers`` (store a layer that
+    evicts nothing too) and ``seal_blocks()`` (``(seal, every)``: appended tokens stored as they come)."""
 
     def exact_recent_tokens(self, config: Any) -> int: ...
 
-    def choose_channels(self, ctx: LayerInputs, keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor | None: ...
+    def storing(self, ctx: LayerInputs, keys: torch.Tensor, columns: torch.Tensor) -> Callable | None:
+        """How the layer's older tokens are stored, chosen from every kept key ``keys`` ``[B, H_kv, K, d]`` at
+        ``columns``: ``way(keys, values, columns, inner) -> segment`` over the older tokens, ``inner`` storing
+        them as the storage parts before this one would (exact tokens first); None leaves them as they are."""
 
 
 @runtime_checkable
@@ -80,15 +83,6 @@ class KeyRewriter(Protocol):
     """A part that rewrites the kept keys once they are chosen (``--rerotate_keys``)."""
 
     def rewrite_keys(self, ctx: LayerInputs, columns: torch.Tensor, keys: torch.Tensor) -> torch.Tensor: ...
-
-
-@runtime_checkable
-class Quantiser(Protocol):
-    """A part that stores kept tokens as integer codes (``restkv.quantization``)."""
-
-    def quantize_keys(self, keys: torch.Tensor, valid: torch.Tensor | None = None): ...
-
-    def quantize_values(self, values: torch.Tensor, valid: torch.Tensor | None = None): ...
 
 
 @dataclass
@@ -144,43 +138,44 @@ def compress_layer(config: CompressionConfig, ctx: LayerInputs, scores: torch.Te
         scores, keep = reservation.scores, reservation.keep
         memos.append((part, reservation.memo))
     columns = select_columns(rank_keys(scores, plan.visible, plan.protected, plan.layer_idx), keep)
-    keys, values = policy.finalize(ctx, columns, gather_columns(ctx.key, columns), gather_columns(ctx.value, columns))
+    keys, values = gather_columns(ctx.key, columns), gather_columns(ctx.value, columns)
     if config.merger is not None:
         keys, values = config.merger.merge(ctx, columns, keys, values)
     for part in config.parts:
         if isinstance(part, KeyRewriter):
             keys = part.rewrite_keys(ctx, columns, keys)
-    made = [segment for part, memo in memos for segment in part.summarise(ctx, columns, memo)]
-    kept, summaries = co_locate(store(config, ctx, keys, values, columns),
-                                [segment for segment in made if hasattr(segment, "join")])
-    return LayerState(kept, summaries, [segment for segment in made if hasattr(segment, "correct")],
-                      **_sealing(config))
+    summaries, corrections = [], []
+    for part, memo in memos:
+        for segment in part.summarise(ctx, columns, memo):
+            if isinstance(segment, CorrectionSegment):
+                corrections.append(segment)
+            else:
+                summaries.append(checked_segment(segment, SummarySegment, f"{config.chosen_by(part)}'s segment"))
+    kept, summaries = co_locate(store(config, ctx, keys, values, columns), summaries)
+    return LayerState(kept, summaries, corrections, **_sealing(config))
 
 
 def _sealing(config: CompressionConfig) -> dict:
-    """``LayerState``'s ``seal`` and ``seal_every``: a quantiser's blocks, or none."""
-    quantiser = _part(config, Quantiser)
-    if quantiser is None:
+    """``LayerState``'s ``seal`` and ``seal_every``: a storage part's blocks (a quantiser's), or none."""
+    sealer = next((part for part in storages(config) if hasattr(part, "seal_blocks")), None)
+    if sealer is None:
         return {}
-    return dict(seal=partial(QuantizedTokens, quantizer=quantiser), seal_every=quantiser.quant_residual_length)
+    seal, every = sealer.seal_blocks()
+    return dict(seal=seal, seal_every=every)
 
 
 def prunes_fitting_layers(config: CompressionConfig) -> bool:
-    """Whether a part of ``config`` stores the keys of a layer whose prompt fits the budget with fewer
-    channels too (ThinK's release, ``--prune_fitting_layers``): such a layer is then compressed."""
-    pruner = _part(config, KeyPruner)
-    return pruner is not None and pruner.prune_fitting_layers
+    """Whether a storage part of ``config`` stores a layer whose prompt fits the budget its way too (ThinK's
+    release, ``--prune_fitting_layers``): such a layer is then compressed."""
+    return any(getattr(part, "prune_fitting_layers", False) for part in storages(config))
 
 
 def exact_tokens_only_conflicts(config: CompressionConfig) -> list[str]:
     """The flags of ``config`` that store or choose more than one exact token set per layer after one prefill
     (summaries, corrections, codes, pruned keys, merged values, later or deferred compression): what a layer
     that reads each head's values from other heads (``LayerPlan.shared_heads``) cannot hold."""
-    summarising = [part for part in config.parts if isinstance(part, Summariser)
-                   and (part is not config.policy or config.policy.summarises_evicted)]
-    flags = [activation_flag(type(part)) for part in config.parts
-             if part in summarising or isinstance(part, (Quantiser, KeyPruner)) or part is config.merger
-             or getattr(part, "merges_values", False)]
+    flags = [config.chosen_by(part) for part in config.parts
+             if isinstance(part, (Summariser, TokenStorage)) or part is config.merger]
     return flags + config.rescoring_flags() + (config.deferring_flags() if config.compresses_after_prefill else [])
 
 
@@ -189,21 +184,23 @@ def summarisers(config: CompressionConfig) -> list[Summariser]:
     return [part for part in config.parts if isinstance(part, Summariser)]
 
 
-def _part(config: CompressionConfig, protocol: type):
-    return next((part for part in config.parts if isinstance(part, protocol)), None)
+def storages(config: CompressionConfig) -> list[TokenStorage]:
+    """The parts of ``config`` that store older kept tokens their own way, in composition order."""
+    return [part for part in config.parts if isinstance(part, TokenStorage)]
 
 
 def store(config: CompressionConfig, ctx: LayerInputs, keys: torch.Tensor, values: torch.Tensor,
           columns: torch.Tensor) -> list:
-    """The exact-token segments of the kept ``keys``/``values`` ``[B, H_kv, K, d]`` at ``columns``
+    """The token segments of the kept ``keys``/``values`` ``[B, H_kv, K, d]`` at ``columns``
     (indices of ``ctx``'s keys, each head's in position order, unused slots last): one exact
-    segment, or with a key pruner or a quantiser each head's older tokens stored their way and its
-    newest ``exact_recent_tokens`` whole in the segment that takes appended tokens. The segments
-    hold the keys' padded-batch columns (``ctx.positions_of``)."""
-    pruner, quantiser = _part(config, KeyPruner), _part(config, Quantiser)
-    recent = max((part.exact_recent_tokens(config) for part in (pruner, quantiser) if part is not None), default=0)
-    channels = None if pruner is None else pruner.choose_channels(ctx, keys, columns)
-    if channels is None and quantiser is None:  # every token whole and exact
+    segment, or with storage parts (``TokenStorage``) each head's older tokens stored their way (the
+    first part's way innermost, each later one wrapping it) and its newest ``exact_recent_tokens`` whole in
+    the segment that takes appended tokens. The segments hold the keys' padded-batch columns
+    (``ctx.positions_of``)."""
+    parts = storages(config)
+    recent = max((part.exact_recent_tokens(config) for part in parts), default=0)
+    ways = [way for part in parts if (way := part.storing(ctx, keys, columns)) is not None]
+    if not ways:  # every token whole and exact
         return [exact_tokens(keys, values, ctx.positions_of(columns))]
     held = (columns >= 0).sum(dim=-1, keepdim=True)
     first_recent = (held - recent).clamp(min=0)  # [B, H_kv, 1]: each head's first recent slot
@@ -214,14 +211,10 @@ def store(config: CompressionConfig, ctx: LayerInputs, keys: torch.Tensor, value
     older_columns = torch.where(older, ctx.positions_of(columns), -1)[..., :width]
     older_keys = keys[:, :, :width].masked_fill(~older[..., :width, None], 0)
     older_values = values[:, :, :width].masked_fill(~older[..., :width, None], 0)
-    if channels is not None:
-        older_keys = older_keys.gather(-1, channels[:, :, None, :].expand(-1, -1, width, -1))
-    if quantiser is not None:
-        segment = QuantizedTokens(older_keys, older_values, older_columns, quantiser, ctx.row_padding)
-    else:
-        segment = exact_tokens(older_keys, older_values, older_columns, capacity=0)
-    if channels is not None:
-        segment = PrunedKeyTokens(segment, channels, keys.shape[-1])
+    build = partial(exact_tokens, capacity=0)
+    for way in ways:
+        build = partial(way, inner=build)
+    segment = checked_segment(build(older_keys, older_values, older_columns), TokenSegment, "a storage part's segment")
     return [segment, _recent_tokens(ctx, keys, values, columns, first_recent, held, recent)]
 
 
@@ -361,7 +354,7 @@ def compress_kv(
 def public_view(state: LayerState, padding: torch.Tensor) -> CompressedKV:
     """``state`` as ``CompressedKV`` (``padding`` ``[B]``: each row's left padding)."""
     keys, values, columns = joined_view(state.kept)
-    channels = next((segment.channels for segment in state.kept if isinstance(segment, PrunedKeyTokens)), None)
+    channels = next((segment.channels for segment in state.kept if hasattr(segment, "channels")), None)
     shift = padding.to(columns.device)[:, None, None]
 
     def row_local(positions: torch.Tensor | None) -> torch.Tensor | None:

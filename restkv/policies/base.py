@@ -3,9 +3,12 @@
 A policy is a frozen dataclass whose fields are its options (``restkv.config.options.option``:
 the field name is the flag, with its help, type and range). ``score(ctx)`` returns an
 importance per batch row, KV head and token; selection, budgets and storage are shared by
-every policy (``restkv.scoring.selection``, ``restkv.allocation``, ``restkv.cache``). What a policy
-can do is declared on the class (``evicts``, ``ranks_by_position``, ``merges_values``,
-``allocation``), never inferred from its name.
+every policy (``restkv.scoring.selection``, ``restkv.allocations``, ``restkv.cache``). What a policy
+can do is declared on the class (``evicts``, ``ranks_by_position``, ``observes_queries``, the
+allocation, merge or switches it is defined with), never inferred from its name. That is the whole
+contract of a method: it scores. Summarising what is evicted, merging it, storing it another way belong
+to their own parts (switches, merges, quantisers); a method that also summarises (IndexMem) implements
+the summariser's ``reserve`` and ``summarise`` (``restkv.pipeline.compress.Summariser``) beside ``score``.
 
 Adding a method = one file in ``restkv/policies/`` with a ``Policy`` subclass decorated with
 ``@register("method")`` (see ``docs/ARCHITECTURE.md``)::
@@ -31,7 +34,6 @@ from restkv.config.composition import RECONSTRUCTION_CHUNK
 from restkv.config.options import ConfigError, Options, option
 from restkv.pipeline.inputs import LayerInputs
 from restkv.scoring.adaptive_pooling import adaptive_pool
-from restkv.scoring.selection import Reservation
 
 if TYPE_CHECKING:
     from restkv.config import CompressionConfig
@@ -49,11 +51,11 @@ class Policy(Options):
     evicts: ClassVar[bool] = True
     #: keeps tokens by position, not by a ranking (StreamingLLM): a ranking cannot be split
     ranks_by_position: ClassVar[bool] = False
-    #: changes the values it keeps by merging evicted ones into them (CaM)
-    merges_values: ClassVar[bool] = False
     #: the allocation the method is defined with (``pyramidkv`` = SnapKV + pyramid); None lets
     #: ``--allocation`` choose
     allocation: ClassVar[str | None] = None
+    #: the merge the method is defined with (``cam`` = its scores + ``--merge cam``); None lets ``--merge`` choose
+    own_merge: ClassVar[str | None] = None
     #: for a method with its own allocation or switches: the method whose scores it uses
     base_method: ClassVar[str | None] = None
     #: scores with the attention of observation queries (so ``--observation`` chooses them)
@@ -72,10 +74,6 @@ class Policy(Options):
     #: switches the method is defined with (``think`` = SnapKV with ``--think``, ``momentkv`` =
     #: SnapKV with ``--moments``)
     own_switches: ClassVar[tuple[str, ...]] = ()
-    #: keeps a summary of the tokens it evicts besides the kept entries (MomentKV's statistics,
-    #: IndexMem's latent memory): its numbers take token slots of the budget, so heads keep fewer
-    #: tokens than the budget (IndexMem: ``reserve``, read through ``summarise``'s output correction)
-    summarises_evicted: ClassVar[bool] = False
     #: scores with weights fitted to one model's layers and heads (``learned_zip``), so it cannot
     #: score a layer of any other shape
     fitted_to_a_model: ClassVar[bool] = False
@@ -161,25 +159,6 @@ class Policy(Options):
         """``[B, H_kv, N]`` float32 importance; only candidate columns are read."""
         raise NotImplementedError
 
-    def reserve(self, ctx: LayerInputs, scores: torch.Tensor, keep: torch.Tensor, previous=()) -> Reservation:
-        """The scores and the tokens per head ``keep`` ``[B, H_kv]`` (from the allocation) once the
-        method's own state has taken its token slots (none by default); ``previous``: the layer's
-        summary segments from its last compression (when it is compressed again)."""
-        return Reservation(scores, keep)
-
-    def summarise(self, ctx: LayerInputs, columns: torch.Tensor, memo: Any) -> list:
-        """The segments the layer adds for the tokens ``columns`` leaves out (an output correction:
-        IndexMem's memory), from ``reserve``'s ``memo`` (default: nothing)."""
-        return []
-
-    def finalize(
-        self, ctx: LayerInputs, columns: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hook after selection for methods that also change the kept entries (merging).
-
-        ``columns`` ``[B, H_kv, K]`` are the kept padded-batch columns (-1 = unused slot).
-        """
-        return keys, values
 
 
 def require_ranking(flag: str, policy: Policy) -> None:

@@ -46,7 +46,6 @@ _FALLBACK_WARNED = False
 @dataclass(frozen=True)
 class IndexMem(PooledScores):
     name = "indexmem"
-    summarises_evicted = True
 
     indexmem_weights: str | None = option(
         None, "IndexMem weights file (python -m restkv.tools.train_indexmem); without it the training-free fallback runs",

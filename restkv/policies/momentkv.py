@@ -17,4 +17,3 @@ class MomentKV(SnapKV):
     name = "momentkv"
     base_method = "snapkv"
     own_switches = ("moments",)
-    summarises_evicted = True

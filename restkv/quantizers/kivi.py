@@ -4,10 +4,11 @@ keys per channel and values per token (``restkv.cache.segments.quantized``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from restkv.cache.segments.quantized import CODES_PER_BYTE, QuantizedTensor, quantize
+from restkv.cache.segments.quantized import CODES_PER_BYTE, QuantizedTensor, QuantizedTokens, quantize
 from restkv.config.options import ConfigError, Options, option, register
 
 
@@ -62,6 +63,19 @@ class KIVI(Options):
         """Each head's newest kept tokens that stay exact beside the codes: KIVI's residual
         (``--quant_residual_length``; KIVI keeps that many values, and the last L mod R keys)."""
         return self.quant_residual_length
+
+    def storing(self, ctx, keys: torch.Tensor, columns: torch.Tensor):
+        """The older tokens as codes (``restkv.pipeline.compress.TokenStorage``): the innermost way, made from the
+        tokens themselves."""
+        return partial(self._codes, ctx.row_padding)
+
+    def _codes(self, padding, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, inner) -> QuantizedTokens:
+        return QuantizedTokens(keys, values, columns, self, padding)
+
+    def seal_blocks(self):
+        """``(seal, every)``: while decoding, once the tail holds twice ``--quant_residual_length`` exact tokens,
+        its oldest ``--quant_residual_length`` become one block of codes."""
+        return partial(QuantizedTokens, quantizer=self), self.quant_residual_length
 
     def outliers(self, x: torch.Tensor, member: torch.Tensor, per_channel: bool) -> torch.Tensor | None:
         """bool ``[..., S, d]``: the ``member`` elements kept exactly in the side store (None: no side store)."""

@@ -47,8 +47,7 @@ class KeyRerotation(Options):
         if flags:
             raise ConfigError(f"--rerotate_keys turns the kept keys once, at the prefill's compression; "
                               f"{' and '.join(flags)} would compress turned keys again")
-        summarising = [part.name for part in summarisers(config)
-                       if part is not config.policy or config.policy.summarises_evicted]
+        summarising = [config.chosen_by(part) for part in summarisers(config)]
         if summarising:
             raise ConfigError(f"--rerotate_keys turns the kept keys; the summaries of {', '.join(summarising)} are "
                               "made from evicted keys at their own positions")

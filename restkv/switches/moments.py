@@ -91,8 +91,8 @@ class Moments(Options):
             raise ConfigError(f"--moments summarises evicted tokens; --method {policy.name} evicts nothing")
         if config.switch("residual") is not None:
             raise ConfigError("--moments and --residual both summarise the evicted tokens in the last slots; use one")
-        if policy.merges_values or config.merger is not None:
-            merging = f"--method {policy.name}" if policy.merges_values else f"--merge {config.merger.name}"
+        if config.merger is not None:
+            merging = config.chosen_by(config.merger)
             raise ConfigError(f"--moments summarises the evicted tokens as they are; {merging} merges them into the "
                               "kept entries (they would count twice)")
         if policy.ranks_by_position and not self.moments_no_mi:

@@ -27,9 +27,11 @@ dropped channels and ``key_channels`` beside them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from restkv.cache.segments.pruned_keys import PrunedKeyTokens
 from restkv.config.options import ConfigError, Options, option, register
 
 
@@ -75,6 +77,12 @@ class KeyChannelPruning(Options):
         """Key channels each head drops."""
         return int(self.pruning_ratio * head_dim)
 
+    def storing(self, ctx, keys: torch.Tensor, columns: torch.Tensor):
+        """The older tokens with each head's chosen channels of their keys, wrapping how the storage parts before
+        store them (``restkv.pipeline.compress.TokenStorage``); None when no channel is dropped."""
+        channels = self.choose_channels(ctx, keys, columns)
+        return None if channels is None else partial(_pruned, channels)
+
     def choose_channels(self, ctx, keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor | None:
         """``[B, H_kv, d - pruned]`` the key channels each head keeps (ascending), scored over every
         kept token ``keys`` ``[B, H_kv, K, d]`` at ``columns`` (-1 = unused), the recent ones too;
@@ -91,3 +99,10 @@ class KeyChannelPruning(Options):
         # Most important first, ties to the lower channel; the kept ones in ascending order.
         order = torch.sort(importance, dim=-1, descending=True, stable=True).indices
         return order[..., : keys.shape[-1] - dropped].sort(dim=-1).values
+
+
+def _pruned(channels: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor,
+            inner) -> PrunedKeyTokens:
+    """``keys`` ``[B, H_kv, S, d]`` cut to ``channels`` ``[B, H_kv, c]``, stored by ``inner`` with the values."""
+    compact = keys.gather(-1, channels[:, :, None, :].expand(-1, -1, keys.shape[2], -1))
+    return PrunedKeyTokens(inner(compact, values, columns), channels, keys.shape[-1])

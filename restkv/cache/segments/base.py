@@ -1,5 +1,18 @@
-"""What every segment kind shares: its report, the bytes of its tensors, and the bookkeeping of
-exact tokens (kept then appended tokens, spare room, copy-on-write between forks).
+"""What every segment kind shares: the protocols a segment implements, its report, the bytes of its
+tensors, and the bookkeeping of exact tokens (kept then appended tokens, spare room, copy-on-write
+between forks).
+
+A compressed layer (``restkv.cache.layer``) holds three roles of segment, each a declared protocol:
+
+* ``TokenSegment``: tokens a query reads (held whole, as codes, with fewer key channels...), read as a
+  partial attention whose log-sum-exp merges it exactly with the others;
+* ``SummarySegment``: entries that stand for evicted tokens and join the token segments' softmax their own
+  way (ResKV's residual entries, MomentKV's entry);
+* ``CorrectionSegment``: what is applied to the attention output after the softmax (IndexMem's memory).
+
+A new kind is one file holding a class that implements its role, made by a part (a ``TokenStorage`` part
+makes token segments, a ``Summariser`` summaries or corrections: ``restkv.pipeline.compress``); the layer
+refuses, when it is built, a segment that does not implement its role (``checked_segment``).
 
 Exact tokens of a compressed layer: the segments that hold kept and appended tokens whole.
 
@@ -28,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -68,6 +82,89 @@ class SegmentReport:
     def __post_init__(self) -> None:
         if self.used_nbytes is None:
             object.__setattr__(self, "used_nbytes", self.nbytes)
+
+
+@runtime_checkable
+class Segment(Protocol):
+    """What every segment does: say what it holds, and follow the cache it lives in."""
+
+    def report(self) -> SegmentReport:
+        """Its kind, tokens, token-slot equivalents and bytes (the cache's memory report)."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor it holds."""
+
+    def fork(self) -> "Segment":
+        """A copy for a snapshot of the cache (``answer_many``): itself when it is never written in place."""
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Segment":
+        """The segment with ``fn`` applied to the batch dimension of its tensors (beam reordering, row selection)."""
+
+
+@runtime_checkable
+class TokenSegment(Segment, Protocol):
+    """Tokens a query reads, held whole or stored another way (``CompressedLayer.kept``)."""
+
+    #: ``exact dense``, ``kivi 4-bit``...: what the memory report calls it; ``storage``: how its tokens are held
+    kind: str
+    storage: str
+
+    def attend(self, probe: Any) -> Any:
+        """The probe's (``restkv.cache.partial.Probe``) attention over its tokens, as a ``Partial`` (output and
+        log-sum-exp, the peak or count when a summary asks)."""
+
+    def padded(self, appended: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, values, columns)`` ``[B, H_kv, S, d]`` of its tokens as a query would read them (dequantised,
+        whole keys): what inspection and recompression take."""
+
+    def kept_counts(self) -> torch.Tensor:
+        """``[B, H_kv]`` tokens it held at the last compression."""
+
+    def held_counts(self) -> torch.Tensor:
+        """``[B, H_kv]`` tokens it holds (kept and appended since)."""
+
+
+@runtime_checkable
+class SummarySegment(Segment, Protocol):
+    """Entries standing for evicted tokens that join the token segments' softmax (``CompressedLayer.summaries``)."""
+
+    kind: str
+    #: whether ``join`` reads the exact partial's peak logit, or its count of visible tokens
+    needs_peak: bool
+    needs_count: bool
+
+    def join(self, current: Any, exact: Any, probe: Any) -> Any:
+        """``current`` (the partial so far) with this segment's entries joined; ``exact``: the token segments'."""
+
+    def counts(self) -> torch.Tensor:
+        """``[B, H_kv]`` entries it holds."""
+
+    def budget_slots(self) -> torch.Tensor:
+        """``[B, H_kv]`` token slots of the budget they take."""
+
+    def as_slots(self) -> tuple:
+        """``(keys, values, log_counts, oldest or None, value maps or None)``: the entries as slots of
+        ``compress_kv``'s padded tensors."""
+
+
+@runtime_checkable
+class CorrectionSegment(Segment, Protocol):
+    """What is applied to the attention output after the softmax (``CompressedLayer.corrections``)."""
+
+    def correct(self, query: torch.Tensor, output: torch.Tensor, lse: torch.Tensor,
+                pre_rope: torch.Tensor | None) -> torch.Tensor:
+        """The corrected output, from the queries, the output, the token segments' log-sum-exp per query head
+        and the queries before RoPE (None when the layer has no rotation to undo)."""
+
+
+def checked_segment(segment: Any, role: type, made_by: str) -> Any:
+    """``segment``, or a ``TypeError`` naming what of ``role`` (a protocol above) it does not implement."""
+    if not isinstance(segment, role):
+        members = {name for cls in role.__mro__ if cls.__module__ == __name__
+                   for name in (*vars(cls), *vars(cls).get("__annotations__", {})) if not name.startswith("_")}
+        missing = [name for name in sorted(members) if not hasattr(segment, name)]
+        raise TypeError(f"{made_by} {type(segment).__name__} is not a {role.__name__}: it lacks {', '.join(missing)}")
+    return segment
 
 
 def tensor_bytes(tensors) -> int:

@@ -94,8 +94,8 @@ class ResidualCache(Options):
                 f"--residual splits a scorer's ranking into main and residual slots; --method {policy.name} keeps "
                 "tokens by position (sinks + recent), and a smaller main cache would drop its sinks"
             )
-        if policy.merges_values or config.merger is not None:
-            merging = f"--method {policy.name}" if policy.merges_values else f"--merge {config.merger.name}"
+        if config.merger is not None:
+            merging = config.chosen_by(config.merger)
             raise ConfigError(
                 f"--residual keeps the main cache exact and summarises the evicted tokens itself; {merging} already "
                 "merges them into the kept entries (they would count twice)"
