@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 
 
 def compression(model, config=None, /, **options):
-    """``with restkv.compression(model, method=..., ...):`` (``restkv.integrations.transformers.patching.compression``)."""
+    """``with restkv.compression(model, method=..., ...):`` or with the parts as values (``policy=``, ``switches=``...):
+    ``restkv.integrations.transformers.patching.compression``."""
     from restkv.integrations.transformers.patching import compression as context
 
     return context(model, config, **options)

@@ -32,5 +32,5 @@ pip install -e ".[test]" "transformers==$VERSION"
 echo "checking restkv against transformers $("$ENV_DIR/bin/python" -c 'import transformers; print(transformers.__version__)')"
 HF_HUB_OFFLINE=1 RESTKV_TRANSFORMERS_CHECK=warn RESTKV_CACHE_DIR=$(mktemp -d) \
     "$ENV_DIR/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/test_model_exactness.py tests/test_monkeypatch.py tests/test_positions.py tests/test_batches.py \
-    tests/test_chunked.py "$@"
+    tests/integrations/test_model_exactness.py tests/integrations/test_monkeypatch.py tests/integrations/test_positions.py tests/integrations/test_batches.py \
+    tests/pipeline/test_chunked.py "$@"

@@ -144,3 +144,52 @@ def test_every_data_file_in_the_package_is_declared_as_package_data():
         relative = path.relative_to(PACKAGE)
         assert any(relative.match(pattern) for pattern in globs), f"restkv/{relative} is not in package-data {globs}"
     assert tracked, "the package ships its learned weights"
+
+
+def test_the_tests_mirror_the_package_folders():
+    """A test folder is named after the part of the package it tests (``tests/switches`` ↔ ``restkv/switches``)."""
+    folders = sorted(path.name for path in (ROOT / "tests").iterdir() if path.is_dir() and path.name != "__pycache__")
+    assert folders, "the tests live in folders"
+    for name in folders:
+        assert (PACKAGE / name).is_dir(), f"tests/{name}/ names no folder of restkv/"
+
+
+def test_one_layers_prefill_hands_the_cache_through_three_modules_in_a_straight_line():
+    """Following the cache from the attention seam through one layer's prefill: the seam, the step chosen once from
+    the cache's state, the one read of that state; no module is entered twice (the switchboard this replaced went
+    back and forth between attention, deferred and handles)."""
+    import sys
+
+    from tiny_models import random_prompt, tiny_model
+    from transformers import DynamicCache
+
+    import restkv
+
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    calls: list[tuple[str, str]] = []
+
+    def record(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and f"{PACKAGE}/" in code.co_filename:
+            arguments = [frame.f_locals.get(name) for name in code.co_varnames[:code.co_argcount]]
+            if any(argument is cache for argument in arguments):
+                calls.append((str(Path(code.co_filename).relative_to(PACKAGE)), code.co_name))
+
+    with restkv.compression(model, method="snapkv", max_capacity_prompts=16, window_size=4):
+        sys.setprofile(record)
+        try:
+            model(random_prompt(1, 50), cache=cache, use_cache=True)
+        finally:
+            sys.setprofile(None)
+    layers, modules = [], []
+    for module, function in calls:
+        if function == "_cache_layer":  # a layer's forward starts at the seam
+            layers.append([])
+        if layers and (not layers[-1] or layers[-1][-1] != module):
+            layers[-1].append(module)
+    assert len(layers) == model.config.num_hidden_layers
+    for path in layers:
+        assert len(path) == len(set(path)) <= 3, path
+    assert layers[0] == ["integrations/transformers/attention.py", "integrations/transformers/steps.py",
+                         "integrations/transformers/handles.py"]

@@ -205,7 +205,7 @@ def test_check_transformers_installs_that_release_in_a_scratch_env_and_runs_the_
     assert calls[0] == f"-m venv {tmp_path / 'scratch'}"
     installs = [call.split(" install ", 1)[1] for call in calls if " install " in call]
     assert installs == ["torch==2.13.0", "-e .[test] transformers==5.22.0"]
-    assert calls[-1].startswith("warn -m pytest") and "tests/test_model_exactness.py" in calls[-1]
+    assert calls[-1].startswith("warn -m pytest") and "tests/integrations/test_model_exactness.py" in calls[-1]
     assert calls[-1].endswith("-k gemma") and "checking restkv against transformers 5.22.0" in done.stdout
     assert not (tmp_path / "checkout" / ".venv").exists()
     usage = subprocess.run(script, capture_output=True, text=True, timeout=60, env=env)

@@ -66,7 +66,8 @@ class Allocation(Options):
         """
         raise NotImplementedError
 
-    def allocate_model(self, contexts: dict[int, LayerInputs], scores: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    def allocate_model(self, contexts: dict[int, LayerInputs],
+                       scores: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Model-wide allocations: ``{layer: [B, H_kv] kept counts}`` from every compressed layer's
         context and scores (protected tokens included)."""
         raise NotImplementedError

@@ -1,4 +1,5 @@
-"""``python -m restkv.benchmarks.duo_pattern``: the command's documented path (it lives in ``restkv.tools.duo_pattern``)."""
+"""``python -m restkv.benchmarks.duo_pattern``: the command's documented path (it lives in
+``restkv.tools.duo_pattern``)."""
 
 from restkv.tools.duo_pattern import main
 

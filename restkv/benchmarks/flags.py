@@ -8,7 +8,8 @@ only one of the benchmarks that builds configs (``compression_config_from_args``
 ``parse_args`` checks every value before anything is loaded, so a typo in a sweep script
 stops with the flag's name at once: the compression options (the config's own checks), the
 datasets, the shard, the lengths and counts, ``--model_path`` when it can only be a local
-folder (``restkv.integrations.transformers.models.check_model_path``), and the benchmark's own flags (``Benchmark.check_flags``).
+folder (``restkv.integrations.transformers.models.check_model_path``), and the benchmark's own flags
+(``Benchmark.check_flags``).
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from restkv.cache.partial import Probe, merge
-from restkv.cache.segments.base import (CorrectionSegment, SegmentReport, SummarySegment, TokenSegment,
-                                        checked_segment, tensor_bytes)
+from restkv.cache.segments.base import (CorrectionSegment, SegmentReport, SummarySegment, TokenSegment, checked_segment,
+                                        tensor_bytes)
 from restkv.cache.segments.dense import DenseTokens
 from restkv.cache.segments.exact import exact_tokens, joined_view
 from restkv.scoring.rope import unrotate

@@ -44,9 +44,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from restkv.config.options import (KIND_FLAGS, ConfigError, Options, OptionSpec, activation_flag, lookup, option,
+                                   option_specs, registered, registry_version)
 from restkv.config.parts import check_composed, flat_options, has_parts
-from restkv.config.options import (KIND_FLAGS, ConfigError, activation_flag, Options, OptionSpec, lookup, option, option_specs,
-                                   registered, registry_version)
 
 __all__ = ["CompressionConfig", "ConfigError", "ModelShape", "RunOptions", "config_from_spec", "method_spec_options",
            "option_names"]
@@ -86,8 +86,9 @@ class RunOptions(Options):
         "how the budget is spread over layers and KV heads; default: the method's own (pyramid for pyramidkv, "
         "adakv for adakv, headkv for headkv, uniform for the rest)",
     )
-    merge: str = option("none", "merge evicted tokens into kept ones after selection (pivot: LOOK-M; similarity: kvpress' "
-                        "MergingPress; cam: CaM's value merging); default: the method's own (cam for --method cam)")
+    merge: str = option("none", "merge evicted tokens into kept ones after selection (pivot: LOOK-M; similarity: "
+                        "kvpress' MergingPress; cam: CaM's value merging); default: the method's own (cam for --method "
+                        "cam)")
     quant_method: str = option(
         "none", "store the compressed cache quantised (kivi: KIVI's per-channel keys and per-token values; kvquant: "
         "the same with exact outliers; see restkv.quantization); default: exact"

@@ -82,11 +82,10 @@ def check_composed(config, given: list[tuple[str, Options]]) -> None:
         expected = part.for_run(config.run) if hasattr(part, "for_run") else part
         if built != expected:
             differ = [name for name in option_specs(type(part)) if getattr(built, name) != getattr(expected, name)]
-            raise ConfigError(
-                f"{type(part).__name__} ({argument}) runs with {', '.join(f'{n}={getattr(built, n)!r}' for n in differ)}, "
-                f"not the {', '.join(f'{n}={getattr(expected, n)!r}' for n in differ)} it was given: another part sets "
-                "the same flag; give every part that declares it the same value"
-            )
+            runs, given_values = ", ".join(f"{n}={getattr(built, n)!r}" for n in differ), ", ".join(
+                f"{n}={getattr(expected, n)!r}" for n in differ)
+            raise ConfigError(f"{type(part).__name__} ({argument}) runs with {runs}, not the {given_values} it was "
+                              "given: another part sets the same flag; give every part that declares it the same value")
 
 
 def _instance(value: Any, kind: str, argument: str) -> Options:

@@ -33,9 +33,9 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, runtime_checkable
 
 import torch
 
+from restkv.cache.segments.base import CorrectionSegment, SummarySegment, TokenSegment, checked_segment
 from restkv.cache.segments.dense import DenseTokens
 from restkv.cache.segments.exact import exact_tokens, joined_view
-from restkv.cache.segments.base import CorrectionSegment, SummarySegment, TokenSegment, checked_segment
 from restkv.cache.segments.ragged import RaggedTokens
 from restkv.cache.segments.residual_entries import ResidualEntries
 from restkv.config import CompressionConfig

@@ -77,8 +77,8 @@ def plan_layer(config: Any, valid: torch.Tensor, layer_idx: int = 0, num_layers:
     ``config`` is a ``restkv.config.CompressionConfig``; ``budgets`` overrides its budget of
     each row (a layer compressed again keeps the budget of all the tokens it has seen);
     ``context_span``: the row-local ``(start, stop)`` of the context, every token outside it
-    protected too (``restkv.integrations.transformers.context_span``); ``seen``: the tokens each row has seen, where the layer
-    holds fewer (a recompression; default: its visible tokens), which a layer's own budget counts
+    protected too (``restkv.integrations.transformers.context_span``); ``seen``: the tokens each row has seen, where the
+    layer holds fewer (a recompression; default: its visible tokens), which a layer's own budget counts
     (``layer_budgets``). Raises ``ConfigError`` when a row that must be compressed cannot keep more
     than its protected tokens (a ratio budget on a short row).
     """

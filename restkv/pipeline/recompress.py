@@ -3,8 +3,8 @@
 ``--prefill_chunk_size N`` feeds the prompt in chunks of ``N`` tokens (the patched decoder
 forward splits it, ``restkv.integrations.transformers.attention.model_forward``); after every chunk each layer scores
 what it holds (the tokens it kept so far plus the new chunk) with the newest ``window_size``
-queries and evicts down to the whole prompt's budget (``restkv.integrations.transformers.deferred.chunk_budgets``), so no
-layer ever holds more than ``budget + N`` entries. ``--decode_budget B`` does the same every ``--decode_interval K``
+queries and evicts down to the whole prompt's budget (``restkv.integrations.transformers.deferred.chunk_budgets``), so
+no layer ever holds more than ``budget + N`` entries. ``--decode_budget B`` does the same every ``--decode_interval K``
 generated tokens with the queries of the newest ``window_size`` tokens, keeping every layer at
 most ``B + K`` entries however long the generation.
 
@@ -20,8 +20,8 @@ head's own candidates).
 A score that is fixed once its token is read (the reconstruction observation's, KVzip's; a
 learned scorer's; any scorer that reads no queries) need not be computed again: under chunked
 prefill such a layer keeps its kept tokens' scores (``CompressedLayer.token_scores``) and
-``rank_chunk`` ranks them beside the new chunk's (``restkv.integrations.transformers.deferred`` scores the chunk), across
-every layer and KV head when the allocation is model-wide, as the single pass would rank the
+``rank_chunk`` ranks them beside the new chunk's (``restkv.integrations.transformers.deferred`` scores the chunk),
+across every layer and KV head when the allocation is model-wide, as the single pass would rank the
 same scores. Only what stays protected whatever follows (the template around the context) is
 stored as +inf; the window a ranking protects is the newest tokens' of that moment.
 
@@ -151,8 +151,8 @@ def _compress_heads(config, layer, contexts: list[LayerInputs], scores: list[tor
 
 @dataclass
 class ScoredChunk:
-    """A layer's newest prompt chunk, scored once (``restkv.integrations.transformers.deferred``): its tokens are the ones
-    appended since the layer's last compression."""
+    """A layer's newest prompt chunk, scored once (``restkv.integrations.transformers.deferred``): its tokens are the
+    ones appended since the layer's last compression."""
 
     layer: Any  # the CompressedLayer holding it
     scores: torch.Tensor  # [B, H_kv, n] the chunk's token scores

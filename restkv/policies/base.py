@@ -69,7 +69,8 @@ class Policy(Options):
     #: ``--reconstruction_chunk`` says (None: the whole context at once)
     default_reconstruction_chunk: ClassVar[int | None] = RECONSTRUCTION_CHUNK
     #: under ``--observation reconstruction``, each reconstruction query's attention is weighted by
-    #: the gradient norm of the last hidden states at its attention output (KVgrad, ``restkv.integrations.transformers.replay_gradients``)
+    #: the gradient norm of the last hidden states at its attention output (KVgrad,
+    #: ``restkv.integrations.transformers.replay_gradients``)
     weights_by_gradient: ClassVar[bool] = False
     #: switches the method is defined with (``think`` = SnapKV with ``--think``, ``momentkv`` =
     #: SnapKV with ``--moments``)
@@ -78,7 +79,8 @@ class Policy(Options):
     #: score a layer of any other shape
     fitted_to_a_model: ClassVar[bool] = False
     #: ranks the context alone as KVzip does without reading reconstruction queries (``learned_zip``): the
-    #: template around a given context span is kept whatever its score (``restkv.integrations.transformers.context_span``)
+    #: template around a given context span is kept whatever its score
+    #: (``restkv.integrations.transformers.context_span``)
     ranks_context_alone: ClassVar[bool] = False
     #: reads the RoPE tables the keys were rotated with (``LayerInputs.rotary``): keys or queries
     #: before RoPE, or rotations to other positions; ``compress_kv`` needs its ``rotary`` then

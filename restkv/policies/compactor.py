@@ -2,8 +2,8 @@
 
 Between the row's first ``--n_sink`` tokens (8 here) and its last ``--compactor_recent`` (4),
 which always stay (as does the observation window, ``--window_size``, 32 by default as for every
-scorer; kvpress protects none: ``--window_size 0`` reproduces it), a token's score is ``b x`` its key's leverage z-score (``--method leverage``)
-plus its non-causal chunked attention z-score (``--method noncausal_attn``), both computed over
+scorer; kvpress protects none: ``--window_size 0`` reproduces it), a token's score is ``b x`` its key's leverage z-score
+(``--method leverage``) plus its non-causal chunked attention z-score (``--method noncausal_attn``), both computed over
 those middle tokens alone. The blending weight ``b`` is ``--compactor_blending``, by default the
 run's ``--compression_ratio`` (kvpress' choice: the more is evicted, the more the outliers
 count), or 0.35 under a token budget (``--max_capacity_prompts``; kvpress' own fallback). Query-agnostic: the

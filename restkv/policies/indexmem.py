@@ -48,7 +48,8 @@ class IndexMem(PooledScores):
     name = "indexmem"
 
     indexmem_weights: str | None = option(
-        None, "IndexMem weights file (python -m restkv.tools.train_indexmem); without it the training-free fallback runs",
+        None, "IndexMem weights file (python -m restkv.tools.train_indexmem); without it the training-free "
+              "fallback runs",
         names_file=True)
     indexmem_features: int = option(32, "features of the latent memory per KV head (its size: features x (head_dim "
                                         "+ 1) float32 numbers, taken from the budget in token slots)", minimum=1)

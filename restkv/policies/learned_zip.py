@@ -7,10 +7,10 @@ token's pre-RoPE key and value to its KVzip score's logarithm (``restkv.learned.
 fitted by ``python -m restkv.tools.train_scorer --target kvzip`` on text the project generates. The
 scoring costs one small matrix product per layer; everything else is KVzip's: no observation
 window, the first ``--n_sink`` tokens always kept, the template around a given context span kept
-(``restkv.integrations.transformers.context_span``), and one ranking of every (layer, KV head, token) across the model (``--max_capacity_prompts`` x layers x KV heads entries, ragged per
-layer and head). Under ``--prefill_chunk_size`` the kept tokens' predicted scores are ranked
-again beside each new chunk's (``restkv.pipeline.recompress.rank_chunk``): a token's score is fixed once
-its key is read, so the ranking is the single pass's, in bounded memory.
+(``restkv.integrations.transformers.context_span``), and one ranking of every (layer, KV head, token) across the model
+(``--max_capacity_prompts`` x layers x KV heads entries, ragged per layer and head). Under ``--prefill_chunk_size`` the
+kept tokens' predicted scores are ranked again beside each new chunk's (``restkv.pipeline.recompress.rank_chunk``): a
+token's score is fixed once its key is read, so the ranking is the single pass's, in bounded memory.
 
 ``--learned_zip_weights`` names the weights file; without it, the weights shipped for the
 embedded default model (``SmolLM2-135M``; README, "learned_zip") are used, and a model of
@@ -43,7 +43,8 @@ class LearnedZip(KeepsSinks, Policy):
     ranks_context_alone = True
 
     learned_zip_weights: str | None = option(
-        None, "learned_zip: weights file (python -m restkv.tools.train_scorer); default: the ones shipped for SmolLM2-135M",
+        None, "learned_zip: weights file (python -m restkv.tools.train_scorer); default: the ones shipped "
+              "for SmolLM2-135M",
         names_file=True,
     )
 

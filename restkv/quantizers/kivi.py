@@ -69,7 +69,8 @@ class KIVI(Options):
         tokens themselves."""
         return partial(self._codes, ctx.row_padding)
 
-    def _codes(self, padding, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, inner) -> QuantizedTokens:
+    def _codes(self, padding, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor,
+               inner) -> QuantizedTokens:
         return QuantizedTokens(keys, values, columns, self, padding)
 
     def seal_blocks(self):

@@ -2,8 +2,8 @@
 
 IndexMem's memory and gate read queries and keys without their position (the paper's memory
 carries none), while attention, the cache and the compression pipeline see them after RoPE. The layers
-whose rotation this undoes (``restkv.integrations.transformers.rotation.layer_rotary`` probes each; a layer without RoPE gets
-the identity tables) rotate as transformers' ``apply_rotary_pos_emb`` does:
+whose rotation this undoes (``restkv.integrations.transformers.rotation.layer_rotary`` probes each; a layer without RoPE
+gets the identity tables) rotate as transformers' ``apply_rotary_pos_emb`` does:
 ``x cos + rotate_half(x) sin``, a rotation of each channel pair, with ``cos`` and ``sin``
 scaled by the rope's ``attention_scaling`` (1 unless YaRN-like). It is undone exactly by
 ``(y cos - rotate_half(y) sin) / (cos^2 + sin^2)`` with the same ``cos`` and ``sin``:

@@ -48,8 +48,8 @@ class IndependentChunks(Options):
     """ChunkPress: each chunk of the prompt scored alone, keeping its share of the budget."""
 
     name = "chunk_press"
-    switch_help = "kvpress' ChunkPress: score each --chunk_press_length-token chunk of the prompt alone, each keeping " \
-                  "its share of the budget"
+    switch_help = ("kvpress' ChunkPress: score each --chunk_press_length-token chunk of the prompt alone, each "
+                   "keeping its share of the budget")
 
     chunk_press_length: int = option(1024, "--chunk_press: tokens per chunk scored alone", minimum=1)
     chunk_press_global: bool = option(

@@ -3,10 +3,10 @@
 Offline statistics of a model's attention (DuoAttention's head pattern, Expected Attention's
 query statistics) need the queries and keys as the attention computes them, before their
 rotation: a forward pre-hook on every attention module reads its input and RoPE tables, and the
-module's own forward, run to its kernel with the identity rotation (``restkv.integrations.transformers.capture.attention_inputs``
-with cos 1 and sin 0), gives them unrotated, whatever the family's RoPE; the tables kept beside them are
-the ones ``restkv.scoring.rope`` turns this layer with (``restkv.integrations.transformers.rotation.undoable_rotary``: the identity on a layer
-without RoPE).
+module's own forward, run to its kernel with the identity rotation
+(``restkv.integrations.transformers.capture.attention_inputs`` with cos 1 and sin 0), gives them unrotated, whatever the
+family's RoPE; the tables kept beside them are the ones ``restkv.scoring.rope`` turns this layer with
+(``restkv.integrations.transformers.rotation.undoable_rotary``: the identity on a layer without RoPE).
 """
 
 from __future__ import annotations

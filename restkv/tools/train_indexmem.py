@@ -139,7 +139,8 @@ class CapturedLayer:
 
 def capture_layers(model, input_ids: torch.Tensor) -> list[CapturedLayer]:
     """Every layer's ``CapturedLayer`` of one full-cache forward (pre-RoPE: ``restkv.scoring.rope.unrotate``
-    with the tables the compressed path turns the layer with, ``restkv.integrations.transformers.rotation.undoable_rotary``)."""
+    with the tables the compressed path turns the layer with,
+    ``restkv.integrations.transformers.rotation.undoable_rotary``)."""
     captured: dict[int, CapturedLayer] = {}
     hooks = []
     for index, block in enumerate(model.model.layers):

@@ -206,6 +206,14 @@ class ExactTokens:
         self._shared = twin._shared = True
         return twin
 
+    @property
+    def value_dim(self) -> int:
+        return self.values.shape[-1]
+
+    def _clone_buffers(self) -> None:
+        """Copy the buffers a fork shares (``keys``, ``values``, ``columns``: both layouts hold them)."""
+        self.keys, self.values, self.columns = self.keys.clone(), self.values.clone(), self.columns.clone()
+
     def _own(self) -> None:
         """Copy the buffers before the first write after a fork."""
         if self._shared:

@@ -47,13 +47,6 @@ class DenseTokens(ExactTokens):
     def used(self) -> int:
         return self.kept_width + self.appended
 
-    @property
-    def value_dim(self) -> int:
-        return self.values.shape[-1]
-
-    def _clone_buffers(self) -> None:
-        self.keys, self.values, self.columns = self.keys.clone(), self.values.clone(), self.columns.clone()
-
     # ------------------------------------------------------------ contents
     def kept_counts(self) -> torch.Tensor:
         return (self.columns[:, :, : self.kept_width] >= 0).sum(dim=-1)

@@ -58,13 +58,6 @@ class RaggedTokens(ExactTokens):
         offset = torch.arange(sequence.numel(), device=lengths.device) - (torch.cumsum(lengths, 0) - lengths)[sequence]
         return self.starts[sequence] + offset
 
-    @property
-    def value_dim(self) -> int:
-        return self.values.shape[-1]
-
-    def _clone_buffers(self) -> None:
-        self.keys, self.values, self.columns = self.keys.clone(), self.values.clone(), self.columns.clone()
-
     # ------------------------------------------------------------ contents
     def kept_counts(self) -> torch.Tensor:
         return self.kept.long().view(self.shape)

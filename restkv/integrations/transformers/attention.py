@@ -33,7 +33,7 @@ from restkv.cache import CompressedLayer, native_layer
 from restkv.integrations.transformers.backend import check_backend, use_backend
 from restkv.integrations.transformers.capture import CAPTURES
 from restkv.integrations.transformers.compat import CACHE_ARGUMENT, output_cache, with_cache
-from restkv.integrations.transformers.deferred import finish_prefill, pending_of
+from restkv.integrations.transformers.deferred import finish_prefill
 from restkv.integrations.transformers.handles import cache_state, has_class_config, module_config
 from restkv.integrations.transformers.steps import ACTIVE, layer_facts, step_for
 
@@ -84,7 +84,7 @@ def model_forward(original: Callable) -> Callable:
         chunk = _prefill_chunk(self, args, kwargs)
         output = original(self, *args, **kwargs) if chunk is None else _chunked_prefill(original, self, chunk, kwargs)
         cache = kwargs.get(CACHE_ARGUMENT, kwargs.get("past_key_values")) or output_cache(output)
-        pending = pending_of(cache) if cache is not None else None
+        pending = cache_state(cache).pending if cache is not None else None
         if pending is not None and not pending.observing:
             pending.context_ids = kwargs.get("input_ids", args[0] if args else None)
             finish_prefill(original, self, cache)
@@ -135,7 +135,7 @@ def _chunked_prefill(original: Callable, decoder, chunk: int, kwargs: dict):
             if positions is not None:
                 piece["position_ids"] = positions[:, start:stop]
             outputs.append(original(decoder, **kwargs, **piece))
-            pending = pending_of(cache)
+            pending = cache_state(cache).pending
             if pending is not None:  # layers that wait for every layer's scores of the chunk
                 pending.context_ids = tokens[:, :stop] if name == "input_ids" else None
                 finish_prefill(original, decoder, cache)

@@ -54,8 +54,9 @@ def check_backend(implementation: str) -> None:
     ``configure`` and ``replace_for_model`` switch it)."""
     check_served(implementation)
     if not implementation.startswith(BACKEND_PREFIX):
-        raise UnsupportedModel(f"this attention runs {implementation!r}, not restkv's backend {backend_name(implementation)!r}: "
-                               "run it through its model (restkv.compression(model, ...) switches it)")
+        raise UnsupportedModel(f"this attention runs {implementation!r}, not restkv's backend "
+                               f"{backend_name(implementation)!r}: run it through its model (restkv.compression(model, "
+                               "...) switches it)")
 
 
 def use_backend(decoder: torch.nn.Module) -> None:

@@ -30,7 +30,8 @@ def set_context_span(cache, span, prompt_length: int | None = None) -> None:
     try:
         start, stop = (operator.index(bound) for bound in span)
     except TypeError:
-        raise ValueError(f"context_span must be a pair of integer token positions (start, stop); got {span!r}") from None
+        raise ValueError(f"context_span must be a pair of integer token positions (start, stop); got {span!r}") \
+            from None
     if not 0 <= start < stop:
         raise ValueError(f"context_span {(start, stop)} must be (start, stop) with 0 <= start < stop")
     if prompt_length is not None and stop > prompt_length:
@@ -44,10 +45,10 @@ def context_span(cache) -> tuple[int, int] | None:
     return cache_state(cache).context_span if cache is not None else None
 
 
-def protected_span(config, cache) -> tuple[int, int] | None:
-    """The span of ``cache``'s context whose surroundings ``config`` keeps whatever their score (see
-    the module docstring), or None: under the reconstruction observation, or for a method that ranks
-    the context as KVzip does (``Policy.ranks_context_alone``)."""
+def protected_span(config, span: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The context ``span`` a cache was given (``set_context_span``), where ``config`` keeps its surroundings
+    whatever their score (see the module docstring), else None: it does under the reconstruction observation,
+    and for a method that ranks the context as KVzip does (``Policy.ranks_context_alone``)."""
     if config.run.observation == "reconstruction" or config.policy.ranks_context_alone:
-        return context_span(cache)
+        return span
     return None

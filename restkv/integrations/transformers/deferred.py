@@ -356,14 +356,15 @@ def _rank_chunk(cache, config, layers: dict[int, PendingLayer], contexts: dict[i
         compressed = cache.layers[index]
         chunks[index] = ScoredChunk(compressed, scores[index], _outside_span(cache, layer, compressed.prompt_padding),
                                     layer.inputs.query, layer.inputs.facts)
-    rank_chunk(config, chunks, chunk_budgets(config, chunked_prompt(cache)), next(iter(layers.values())).plan.num_layers)
+    num_layers = next(iter(layers.values())).plan.num_layers
+    rank_chunk(config, chunks, chunk_budgets(config, chunked_prompt(cache)), num_layers)
 
 
 def _outside_span(cache, layer: PendingLayer, padding: torch.Tensor) -> torch.Tensor:
     """``[B, n]`` the layer's pending tokens outside the context span (the template around it,
     protected whatever follows, ``protected_span``); ``padding`` ``[B]``: each row's."""
     valid = layer.plan.valid
-    span = protected_span(layer.config, cache)
+    span = protected_span(layer.config, context_span(cache))
     if span is None:
         return torch.zeros_like(valid)
     columns = (layer.first_column or 0) + torch.arange(valid.shape[-1], device=valid.device)

@@ -100,8 +100,8 @@ def load_frozen(model_path: str, dtype: str = "float32"):
 
 
 def check_supported(model_or_config, model_path: str) -> None:
-    """A model (or its config) of a type restkv does not serve (``restkv.integrations.transformers.patching.family_of``) is a
-    bad ``--model_path``: one line naming the model type and why, before the command works on it."""
+    """A model (or its config) of a type restkv does not serve (``restkv.integrations.transformers.patching.family_of``)
+    is a bad ``--model_path``: one line naming the model type and why, before the command works on it."""
     from restkv.integrations.transformers.patching import family_of
 
     try:

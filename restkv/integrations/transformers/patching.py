@@ -22,10 +22,10 @@ previous state on exit; a config the model cannot run is refused before anything
 
 Patching wraps (never replaces) each attention class's ``forward`` (``recording_forward``) and
 its decoder's (``model_forward``), and registers restkv's dispatcher with transformers'
-``AttentionInterface`` (``restkv.integrations.transformers.attention``). Families in ``FAMILIES`` are named by the table;
-any other decoder-only model type is found through transformers' auto mappings and checked at
-patch time for the seams restkv needs (``restkv.integrations.transformers.seams``: a one-line error naming the model type
-and why otherwise). A config given with a model (``compression``, ``configure``,
+``AttentionInterface`` (``restkv.integrations.transformers.attention``). Families in ``FAMILIES`` are named by the
+table; any other decoder-only model type is found through transformers' auto mappings and checked at
+patch time for the seams restkv needs (``restkv.integrations.transformers.seams``: a one-line error naming the model
+type and why otherwise). A config given with a model (``compression``, ``configure``,
 ``replace_for_model``) is checked against that model before it runs: its shape, its attention
 implementation, its cache layers, and the rotation of its keys where a part reads them before RoPE.
 
@@ -58,7 +58,8 @@ from restkv.integrations.transformers.seams import (UnknownModelType, Unsupporte
 from restkv.integrations.transformers.steps import check_exact_tokens_only, layer_facts, output_weight
 
 #: the families the release named (``replace_gemma`` covers Gemma 1-3) -> their attention classes, as
-#: (module, class name); every other decoder is its model type, found by ``restkv.integrations.transformers.seams.attention_classes``
+#: (module, class name); every other decoder is its model type, found by
+#: ``restkv.integrations.transformers.seams.attention_classes``
 FAMILIES: dict[str, tuple[tuple[str, str], ...]] = {
     "llama": (("transformers.models.llama.modeling_llama", "LlamaAttention"),),
     "mistral": (("transformers.models.mistral.modeling_mistral", "MistralAttention"),),
@@ -136,15 +137,16 @@ def _family_named(family: str) -> str:
 
 def family_of_type(model_type: str | None) -> str:
     """The patch family of a model type: its ``MODEL_TYPES`` entry, the table family whose attention classes
-    it uses, else the type itself when restkv can serve it (``restkv.integrations.transformers.seams``); unsupported types raise."""
+    it uses, else the type itself when restkv can serve it (``restkv.integrations.transformers.seams``); unsupported
+    types raise."""
     if model_type in MODEL_TYPES:
         return MODEL_TYPES[model_type]
     try:
         classes = set(attention_classes(model_type)[0])
     except UnknownModelType:
-        raise UnsupportedModel(f"model type {model_type!r} is not supported by restkv: not a decoder-only model type of "
-                         f"this transformers (supported: {', '.join(sorted(MODEL_TYPES))} and any decoder whose "
-                         "attention uses transformers' registry)") from None
+        raise UnsupportedModel(f"model type {model_type!r} is not supported by restkv: not a decoder-only model type "
+                               f"of this transformers (supported: {', '.join(sorted(MODEL_TYPES))} and any decoder "
+                               "whose attention uses transformers' registry)") from None
     return next((family for family in FAMILIES if classes <= set(_classes(FAMILIES, family))), model_type)
 
 
@@ -292,8 +294,9 @@ def check_for_model(model: torch.nn.Module, config: CompressionConfig, modules: 
     implementations = sorted({module.config._attn_implementation for module in modules
                               if native_name(module.config._attn_implementation) not in SERVED_KERNELS})
     if implementations:
-        raise UnsupportedModel(f"restkv serves the {', '.join(SERVED_KERNELS)} attention implementations; this model uses "
-                         f"{', '.join(map(repr, implementations))} (load it with attn_implementation='sdpa')")
+        raise UnsupportedModel(f"restkv serves the {', '.join(SERVED_KERNELS)} attention implementations; this model "
+                               f"uses {', '.join(map(repr, implementations))} (load it with "
+                               "attn_implementation='sdpa')")
     if config.policy.evicts:
         check_cache_layers(modules[0].config.model_type, model.config)
         if derives_values(type(modules[0])):

@@ -1,7 +1,7 @@
 """The reconstruction prompt: what the model reads before it repeats the context (KVzip).
 
-``--observation reconstruction`` (``restkv.integrations.transformers.deferred``) scores a context by the attention of the
-model repeating it. KVzip's reference (``model/wrapper.py`` ``self_task``, ``model/template.py``)
+``--observation reconstruction`` (``restkv.integrations.transformers.deferred``) scores a context by the attention of
+the model repeating it. KVzip's reference (``model/wrapper.py`` ``self_task``, ``model/template.py``)
 prefills the chat template's opening (system prompt, user header) and then the context, and
 scores it in chunks of the context, each chunk read after: for the first, the instruction
 ``"\\n\\nRepeat the previous context exactly."``; for each later one, ``"\\n\\nRepeat the part of

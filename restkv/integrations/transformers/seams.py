@@ -2,8 +2,8 @@
 
 restkv runs a model's own attention forward and takes over at two seams: the forward's
 ``cache.update(key, value, layer_idx)`` and its call of the attention function that
-``ALL_ATTENTION_FUNCTIONS.get_interface`` chooses (``restkv.integrations.transformers.attention``). A class is served when
-its forward's source shows those seams in the shape restkv reads them:
+``ALL_ATTENTION_FUNCTIONS.get_interface`` chooses (``restkv.integrations.transformers.attention``). A class is served
+when its forward's source shows those seams in the shape restkv reads them:
 
 * it writes a key/value cache through ``cache.update`` (classes that write none, such as vision
   or audio encoders and linear-attention mixers, are not decoder attention and are left alone);
@@ -136,8 +136,8 @@ def check_seams(model_type: str, cls: type) -> None:
     """Refuse a decoder attention class restkv cannot serve through transformers' seams, naming the model type."""
     problems = seam_problems(cls)
     if problems:
-        raise UnsupportedModel(f"model type {model_type!r} is not supported by restkv: {cls.__name__} needs an attention "
-                         f"that {'; '.join(problems)}")
+        raise UnsupportedModel(f"model type {model_type!r} is not supported by restkv: {cls.__name__} needs an "
+                               f"attention that {'; '.join(problems)}")
 
 
 def check_cache_layers(model_type: str, config) -> None:
@@ -155,9 +155,9 @@ def check_cache_layers(model_type: str, config) -> None:
         kinds = {cache.layer_class_to_replicate.__name__}
     odd = sorted(kinds - set(COMPRESSIBLE_CACHE_LAYERS) - set(UNTOUCHED_CACHE_LAYERS))
     if odd:
-        raise UnsupportedModel(f"model type {model_type!r} is not supported by restkv: its cache holds {', '.join(odd)} "
-                         "layers (attention keys with another state beside them), which a compressed layer cannot "
-                         "replace")
+        raise UnsupportedModel(f"model type {model_type!r} is not supported by restkv: its cache holds "
+                               f"{', '.join(odd)} layers (attention keys with another state beside them), which a "
+                               "compressed layer cannot replace")
 
 
 @functools.cache
@@ -181,8 +181,8 @@ def attention_classes(model_type: str) -> tuple[tuple[type, ...], tuple[type, ..
     attention = tuple(sorted((cls for cls in candidates if cls.__name__.endswith("Attention") and
                               _writes_cache(cls)), key=lambda cls: cls.__name__))
     if not attention:
-        raise UnsupportedModel(f"model type {model_type!r} is not supported by restkv: no attention class of it writes a "
-                         "key/value cache")
+        raise UnsupportedModel(f"model type {model_type!r} is not supported by restkv: no attention class of it "
+                               "writes a key/value cache")
     for cls in attention:
         check_seams(model_type, cls)
     decoders: tuple[type, ...] = ()

@@ -32,10 +32,10 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from restkv.cache import CompressedLayer
 from restkv.config.options import ConfigError
 from restkv.integrations.transformers.context_span import protected_span
-from restkv.integrations.transformers.deferred import (PendingLayer, PendingPrefill, chunk_budgets, chunked_prompt,
-                                                       defer_layer, kept_hidden, observe_chunk, observe_held_chunk,
-                                                       pending_of, query_weights, trailing_queries)
-from restkv.integrations.transformers.handles import cache_state
+from restkv.integrations.transformers.deferred import (PendingLayer, PendingPrefill, chunk_budgets, defer_layer,
+                                                       kept_hidden, observe_chunk, observe_held_chunk, query_weights,
+                                                       trailing_queries)
+from restkv.integrations.transformers.handles import CacheState, cache_state
 from restkv.integrations.transformers.rotation import check_pre_rope, layer_rotary
 from restkv.integrations.transformers.seams import UnsupportedModel, derives_values
 from restkv.pipeline.compress import compress_layer, exact_tokens_only_conflicts, prunes_fitting_layers
@@ -102,7 +102,8 @@ class Step:
 
 def step_for(config, cache: Cache | None, layer, hidden_states: torch.Tensor, position_embeddings) -> Step:
     """The step a patched module's forward runs, decided once from its cache layer and the cache's state."""
-    pending = pending_of(cache)
+    state = cache_state(cache) if cache is not None else CacheState()  # the cache's side state, read once
+    pending = state.pending
     if isinstance(layer, CompressedLayer):
         kind = "read"
     elif pending is not None and pending.observing:
@@ -111,9 +112,8 @@ def step_for(config, cache: Cache | None, layer, hidden_states: torch.Tensor, po
         kind = "prefill"
     else:
         kind = "native"
-    state = cache_state(cache) if cache is not None else None
-    return Step(kind, config, cache, layer, hidden_states, position_embeddings, pending, chunked_prompt(cache),
-                protected_span(config, cache), state.expected_appends if state is not None else None)
+    return Step(kind, config, cache, layer, hidden_states, position_embeddings, pending, state.chunked_prompt,
+                protected_span(config, state.context_span), state.expected_appends)
 
 
 #: attention module -> the step its forward is running (only while it runs)

@@ -102,7 +102,7 @@ def test_the_pattern_command_refuses_bad_flags():
 def test_the_shipped_smollm2_pattern_covers_every_kv_head():
     from pathlib import Path
 
-    shipped = Path(__file__).resolve().parents[1] / "data" / "duo_patterns" / "smollm2-135m.json"
+    shipped = Path(__file__).resolve().parents[2] / "data" / "duo_patterns" / "smollm2-135m.json"
     assert read_duo_pattern(str(shipped)).shape == (30, 3)
     assert json.loads(shipped.read_text())["made_with"].startswith("python -m restkv.tools.duo_pattern")
 

@@ -497,7 +497,7 @@ def test_reconstruction_configurations_compress_in_chunks_to_their_budget(option
 def test_kvzip_plus_weights_the_largest_attention_by_hidden_and_output_norms():
     """KVzip+ with o_proj scaled by c and every hidden state of norm ~h: each score is plain KVzip's
     maximum x ||v W_o||, so scaling o_proj by 3 scales every non-sink score by 3 (the ranking is
-    kvpress' kvzip_plus case, tests/test_kvpress_parity.py)."""
+    kvpress' kvzip_plus case, tests/policies/test_kvpress_parity.py)."""
     model = tiny_model("llama", num_hidden_layers=2)
     set_reconstruction_prompt(model, FakeTokenizer())
     context = random_prompt(1, 60)

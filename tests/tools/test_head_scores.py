@@ -16,7 +16,7 @@ from restkv.files.head_scores import load_head_scores
 from restkv.integrations.transformers.models import load_tokenizer
 from restkv.tools.head_scores import NEEDLES, build_probe, main, probe_head_scores
 
-SHIPPED = Path(__file__).resolve().parents[1] / "data" / "heads_score" / "smollm2-135m_retrieval_reasoning_heads.json"
+SHIPPED = Path(__file__).resolve().parents[2] / "data" / "heads_score" / "smollm2-135m_retrieval_reasoning_heads.json"
 
 
 @pytest.fixture(scope="module")

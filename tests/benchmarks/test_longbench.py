@@ -16,7 +16,7 @@ from restkv.benchmarks.errors import DataError
 from restkv.benchmarks.prompts import encode_prompt
 from restkv.benchmarks.results import read_predictions
 
-FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "LongBench"
+FIXTURES = Path(__file__).resolve().parents[2] / "data" / "fixtures" / "LongBench"
 
 
 def fixture_records(dataset):

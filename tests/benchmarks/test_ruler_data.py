@@ -188,7 +188,7 @@ def test_essay_folder_is_used_when_present(tmp_path, smollm2_tokenizer):
 def test_qa_tasks_read_squad_and_hotpotqa_files(tmp_path, smollm2_tokenizer):
     from pathlib import Path
 
-    fixtures = Path(__file__).parent.parent / "data" / "fixtures" / "ruler"
+    fixtures = Path(__file__).resolve().parents[2] / "data" / "fixtures" / "ruler"
     for task in ("qa_1", "qa_2"):
         samples = generate_task(task, 1024, 2, smollm2_tokenizer, qa_dir=fixtures)
         for sample in samples:

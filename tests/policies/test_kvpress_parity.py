@@ -35,8 +35,8 @@ from restkv.integrations.transformers.compat import output_cache
 from restkv.integrations.transformers.reconstruction_prompt import (KVPRESS_CLOSING, KVPRESS_CONTINUATION,
                                                                     set_reconstruction_prompt)
 
-FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "golden_kvpress"
-TABLE = json.loads((Path(__file__).parent / "golden_kvpress_cases.json").read_text())
+FIXTURES = Path(__file__).resolve().parents[2] / "data" / "fixtures" / "golden_kvpress"
+TABLE = json.loads((Path(__file__).resolve().parents[1] / "golden_kvpress_cases.json").read_text())
 CASES = TABLE["cases"]
 
 
@@ -319,7 +319,7 @@ def test_chunkkv_keeps_the_window_where_kvpress_counts_chunks_and_drops_part_of_
 
 def test_noncausal_default_scale_and_last_chunk_change_what_is_kept():
     """Only --noncausal_kvpress_logits reproduces kvpress (no 1/sqrt(d), the padded last
-    chunk); tests/test_kvpress_scorers.py pins both differences on small tensors."""
+    chunk); tests/policies/test_kvpress_scorers.py pins both differences on small tensors."""
     data = fixture("noncausal_attn_r0.5")
     ours = as_mask(replay("noncausal_attn_r0.5", noncausal_kvpress_logits=False)[0], data["kept_mask"].shape)
     assert (ours.sum(axis=-1) == data["n_kept"]).all() and not np.array_equal(ours, data["kept_mask"])

@@ -13,7 +13,7 @@ from restkv.benchmarks.benchmark import Sample
 from restkv.benchmarks.prompts import encode_prompt
 from restkv.benchmarks.results import read_predictions
 
-FIXTURES = Path(__file__).resolve().parent.parent / "data" / "fixtures" / "infinitebench"
+FIXTURES = Path(__file__).resolve().parents[2] / "data" / "fixtures" / "infinitebench"
 
 
 @pytest.mark.parametrize("task", list(ib.TASKS))

@@ -341,7 +341,7 @@ def test_methods_keep_their_original_allocation():
 
 
 #: scorers whose heads keep their allocated counts in tokens (MomentKV's statistics and IndexMem's
-#: memory take slots of them: tests/test_momentkv.py and tests/test_indexmem.py check the allocations;
+#: memory take slots of them: tests/policies/test_momentkv.py and tests/policies/test_indexmem.py check the allocations;
 #: a scorer that needs a file, such as qfilter's filters, has its own tests)
 SCORERS = registered_methods(uniform=True)
 

@@ -128,7 +128,7 @@ def test_files_lists_every_file_an_active_option_names():
     """What run_meta.json fingerprints: weights and head scores, by their option."""
     from pathlib import Path
 
-    scores = str(Path(__file__).resolve().parents[1] / "data" / "heads_score" /
+    scores = str(Path(__file__).resolve().parents[2] / "data" / "heads_score" /
                  "smollm2-135m_retrieval_reasoning_heads.json")
     assert CompressionConfig(method="headkv", max_capacity_prompts=64, head_scores=scores).files() == {
         "head_scores": scores}
