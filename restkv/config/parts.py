@@ -57,7 +57,7 @@ def flat_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple
         if flat.get(part.name) is False:
             raise ConfigError(f"switches= turns --{part.name} on and {part.name}=False turns it off; give one")
         flat[part.name] = True
-        given.append(("switches=", part))
+        given.append(("switches", part))
     for argument, part in given:
         for name, value in part.options().items():
             if value == option_specs(type(part))[name].default:
@@ -72,13 +72,10 @@ def flat_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple
 
 def check_composed(config, given: list[tuple[str, Options]]) -> None:
     """Refuse a composition whose parts are not the parts given: two parts given different values of an option
-    they share (one flag, ``--n_sink``), or a part left out of the run (a merge with a method that keeps
-    whole tokens), so a config given as values never runs other parts than those it names."""
+    they share (one flag, ``--n_sink``), so a config given as values never runs other options than it names."""
     composed = {type(part): part for part in config.parts}
     for argument, part in given:
-        built = composed.get(type(part))
-        if built is None:
-            raise ConfigError(f"{type(part).__name__} ({argument}) is not part of {config.describe()}")
+        built = composed[type(part)]  # every part given is composed (a conflicting name was refused before)
         expected = part.for_run(config.run) if hasattr(part, "for_run") else part
         if built != expected:
             differ = [name for name in option_specs(type(part)) if getattr(built, name) != getattr(expected, name)]
