@@ -10,6 +10,9 @@ middle-truncated to ``--model_max_len``; each task generates its official number
 (``--generation_lengths release``: the ReST-KV release's). Predictions, with the gold label
 as ``ground_truth``, go to ``<save_dir>/<model>/<method>_<budget>/<task>.jsonl``. Common flags
 (model, compression, sharding): ``restkv.benchmarks.flags``; resume: ``restkv.benchmarks.results``.
+``--help`` lists the common flags and ``--method``'s options (``--help-all``: every flag);
+``--config FILE`` reads flags from YAML or JSON (a results folder's ``run_meta.json`` re-runs it);
+``--plugin PATH_OR_MODULE`` adds a method or other part from outside the package.
 """
 
 from restkv.benchmarks.infinitebench import run

@@ -8,6 +8,9 @@ Each (context length, depth) cell is one sample (see ``restkv.benchmarks.needle`
 protocol and the scorer). Predictions go to ``<save_dir>/<model>/<method>_<budget>/needle.jsonl``
 (resumable, shardable: ``restkv.benchmarks.results``); at the end every cell written so far is
 scored into ``needle_results.json`` beside them.
+``--help`` lists the common flags and ``--method``'s options (``--help-all``: every flag);
+``--config FILE`` reads flags from YAML or JSON (a results folder's ``run_meta.json`` re-runs it);
+``--plugin PATH_OR_MODULE`` adds a method or other part from outside the package.
 """
 
 from restkv.benchmarks.needle import run

@@ -16,6 +16,9 @@ so prompts are not truncated unless ``--model_max_len`` asks for it. Predictions
 in it, one line per needle (``<method>_<budget>_agnostic_multi``).
 Common flags (model, compression, sharding): ``restkv.benchmarks.flags``; resume:
 ``restkv.benchmarks.results``.
+``--help`` lists the common flags and ``--method``'s options (``--help-all``: every flag);
+``--config FILE`` reads flags from YAML or JSON (a results folder's ``run_meta.json`` re-runs it);
+``--plugin PATH_OR_MODULE`` adds a method or other part from outside the package.
 """
 
 from restkv.benchmarks.ruler import run

@@ -25,11 +25,11 @@ residual_share}. A measurement, not a test: nothing is asserted.
 ``--peak_memory`` measures what a prefill and its decode hold at their peak instead, each
 method and length in a fresh process (the high-water mark of its resident memory, ``VmHWM``,
 less what the process held once the model and prompt were ready; ``scripts/gpu_bench.py``
-reports ``torch.cuda.max_memory_allocated`` on a GPU). With ``--config tiny-wide`` (a random
+reports ``torch.cuda.max_memory_allocated`` on a GPU). With ``--model_shape tiny-wide`` (a random
 Llama shape, ``scripts/model_shapes.py``) and a fixed ``--budget`` it shows what chunked
 prefill bounds:
 
-    python scripts/efficiency.py --peak_memory --config tiny-wide --lengths 4096 8192 16384 \
+    python scripts/efficiency.py --peak_memory --model_shape tiny-wide --lengths 4096 8192 16384 \
         --budget 512 --methods fullkv snapkv snapkv+prefill_chunk_size=1024
 """
 
@@ -46,8 +46,9 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 import torch
-from model_shapes import CONFIGS, build_model  # noqa: E402
+from model_shapes import CONFIGS, build_model, shape_flag_of_old  # noqa: E402
 
+from restkv.benchmarks.config_file import add_config_flags, parse_command_line
 from restkv.benchmarks.errors import FlagError, command_line
 from restkv.benchmarks.flags import ATTN_IMPLEMENTATIONS, check_attn_implementation, check_minimums, check_output_path
 from restkv.benchmarks.haystack import synthetic_prose
@@ -66,9 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 T = TypeVar("T")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags, every number and every method at every budget checked before any model work
-    (``FlagError``/``ConfigError``: one ``error:`` line from ``main``)."""
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default="smollm2-135m")
     parser.add_argument("--attn_implementation", default="sdpa", choices=ATTN_IMPLEMENTATIONS)
@@ -87,20 +86,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="wall: host clock; cpu: CPU seconds of the process (steady on a shared machine; "
                              "use it with --threads 1)")
     parser.add_argument("--out", default="results/efficiency.json")
-    parser.add_argument("--config", choices=sorted(CONFIGS), default=None,
-                        help="a model shape with random weights instead of --model_path (scripts/model_shapes.py)")
+    parser.add_argument("--model_shape", choices=sorted(CONFIGS), default=None,
+                        help="a model shape with random weights instead of --model_path (scripts/model_shapes.py); "
+                             "--config NAME, its earlier spelling, still chooses one")
     parser.add_argument("--budget", type=int, default=None,
                         help="tokens per layer and KV head for every length (instead of --budget_fractions)")
     parser.add_argument("--peak_memory", action="store_true",
                         help="peak memory of each prefill + decode, each run in a fresh process (no timing)")
     parser.add_argument("--peak_run", default=None, help=argparse.SUPPRESS)  # one run of --peak_memory
-    args = parser.parse_args(argv)
+    add_config_flags(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, every number and every method at every budget checked before any model work
+    (``FlagError``/``ConfigError``: one ``error:`` line from ``main``)."""
+    args, _ = parse_command_line(build_parser, shape_flag_of_old(argv))
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what each --peak_memory run is given
     check_minimums(args, {"lengths": 1, "budget": 1, "decode_steps": 1, "repeats": 1, "threads": 1})
     if not all(0 < fraction < 1 for fraction in args.budget_fractions):
         raise FlagError(f"--budget_fractions must lie in (0, 1); got {' '.join(map(str, args.budget_fractions))}")
     check_methods(args.methods, {length: budgets_for(args, length) for length in args.lengths})
-    if args.config is None:
+    if args.model_shape is None:
         check_model_path(args.model_path)
     check_attn_implementation(args.attn_implementation)
     check_output_path(args.out, "--out")
@@ -225,12 +232,12 @@ def rotated(names: list[str], shift: int) -> list[str]:
 
 
 def load(args: argparse.Namespace, max_positions: int):
-    """The model and tokenizer to measure: ``--config``'s shape with random weights (random
+    """The model and tokenizer to measure: ``--model_shape``'s shape with random weights (random
     prompts; no tokenizer, so a method that repeats the context does so without its instruction),
     or ``--model_path`` (with its reconstruction prompt, the instruction a real run reads)."""
-    if args.config is not None:
+    if args.model_shape is not None:
         args.prompt = "random"
-        return build_model(args.config, torch.float32, torch.device("cpu"), args.attn_implementation,
+        return build_model(args.model_shape, torch.float32, torch.device("cpu"), args.attn_implementation,
                            max_positions), None
     with model_path_errors(args.model_path):
         model = load_model(args.model_path, attn_implementation=args.attn_implementation, dtype=args.dtype)

@@ -2,9 +2,9 @@
 and cache bytes of an 8B-class model at long prompts, methods side by side in one run.
 
     python scripts/gpu_bench.py                      # Llama-3.1-8B's shape, 32K/64K/128K, budget 1024
-    python scripts/gpu_bench.py --config qwen2-7b --lengths 32768 --methods fullkv snapkv restkv \
+    python scripts/gpu_bench.py --model_shape qwen2-7b --lengths 32768 --methods fullkv snapkv restkv \
         --attn_implementation flash_attention_2
-    python scripts/gpu_bench.py --config tiny --lengths 256 --budget 64   # the same path on a CPU, in seconds
+    python scripts/gpu_bench.py --model_shape tiny --lengths 256 --budget 64   # the same path on a CPU, in seconds
 
 The model is built from its config with random weights directly on the device (nothing is
 downloaded, nothing is materialised on the host first): timings and memory depend on the
@@ -29,8 +29,9 @@ from typing import Callable, TypeVar
 
 import torch
 from efficiency import check_methods, format_table, interleaved_runs, make_prompt, measure, summarise  # noqa: E402
-from model_shapes import CONFIGS, build_model  # noqa: E402
+from model_shapes import CONFIGS, build_model, shape_flag_of_old  # noqa: E402
 
+from restkv.benchmarks.config_file import add_config_flags, parse_command_line  # noqa: E402
 from restkv.benchmarks.errors import command_line  # noqa: E402
 from restkv.benchmarks.flags import (ATTN_IMPLEMENTATIONS, check_attn_implementation, check_minimums,  # noqa: E402
                                      check_output_path)
@@ -43,9 +44,10 @@ T = TypeVar("T")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="llama-8b", help="model shape")
+    parser.add_argument("--model_shape", choices=sorted(CONFIGS), default="llama-8b",
+                        help="model shape (--config NAME, its earlier spelling, still chooses one)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, 131072], help="prompt tokens")
     parser.add_argument("--methods", nargs="+", default=["fullkv", "snapkv", "restkv", "adakv", "snapkv+residual"],
                         help="METHOD or METHOD+SWITCH...")
@@ -59,7 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/gpu_bench.json")
     parser.add_argument("--summary", default=None, help="also write the tables to this text file")
-    args = parser.parse_args(argv)
+    add_config_flags(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args, _ = parse_command_line(build_parser, shape_flag_of_old(argv))
     # Every number and every method before the model is built (one error: line from main).
     check_minimums(args, {"lengths": 1, "budget": 1, "decode_steps": 1, "repeats": 1})
     check_methods(args.methods, {length: [args.budget] for length in args.lengths})
@@ -101,7 +108,7 @@ def measure_on(device: torch.device) -> Callable[..., dict]:
 @command_line
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    model = build_model(args.config, args.dtype, args.device, args.attn_implementation,
+    model = build_model(args.model_shape, args.dtype, args.device, args.attn_implementation,
                         max(args.lengths) + args.decode_steps + 1)
     run = measure_on(args.device)
     specs = args.methods
@@ -116,7 +123,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             block = [summarise(spec, length, args.budget, spec_runs, runs[baselines[0]], None)
                      for spec, spec_runs in runs.items()]
             for row in block:
-                row.update(config=args.config, dtype=str(args.dtype).removeprefix("torch."),
+                row.update(config=args.model_shape, dtype=str(args.dtype).removeprefix("torch."),
                            attn_implementation=args.attn_implementation, device=str(args.device))
             tables.extend(format_table(block, baseline) for baseline in baselines)
             print("\n" + "\n\n".join(tables[-len(baselines):]), flush=True)
@@ -130,7 +137,7 @@ def write_results(args: argparse.Namespace, rows: list[dict], tables: list[str])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
     if args.summary:
-        header = (f"{args.config}, {str(args.dtype).removeprefix('torch.')}, {args.attn_implementation}, "
+        header = (f"{args.model_shape}, {str(args.dtype).removeprefix('torch.')}, {args.attn_implementation}, "
                   f"{_device_name(args.device)}, {args.repeats} repeats, {args.decode_steps} decode steps")
         Path(args.summary).write_text(header + "\n\n" + "\n\n".join(tables) + "\n")
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from restkv.benchmarks.config_file import add_config_flags, parse_command_line
 from restkv.benchmarks.errors import command_line
 from restkv.benchmarks.flags import check_minimums, check_output_path
 from restkv.benchmarks.haystack import synthetic_prose
@@ -71,6 +72,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Compr
     """The flags and the compressed run's config, checked before any model work (a budget below the
     window or a method that cannot compress while generating once failed after the whole
     full-cache run)."""
+    args, _ = parse_command_line(build_parser, argv)
+    check_minimums(args, {"prompt_tokens": 1, "new_tokens": 1, "threads": 1})
+    config = CompressionConfig(method=args.method, max_capacity_prompts=args.max_capacity_prompts,
+                               window_size=args.window_size, decode_budget=args.decode_budget,
+                               decode_interval=args.decode_interval)
+    check_model_path(args.model_path)
+    check_output_path(args.out, "--out")
+    return args, config
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default="smollm2-135m")
     parser.add_argument("--method", default="snapkv")
@@ -82,14 +94,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Compr
     parser.add_argument("--window_size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default="results/long_generation.json")
-    args = parser.parse_args(argv)
-    check_minimums(args, {"prompt_tokens": 1, "new_tokens": 1, "threads": 1})
-    config = CompressionConfig(method=args.method, max_capacity_prompts=args.max_capacity_prompts,
-                               window_size=args.window_size, decode_budget=args.decode_budget,
-                               decode_interval=args.decode_interval)
-    check_model_path(args.model_path)
-    check_output_path(args.out, "--out")
-    return args, config
+    add_config_flags(parser)
+    return parser
 
 
 @command_line

@@ -1,7 +1,10 @@
 """Model shapes built with random weights, for measurements that depend on shapes, not on
-weights (``scripts/gpu_bench.py``, ``scripts/efficiency.py --config``)."""
+weights (``scripts/gpu_bench.py``, ``scripts/efficiency.py --model_shape``)."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
@@ -31,6 +34,21 @@ CONFIGS = {
         num_key_value_heads=8, vocab_size=2048,
     )),
 }
+
+
+def shape_flag_of_old(argv: list[str] | None) -> list[str]:
+    """``argv`` (default ``sys.argv[1:]``) with ``--config NAME`` naming a shape, not a file, written
+    ``--model_shape NAME``: the shape's flag was ``--config`` before ``--config`` read a file of flags,
+    and earlier command lines keep working."""
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    for index, token in enumerate(tokens):
+        name, has_value, value = token.partition("=")
+        if has_value and name == "--config" and value in CONFIGS and not Path(value).exists():
+            tokens[index] = f"--model_shape={value}"
+        elif (token == "--config" and index + 1 < len(tokens) and tokens[index + 1] in CONFIGS
+              and not Path(tokens[index + 1]).exists()):
+            tokens[index] = "--model_shape"
+    return tokens
 
 
 def build_model(name: str, dtype: torch.dtype, device: torch.device, attn_implementation: str, max_positions: int):

@@ -11,6 +11,8 @@ import tempfile
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from restkv.config import plugins as plugins_module  # noqa: E402
+from restkv.config.options import unregister  # noqa: E402
 from restkv.integrations.transformers.patching import unpatch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -193,3 +195,13 @@ def reconstruction_run(monkeypatch):
     flags = ["--query_agnostic", "--observation", "reconstruction", "--reconstruction_chunk", "32"]
     return types.SimpleNamespace(flags=flags, passes=_counted(monkeypatch, restkv.integrations.transformers.deferred, "_reconstruct"),
                                  check=check)
+
+
+@pytest.fixture
+def fresh_plugins(monkeypatch):
+    """Plugins loaded anew in a test, and the parts they registered unregistered after it (the plugin tests)."""
+    monkeypatch.setattr(plugins_module, "_LOADED", {})
+    yield
+    for plugin in plugins_module._LOADED.values():
+        for kind, name in plugin.parts:
+            unregister(kind, name)

@@ -5,6 +5,11 @@ from the declaring part, default None so the part's own default applies); this m
 only one of the benchmarks that builds configs (``compression_config_from_args``,
 ``full_cache_config``).
 
+``--help`` lists the common flags and the options of the composition given (``--method``, default
+``RunOptions``', and the parts named or its method is defined with: ``restkv.config.flags.scoped_options``);
+``--help-all`` every flag; every flag is parsed whatever the help lists. ``--config FILE`` and
+``--plugin`` are read first (``restkv.benchmarks.config_file``), so plugins' parts are flags.
+
 ``parse_args`` checks every value before anything is loaded, so a typo in a sweep script
 stops with the flag's name at once: the compression options (the config's own checks), the
 datasets, the shard, the lengths and counts, ``--model_path`` when it can only be a local
@@ -22,9 +27,10 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from restkv.benchmarks.benchmark import Benchmark
+from restkv.benchmarks.config_file import add_config_flags, parse_command_line
 from restkv.benchmarks.errors import DataError, FlagError
 from restkv.config import CompressionConfig, ConfigError
-from restkv.config.flags import add_compression_flags, config_from_flags
+from restkv.config.flags import HelpScope, add_compression_flags, config_from_flags, scoped_options
 from restkv.integrations.transformers.models import ModelPathError, check_model_path
 
 #: Prompt-token limits of the original release (ReST-KV run_*.py), keyed by a substring of the
@@ -54,6 +60,11 @@ MIN_MODEL_MAX_LEN = 2
 #: ``--attn_implementation`` of every command that loads a model for compression
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 
+#: flags a runner parses that ``args.command_flags`` (the flags a results folder's run_meta.json records
+#: to re-run it) leaves out: the file and the help they came with, and which process of several wrote
+#: the folder (a re-run of the folder's settings covers every shard, skipping what is written)
+NOT_RERUN = ("config", "help", "help_all", "num_shards", "shard_id")
+
 
 class _RaisingParser(argparse.ArgumentParser):
     """Raises ``FlagError`` instead of printing this runner's usage, for callers that build a
@@ -63,12 +74,14 @@ class _RaisingParser(argparse.ArgumentParser):
         raise FlagError(message)
 
 
-class _HelpFormatter(argparse.HelpFormatter):
-    """Appends a flag's default when it has one (None means "see the help text")."""
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Appends a flag's default when it has one (None means "see the help text"); the epilog's
+    example lines are kept as written."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help_text = action.help or ""
-        if action.default not in (None, argparse.SUPPRESS) and "%(default)" not in help_text:
+        if (action.default not in (None, argparse.SUPPRESS) and "%(default)" not in help_text
+                and not isinstance(action, argparse._StoreTrueAction)):
             help_text += " (default: %(default)s)"
         return help_text
 
@@ -93,17 +106,26 @@ def full_cache_config() -> CompressionConfig:
 
 
 def build_parser(benchmark: Benchmark, add_flags: Callable[[argparse.ArgumentParser], None] | None = None,
-                 parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+                 parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,
+                 scope: HelpScope | None = None) -> argparse.ArgumentParser:
     """The common flags of every runner, one flag per compression option, and the benchmark's
-    own (``add_flags``)."""
+    own (``add_flags``). ``scope``: the compression options the help lists
+    (``restkv.config.flags.scoped_options``; None: all)."""
     parser = parser_class(description=f"Run {benchmark.name} with a compressed KV cache.",
-                          formatter_class=_HelpFormatter)
+                          formatter_class=_HelpFormatter, add_help=False, epilog=_epilog(benchmark, scope is None),
+                          usage="%(prog)s [-h] [--help-all] [--config FILE] [--plugin PATH_OR_MODULE] "
+                                "[--method NAME] [options]")
+    parser.add_argument("-h", "--help", action="store_true",
+                        help="show the common flags and the options of --method (and of the parts given), and exit")
+    parser.add_argument("--help-all", action="store_true", help="show every flag of every method and part, and exit")
+    add_config_flags(parser, reruns_folders=True)
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model_path", default="smollm2-135m",
         help="an embedded model (smollm2-135m, gemma3-270m), a local folder or a hub id",
     )
-    model.add_argument("--attn_implementation", default="sdpa", choices=ATTN_IMPLEMENTATIONS)
+    model.add_argument("--attn_implementation", default="sdpa", choices=ATTN_IMPLEMENTATIONS,
+                       help="attention kernel")
     model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"],
                        help="default: bfloat16 on CUDA, float32 on CPU")
     model.add_argument("--device_map", default=None,
@@ -111,8 +133,9 @@ def build_parser(benchmark: Benchmark, add_flags: Callable[[argparse.ArgumentPar
     model.add_argument("--use_cache", type=_str_to_bool, nargs="?", const=True, default=True,
                        help="accepted for the original release's scripts (--use_cache True); compression needs it")
     model.add_argument("--model_max_len", type=int, default=None,
-                       help=f"prompt tokens kept (cut in the middle), >= {MIN_MODEL_MAX_LEN}; default per model: "
-                            "restkv.benchmarks.flags.default_model_max_len")
+                       help=f"prompt tokens kept (cut in the middle), >= {MIN_MODEL_MAX_LEN}; default per model, "
+                            f"by a name in --model_path: {_model_max_len_words()}; else the model's context length "
+                            f"minus {GENERATION_ROOM}")
 
     data = parser.add_argument_group("data")
     data.add_argument("--data_dir", default=benchmark.default_data_dir, help="folder of the benchmark's jsonl files")
@@ -120,7 +143,10 @@ def build_parser(benchmark: Benchmark, add_flags: Callable[[argparse.ArgumentPar
     data.add_argument("--datasets", nargs="+", default=None,
                       help="datasets to run, space- or comma-separated "
                            f"(default: {' '.join(benchmark.default_datasets)})")
-    data.add_argument("--max_num_examples", type=int, default=None, help="only the first N samples of each dataset")
+    data.add_argument("--num_samples", "--max_num_examples", dest="max_num_examples", metavar="N", type=int,
+                      default=None,
+                      help="only the first N samples of each dataset (--max_num_examples: the original release's "
+                           "name); default: all")
     data.add_argument("--max_new_tokens", type=int, default=None, help="override the benchmark's generation length")
 
     run = parser.add_argument_group("run")
@@ -131,23 +157,58 @@ def build_parser(benchmark: Benchmark, add_flags: Callable[[argparse.ArgumentPar
     run.add_argument("--num_shards", type=int, default=None, help="split every dataset over N processes")
     run.add_argument("--shard_id", type=int, default=None, help="this process's shard, 0..N-1")
 
-    add_compression_flags(parser)
+    add_compression_flags(parser, scope)
     if add_flags is not None:
         add_flags(parser)
     return parser
 
 
+def _model_max_len_words() -> str:
+    """``MODEL_MAX_LEN`` in words: ``llama2, llama-2: 3950; ...``."""
+    by_limit: dict[int, list[str]] = {}
+    for key, limit in MODEL_MAX_LEN.items():
+        by_limit.setdefault(limit, []).append(key)
+    return "; ".join(f"{', '.join(keys)}: {limit}" for limit, keys in sorted(by_limit.items()))
+
+
+def _epilog(benchmark: Benchmark, every_flag: bool) -> str:
+    """A worked example, and how to see other flags."""
+    dataset = benchmark.default_datasets[0]
+    scope = ("" if every_flag else "Compression options of another method: --method NAME --help; every flag: "
+             "--help-all.\n")
+    return (f"{scope}example:\n"
+            f"  %(prog)s --method snapkv --max_capacity_prompts 128 --datasets {dataset} --num_samples 20\n"
+            f"  %(prog)s --config run.yaml --window_size 16   # flags from a file, one overridden\n"
+            f"  %(prog)s --config results/{benchmark.name}/smollm2-135m/snapkv_128/run_meta.json   # re-run a "
+            "results folder's settings")
+
+
 def parse_args(benchmark: Benchmark, argv: Sequence[str] | None = None,
                add_flags: Callable[[argparse.ArgumentParser], None] | None = None,
                raising: bool = False) -> argparse.Namespace:
-    """Parse and check a runner's command line; a bad value prints the runner's usage and the
-    message (exit status 2), or with ``raising`` raises ``FlagError``."""
-    parser = build_parser(benchmark, add_flags, _RaisingParser if raising else argparse.ArgumentParser)
-    args = parser.parse_args(argv)
+    """Parse and check a runner's command line (``--config`` and ``--plugin`` first:
+    ``restkv.benchmarks.config_file``); a bad value prints the runner's usage and the message
+    (exit status 2), or with ``raising`` raises ``FlagError``. ``--help`` prints the help scoped
+    to the composition given, ``--help-all`` every flag."""
+    parser_class = _RaisingParser if raising else argparse.ArgumentParser
+
+    def build(scope: HelpScope | None = None) -> argparse.ArgumentParser:
+        return build_parser(benchmark, add_flags, parser_class, scope)
+
+    args, parser = parse_command_line(build, argv, run_meta_of=benchmark.name)
+    if args.help or args.help_all:
+        try:
+            scoped = None if args.help_all else scoped_options(vars(args))
+        except ConfigError as error:
+            parser.error(str(error))
+        parser = build(scoped)
+        parser.print_help()
+        parser.exit()
     try:
         check_flags(args, benchmark)
     except (ConfigError, DataError, FlagError, ModelPathError) as error:
         parser.error(str(error))
+    args.command_flags = {name: value for name, value in vars(args).items() if name not in NOT_RERUN}
     return args
 
 
@@ -161,18 +222,21 @@ def check_flags(args: argparse.Namespace, benchmark: Benchmark) -> None:
     check_model_path(args.model_path)
     check_attn_implementation(args.attn_implementation)
     check_output_path(args.save_dir, "--save_dir", folder=True)
-    check_minimums(args, {"model_max_len": MIN_MODEL_MAX_LEN, "max_new_tokens": 1, "max_num_examples": 1})
+    check_minimums(args, {"model_max_len": MIN_MODEL_MAX_LEN, "max_new_tokens": 1, "max_num_examples": 1},
+                   names={"max_num_examples": "--num_samples"})
     if benchmark.check_flags is not None:
         benchmark.check_flags(args)
 
 
-def check_minimums(args: argparse.Namespace, minimums: Mapping[str, float]) -> None:
-    """``FlagError`` for a flag (or an item of a list flag) below its minimum; None is "not given"."""
-    for flag, minimum in minimums.items():
-        value = getattr(args, flag)
+def check_minimums(args: argparse.Namespace, minimums: Mapping[str, float],
+                   names: Mapping[str, str] | None = None) -> None:
+    """``FlagError`` for a flag (or an item of a list flag) below its minimum; None is "not given".
+    ``names``: the flag a destination is written as, where it is not ``--<dest>``."""
+    for dest, minimum in minimums.items():
+        value = getattr(args, dest)
         for item in value if isinstance(value, (list, tuple)) else [value]:
             if item is not None and item < minimum:
-                raise FlagError(f"--{flag} must be >= {minimum}; got {item}")
+                raise FlagError(f"{(names or {}).get(dest, f'--{dest}')} must be >= {minimum}; got {item}")
 
 
 def check_output_path(path: str | os.PathLike, flag: str, folder: bool = False) -> Path:

@@ -2,8 +2,10 @@
 keep one run per folder.
 
 **Settings.** ``run_meta.json`` records the command line, the config, the resolved settings
-(``run_settings``, with a sha256 of every file an option names: weights, head scores), the git
-sha and library versions. A folder's settings are fixed by its
+(``run_settings``, with a sha256 of every file an option names: weights, head scores, and of
+every plugin whose parts the config uses: ``restkv.config.plugins``), the git sha and library
+versions, and the runner's flags as parsed (``flags``: the file is a ``--config`` that re-runs
+the folder, ``restkv.benchmarks.config_file``). A folder's settings are fixed by its
 first completed sample: rerunning into it with a different config, model, prompt length or
 mode stops with the list of differences (``RunMismatch``; use ``--tag`` or another
 ``--save_dir`` for a variant). A folder without any completed sample (a run that failed at
@@ -43,10 +45,12 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from restkv.benchmarks.benchmark import Benchmark, Sample
+from restkv.benchmarks.config_file import FLAGS_SECTION
 from restkv.benchmarks.errors import RunMismatch
 from restkv.benchmarks.results import (ResultWriter, holds_predictions, prediction_files, read_prediction_file,
                                        shard_path)
 from restkv.config import CompressionConfig
+from restkv.config.plugins import plugins_used
 
 META_FILE = "run_meta.json"
 
@@ -67,6 +71,7 @@ def run_settings(args: argparse.Namespace, benchmark: Benchmark, config: Compres
            if benchmark.prediction_flags else {}),
         **({"files": {name: file_fingerprint(path) for name, path in config.files().items()}}
            if config.files() else {}),
+        **({"plugins": plugins} if (plugins := plugins_used(config.parts)) else {}),
     }
 
 
@@ -162,7 +167,8 @@ class RunFolder:
             meta = {
                 "settings": _jsonable(settings),
                 "datasets": datasets,
-                "args": _jsonable(vars(args)),
+                FLAGS_SECTION: _jsonable(getattr(args, "command_flags", {})),
+                "args": _jsonable({name: value for name, value in vars(args).items() if name != "command_flags"}),
                 "command": sys.argv,
                 "model": {
                     "model_type": getattr(model.config, "model_type", None),
@@ -190,6 +196,7 @@ class RunFolder:
         changed = _differences(previous.get("settings", {}), _jsonable(settings))
         if changed:
             if holds_predictions(self.path):
+                _refuse_changed_plugins(self.path, previous.get("settings", {}), _jsonable(settings))
                 raise RunMismatch(
                     f"{self.path} holds a run with other settings ({changed}); use --tag or another --save_dir"
                 )
@@ -215,6 +222,16 @@ class RunFolder:
     def close(self) -> None:
         for writer in self.writers.values():
             writer.close()
+
+
+def _refuse_changed_plugins(folder: Path, previous: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+    """``RunMismatch`` naming the plugin whose code changed since the folder's predictions were made."""
+    before, after = previous.get("plugins", {}), current.get("plugins", {})
+    for source, record in after.items():
+        if source in before and before[source].get("sha256") != record["sha256"]:
+            raise RunMismatch(f"{folder} holds predictions of plugin {source} as it was (sha256 "
+                              f"{before[source].get('sha256', '')[:12]}); its code has changed since (now "
+                              f"{record['sha256'][:12]}): use --tag or another --save_dir, or restore the plugin")
 
 
 def read_run_meta(folder: Path) -> dict | None:

@@ -66,7 +66,8 @@ def test_the_original_release_command_line_parses():
         ("--method fullkv --model_max_len 1", "--model_max_len must be >= 2; got 1"),
         ("--method fullkv --model_max_len -3", "--model_max_len must be >= 2; got -3"),
         ("--method fullkv --max_new_tokens 0", "--max_new_tokens must be >= 1; got 0"),
-        ("--method fullkv --max_num_examples 0", "--max_num_examples must be >= 1; got 0"),
+        ("--method fullkv --max_num_examples 0", "--num_samples must be >= 1; got 0"),  # the release's name
+        ("--method fullkv --num_samples 0", "--num_samples must be >= 1; got 0"),
         ("--method fullkv --use_cache False", "--use_cache False"),
         ("--method fullkv --model_path /no/such/model", "--model_path /no/such/model: no such folder"),
         ("--method fullkv --model_path ./models/typo", "embedded model (smollm2-135m, gemma3-270m)"),
