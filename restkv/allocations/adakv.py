@@ -17,6 +17,7 @@ class AdaKVAllocation(Allocation):
     """AdaKV's head-adaptive budgets within a layer (``adakv_caps``)."""
 
     name = "adakv"
+    reference = "AdaKV: Feng et al., 2024, arXiv 2407.11550"
     head_adaptive = True
 
     floor: float = option(0.2, "AdaKV safeguard: every head keeps at least floor * (budget - window) candidates",

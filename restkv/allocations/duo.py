@@ -47,6 +47,7 @@ class DuoAllocation(Allocation):
     """DuoAttention's: a streaming head keeps the budget (StreamingLLM's tokens), a retrieval head every token."""
 
     name = "duo"
+    reference = "DuoAttention: Xiao et al., ICLR 2025, arXiv 2410.10819"
     head_adaptive = True
     may_keep_whole = True
 

@@ -21,6 +21,7 @@ class HeadKVAllocation(Allocation):
     """HeadKV's per-head budgets from a head-score file, model-wide (``headkv_table``)."""
 
     name = "headkv"
+    reference = "HeadKV: Fu et al., 2024, arXiv 2410.19258"
     head_adaptive = True
 
     head_scores: str | None = option(

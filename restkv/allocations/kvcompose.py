@@ -18,6 +18,7 @@ class KVComposeAllocation(ModelRanked):
     head budgets from one ranking of every head's sorted scores (unstructured)."""
 
     name = "kvcompose"
+    reference = "KVCompose: Akulov et al., 2025, arXiv 2509.05165"
 
     kvcompose_unstructured: bool = option(
         False, "KVCompose: give each (layer, KV head) its own count from one model-wide ranking of every head's "

@@ -15,6 +15,7 @@ class LaProxAllocation(ModelRanked):
     per-head floor (an AdaKV-style safeguard that the paper, as read, does not have)."""
 
     name = "laprox"
+    reference = "LaProx: Mai & Kim, arXiv 2605.07234"
 
     laprox_floor: float = option(
         0.0, "LaProx: every (layer, KV head) keeps at least floor * (budget - window) candidates before the "

@@ -18,6 +18,7 @@ class LayerRanked(Allocation):
     (AdaKV without its floor or normalisation; KVzip's ``--kvzip_layerwise``)."""
 
     name = "layer_ranked"
+    reference = "KVzip's layer-wise variant (Kim et al., NeurIPS 2025, arXiv 2505.23416)"
     head_adaptive = True
 
     def candidate_counts(self, layer, scores, shape, available):

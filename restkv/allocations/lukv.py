@@ -27,6 +27,7 @@ class LUKVAllocation(Allocation):
     heads sharing the budget in proportion to their keep rates (``lukv_counts``)."""
 
     name = "lukv"
+    reference = "LU-KV: arXiv 2602.08585"
     head_adaptive = True
     may_keep_whole = True
 

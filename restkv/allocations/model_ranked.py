@@ -22,6 +22,7 @@ class ModelRanked(Allocation):
     Ties go to the lower layer, head and position."""
 
     name = "model_ranked"
+    reference = "KVzip: Kim et al., NeurIPS 2025, arXiv 2505.23416"
     head_adaptive = True
     model_wide = True
 

@@ -19,6 +19,7 @@ class PerLayerRatios(Uniform):
     only those the layer holds."""
 
     name = "per_layer"
+    reference = "kvpress' PerLayerCompressionPress (NVIDIA kvpress)"
 
     layer_ratios: tuple[float, ...] = option((), "--allocation per_layer: the compression ratio of each layer, in "
                                                  "layer order, one per layer of the model")

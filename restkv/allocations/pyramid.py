@@ -19,6 +19,7 @@ class Pyramid(Allocation):
     """PyramidKV's layer schedule (``pyramid_schedule``)."""
 
     name = "pyramid"
+    reference = "PyramidKV: Cai et al., 2024, arXiv 2406.02069"
     selected_by = "use_pyramid"
 
     pyramid_beta: int = option(20, "PyramidKV: the last layer keeps about budget / beta candidate tokens",

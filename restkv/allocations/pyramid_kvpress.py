@@ -16,6 +16,7 @@ class KvpressPyramid(Pyramid):
     """kvpress 0.5.5's PyramidKV schedule (``kvpress_pyramid_totals``); ``--pyramid_beta`` applies."""
 
     name = "pyramid_kvpress"
+    reference = "PyramidKV (Cai et al., arXiv 2406.02069) as kvpress' PyramidKVPress schedules it"
 
     def validate(self) -> None:
         if self.pyramid_reference_rounding:

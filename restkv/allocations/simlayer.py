@@ -19,6 +19,7 @@ class SimLayerAllocation(SinkOptions, Allocation):
     """SimLayerKV's: a lazy layer's row keeps the budget (StreamingLLM's tokens), any other every token."""
 
     name = "simlayer"
+    reference = "SimLayerKV: Zhang et al., 2025, arXiv 2410.13846"
     may_keep_whole = True
 
     simlayer_threshold: float = option(

@@ -16,6 +16,7 @@ class Uniform(Allocation):
     """Every KV head keeps the row budget ``C``."""
 
     name = "uniform"
+    reference = "no paper: the same budget for every KV head, as SnapKV and most methods keep"
 
     def candidate_counts(self, layer, scores, shape, available):
         return torch.clamp(available, max=shape.candidate_budget)

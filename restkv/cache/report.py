@@ -63,7 +63,14 @@ def _state_nbytes(layer) -> int:
 
 
 def cache_report(cache: Cache) -> list[LayerReport]:
-    """Per-layer tokens seen vs stored, so a run in which nothing was compressed is visible."""
+    """Per-layer tokens seen vs stored, so a run in which nothing was compressed is visible.
+
+    Example::
+
+        with restkv.compression(model, method="snapkv", max_capacity_prompts=128):
+            cache = restkv.prefill(model, input_ids)
+        print(restkv.format_report(restkv.cache_report(cache)))
+    """
     reports = []
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, CompressedLayer):
@@ -120,7 +127,10 @@ def kept_positions(cache: Cache) -> list[KeptPositions]:
     """Per layer, the positions each row and KV head keeps (``KeptPositions``): what parity
     tests compare with another library's kept sets. A native layer (nothing evicted) lists
     every column it holds: it does not know a row's left padding, so read it on unpadded rows.
-    A hybrid model's state layer (linear attention, Mamba) keeps no tokens: empty lists."""
+    A hybrid model's state layer (linear attention, Mamba) keeps no tokens: empty lists.
+
+    Example: ``restkv.kept_positions(cache)[0].exact[0][0]`` lists the prompt positions layer 0 keeps for
+    row 0 and KV head 0."""
     result = []
     for layer in cache.layers:
         if isinstance(layer, CompressedLayer):

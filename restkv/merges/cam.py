@@ -33,6 +33,7 @@ class CaMMerge(Options):
     """``--merge cam``: CaM's merge of evicted values into the kept ones after any query scorer's selection."""
 
     name = "cam"
+    reference = "CaM (cache merging): Zhang et al., ICML 2024"
 
     gqa_score_agg: str = redeclared(GroupedScores, "gqa_score_agg", "mean")
     cam_mode: str = option("paper", "CaM: the paper's merge after selection, or the release's cascade", CAM_MODES)

@@ -22,6 +22,7 @@ class PivotMerge(Options):
     """``--merge pivot``: LOOK-M's pivot merge after any scorer's selection."""
 
     name = "pivot"
+    reference = "LOOK-M's pivotal merging: Wan et al., 2024, arXiv 2406.18139"
 
     def merge(
         self, ctx: LayerInputs, columns: torch.Tensor, keys: torch.Tensor, values: torch.Tensor

@@ -21,6 +21,7 @@ class SimilarityMerge(Options):
     """``--merge similarity``: kvpress' MergingPress after any scorer's selection (values only)."""
 
     name = "similarity"
+    reference = "kvpress' MergingPress (NVIDIA kvpress)"
 
     merge_similarity_threshold: float = option(
         0.0, "--merge similarity: an evicted token merges only into a kept key at least this cosine-similar",

@@ -22,6 +22,7 @@ from restkv.policies.base import PooledScores
 @dataclass(frozen=True)
 class AdaKV(PooledScores):
     name = "adakv"
+    reference = "AdaKV: Feng et al., 2024, arXiv 2407.11550"
     allocation = "adakv"
     base_method = "snapkv"
 

@@ -21,6 +21,7 @@ from restkv.policies.base import GroupedScores
 @dataclass(frozen=True)
 class CaM(GroupedScores):
     name = "cam"
+    reference = "CaM (cache merging): Zhang et al., ICML 2024"
     own_merge = "cam"
 
     def score(self, ctx: LayerInputs) -> torch.Tensor:

@@ -28,6 +28,7 @@ from restkv.policies.future_queries import FutureQueries
 @dataclass(frozen=True)
 class CAPKV(FutureQueries):
     name = "capkv"
+    reference = "CAPKV: arXiv 2604.25975"
 
     cap_tau: float = option(5.0, "CAPKV: temperature of the anchor-key cosine in the relevance weights", minimum=0)
     cap_epsilon: float = option(1e-6, "CAPKV: added to each relevance weight in the capacity matrix", minimum=0)

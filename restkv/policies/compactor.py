@@ -38,6 +38,7 @@ TOKEN_BUDGET_BLENDING = 0.35
 @dataclass(frozen=True)
 class Compactor(SketchOptions, SinkOptions, NonCausalAttention):
     name = "compactor"
+    reference = "Compactor: Chari & Van Durme, 2025, arXiv 2507.08143"
     needs_rotary = True
 
     n_sink: int = redeclared(SinkOptions, "n_sink", 8)

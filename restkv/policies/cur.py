@@ -41,6 +41,7 @@ LEVERAGES = ("kv_product", "kv_avg", "key", "value")
 @dataclass(frozen=True)
 class CUR(SinkOptions, Policy):
     name = "cur"
+    reference = "CurDKV: Sengupta et al., 2025, arXiv 2509.15038"
     observes_queries = False
 
     cur_leverage: str = option("kv_product", "CUR: how the key and value leverages combine", LEVERAGES)

@@ -33,4 +33,5 @@ from restkv.policies.streamingllm import StreamingLLM
 @dataclass(frozen=True)
 class DuoAttention(StreamingLLM):
     name = "duo_attention"
+    reference = "DuoAttention: Xiao et al., ICLR 2025, arXiv 2410.10819"
     allocation = "duo"

@@ -37,6 +37,7 @@ from restkv.policies.future_queries import FutureQueries
 @dataclass(frozen=True)
 class ExpectedAttention(FutureQueries):
     name = "expected_attention"
+    reference = "Expected Attention: Devoto et al., 2025, arXiv 2510.00636"
 
     ea_covariance: bool = option(True, "Expected Attention: add the query covariance's second-order term")
     ea_vnorm: bool = option(True, "Expected Attention: weight each score by its value's norm")

@@ -35,6 +35,7 @@ GATE_PARAMETERS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "q_norm.weig
 @dataclass(frozen=True)
 class FastKVzip(KeepsSinks, Policy):
     name = "fastkvzip"
+    reference = "Fast KVzip: Kim, Han and Yun, 2026, arXiv 2601.17668"
     allocation = "model_ranked"
     observes_queries = False
     needs_hidden_states = True

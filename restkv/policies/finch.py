@@ -31,6 +31,7 @@ from restkv.policies.base import GroupedScores
 @dataclass(frozen=True)
 class Finch(GroupedScores):
     name = "finch"
+    reference = "Finch: Corallo & Papotti, TACL 2024, arXiv 2408.00167"
 
     finch_normalize: bool = option(
         True, "Finch: weight each window query's attention by the number of earlier tokens it sees"

@@ -15,6 +15,7 @@ from restkv.policies.base import Policy
 @dataclass(frozen=True)
 class FullKV(Policy):
     name = "fullkv"
+    reference = "no paper: the uncompressed cache, the reference every method is compared with"
     evicts = False
     observes_queries = False
 

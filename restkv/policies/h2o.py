@@ -29,6 +29,7 @@ H2O_QUERIES = ("window", "all")
 @dataclass(frozen=True)
 class H2O(GroupedScores):
     name = "h2o"
+    reference = "H2O: Zhang et al., 2023, arXiv 2306.14048"
 
     h2o_queries: str = option(
         "window", "H2O accumulates the attention of the observation window or of all prompt queries", H2O_QUERIES

@@ -21,4 +21,5 @@ class HeadKV(AdaKV):
     """AdaKV's scores; only the allocation differs."""
 
     name = "headkv"
+    reference = "HeadKV: Fu et al., 2024, arXiv 2410.19258"
     allocation = "headkv"

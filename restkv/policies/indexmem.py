@@ -46,6 +46,7 @@ _FALLBACK_WARNED = False
 @dataclass(frozen=True)
 class IndexMem(PooledScores):
     name = "indexmem"
+    reference = "IndexMem: Yang, Gu et al., ICML 2026, arXiv 2605.25475"
 
     indexmem_weights: str | None = option(
         None, "IndexMem weights file (python -m restkv.tools.train_indexmem); without it the training-free "

@@ -28,6 +28,7 @@ from restkv.policies.row_local import score_rows
 @dataclass(frozen=True)
 class KeyDiff(Policy):
     name = "keydiff"
+    reference = "KeyDiff: Park et al., 2025, arXiv 2504.15364"
     observes_queries = False
 
     def score(self, ctx: LayerInputs) -> torch.Tensor:

@@ -38,6 +38,7 @@ from restkv.policies.base import GroupedScores
 @dataclass(frozen=True)
 class KVCompose(GroupedScores):
     name = "kvcompose"
+    reference = "KVCompose: Akulov et al., 2025, arXiv 2509.05165"
     allocation = "kvcompose"
     default_observation = "reconstruction"
     repeats_with_instruction = False

@@ -30,6 +30,7 @@ from restkv.policies.kvzip import KVzip
 @dataclass(frozen=True)
 class KVgrad(KVzip):
     name = "kvgrad"
+    reference = "KVgrad: openreview.net/forum?id=cg1wTCJjjk"
     weights_by_gradient = True
     default_reconstruction_chunk = 512
 

@@ -32,6 +32,7 @@ from restkv.policies.base import Policy, check_weights_fit, layer_weights
 @dataclass(frozen=True)
 class KVzap(Policy):
     name = "kvzap"
+    reference = "KVzap: arXiv 2601.07891"
     observes_queries = False
     needs_hidden_states = True
 

@@ -60,6 +60,7 @@ SINK_SCORE = 2.0
 @dataclass(frozen=True)
 class KVzip(KeepsSinks, GroupedScores):
     name = "kvzip"
+    reference = "KVzip: Kim et al., NeurIPS 2025, arXiv 2505.23416"
     allocation = "model_ranked"
     default_observation = "reconstruction"
 

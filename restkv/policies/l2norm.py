@@ -21,6 +21,7 @@ from restkv.policies.base import Policy
 @dataclass(frozen=True)
 class L2Norm(Policy):
     name = "l2norm"
+    reference = "KNorm / L2Norm: Devoto et al., EMNLP 2024, arXiv 2406.11430"
     observes_queries = False
 
     l2norm_skip_layers: tuple[int, ...] = option((0, 1), "layers L2Norm leaves uncompressed")

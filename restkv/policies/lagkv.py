@@ -47,6 +47,7 @@ UNSCORED = 2.0
 @dataclass(frozen=True)
 class LagKV(KeepsSinks, Policy):
     name = "lagkv"
+    reference = "LagKV: Liang et al., 2025, arXiv 2504.04704"
     observes_queries = False
 
     lag_size: int = option(128, "LagKV: tokens per partition; each partition is scored against the next one",

@@ -62,6 +62,7 @@ LAPROX_ALLOCATIONS = {"global": "laprox", "layer": "layer_ranked", "uniform": "u
 @dataclass(frozen=True)
 class LaProx(PooledScores):
     name = "laprox"
+    reference = "LaProx: Mai & Kim, arXiv 2605.07234"
     allocation = "laprox"
 
     kernel_size: int = redeclared(PooledScores, "kernel_size", 7)  # LaProx's App. A

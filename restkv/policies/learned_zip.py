@@ -36,6 +36,7 @@ from restkv.policies.kvzip import SINK_SCORE
 @dataclass(frozen=True)
 class LearnedZip(KeepsSinks, Policy):
     name = "learned_zip"
+    reference = "restkv's own: KVzip's ranking (Kim et al., arXiv 2505.23416) predicted by a trained linear scorer"
     allocation = "model_ranked"
     observes_queries = False
     fitted_to_a_model = True

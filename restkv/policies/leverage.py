@@ -54,6 +54,7 @@ class SketchOptions(Options):
 @dataclass(frozen=True)
 class Leverage(SketchOptions, Policy):
     name = "leverage"
+    reference = "Compactor's leverage scores: Chari & Van Durme, 2025, arXiv 2507.08143"
     observes_queries = False
     needs_rotary = True
 

@@ -15,5 +15,6 @@ class MomentKV(SnapKV):
     """SnapKV's scores with ``--moments`` (the evicted set's moments, read as one softmax entry)."""
 
     name = "momentkv"
+    reference = "MomentKV: Li, Li and Lan, arXiv 2606.01563"
     base_method = "snapkv"
     own_switches = ("moments",)

@@ -34,6 +34,7 @@ from restkv.policies.row_local import score_rows
 @dataclass(frozen=True)
 class NonCausalAttention(GroupedScores):
     name = "noncausal_attn"
+    reference = "Compactor's non-causal attention: Chari & Van Durme, 2025, arXiv 2507.08143"
     observes_queries = False
 
     noncausal_chunk: int = option(256, "NonCausalAttn: tokens per chunk whose queries attend to all its keys",

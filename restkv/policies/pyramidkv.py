@@ -25,6 +25,7 @@ from restkv.policies.snapkv import SnapKV
 @dataclass(frozen=True)
 class PyramidKV(SnapKV):
     name = "pyramidkv"
+    reference = "PyramidKV: Cai et al., 2024, arXiv 2406.02069"
     allocation = "pyramid"
     base_method = "snapkv"
 

@@ -28,6 +28,7 @@ from restkv.policies.base import Policy
 @dataclass(frozen=True)
 class QFilter(Policy):
     name = "qfilter"
+    reference = "Q-Filters: Godey et al., 2025, arXiv 2503.02812"
     observes_queries = False
 
     qfilter_file: str | None = option(

@@ -34,6 +34,7 @@ def random_scores(ctx: LayerInputs) -> torch.Tensor:
 @dataclass(frozen=True)
 class RandomPolicy(Policy):
     name = "random"
+    reference = "no paper: a control that keeps the window and uniformly random past tokens"
     observes_queries = False
 
     def score(self, ctx: LayerInputs) -> torch.Tensor:

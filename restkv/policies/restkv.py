@@ -60,6 +60,7 @@ INDICATORS = ("reconstruction", "attn", "attn_v", "random")
 @dataclass(frozen=True)
 class RestKV(PooledScores):
     name = "restkv"
+    reference = "ReST-KV: An et al., ICLR 2026, arXiv 2605.08840"
 
     pooling: str = redeclared(PooledScores, "pooling", "adaptive")
     use_wo: bool = option(

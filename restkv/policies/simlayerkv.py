@@ -25,4 +25,5 @@ from restkv.policies.streamingllm import StreamingLLM
 @dataclass(frozen=True)
 class SimLayerKV(StreamingLLM):
     name = "simlayerkv"
+    reference = "SimLayerKV: Zhang et al., 2025, arXiv 2410.13846"
     allocation = "simlayer"

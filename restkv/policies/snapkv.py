@@ -21,6 +21,7 @@ from restkv.policies.base import PooledScores
 @dataclass(frozen=True)
 class SnapKV(PooledScores):
     name = "snapkv"
+    reference = "SnapKV: Li et al., 2024, arXiv 2404.14469"
 
     def score(self, ctx: LayerInputs) -> torch.Tensor:
         summed = ctx.observation.total()

@@ -24,6 +24,7 @@ from restkv.policies.base import KeepsSinks, Policy
 @dataclass(frozen=True)
 class StreamingLLM(KeepsSinks, Policy):
     name = "streamingllm"
+    reference = "StreamingLLM: Xiao et al., 2023, arXiv 2309.17453"
     ranks_by_position = True
     observes_queries = False
 

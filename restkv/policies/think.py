@@ -18,5 +18,6 @@ from restkv.policies.snapkv import SnapKV
 @dataclass(frozen=True)
 class ThinK(SnapKV):
     name = "think"
+    reference = "ThinK: Xu et al., 2024, arXiv 2407.21018"
     base_method = "snapkv"
     own_switches = ("think",)

@@ -20,6 +20,7 @@ from restkv.policies.base import GroupedScores
 @dataclass(frozen=True)
 class TOVA(GroupedScores):
     name = "tova"
+    reference = "TOVA: Oren et al., 2024, arXiv 2401.06104"
 
     tova_per_head: bool = option(False, "TOVA averages the last query's attention per query group, not per layer")
 

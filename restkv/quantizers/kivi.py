@@ -27,6 +27,7 @@ class KIVI(Options):
     """KIVI: keys per channel, values per token, asymmetric ``--nbits`` codes in groups."""
 
     name = "kivi"
+    reference = "KIVI: Liu et al., ICML 2024, arXiv 2402.02750"
 
     nbits: int = option(8, "--quant_method: bits per quantised key/value element (2, 4 or 8)")
     quant_group_size: int = option(

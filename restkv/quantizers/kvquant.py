@@ -30,6 +30,7 @@ class KVQuant(KIVI):
     tokens kept exactly in a sparse side store."""
 
     name = "kvquant"
+    reference = "KVQuant: Hooper et al., NeurIPS 2024, arXiv 2401.18079"
 
     quant_outlier_fraction: float = option(
         0.01, "--quant_method kvquant: share of each vector's elements kept exactly in the sparse side store, half "

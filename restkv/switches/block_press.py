@@ -40,6 +40,7 @@ class BlockScoring(Options):
     """BlockPress: each block of the prompt scored with the tokens kept so far, keeping the budget."""
 
     name = "block_press"
+    reference = "kvpress' BlockPress (NVIDIA kvpress)"
     switch_help = ("kvpress' BlockPress: walk the prompt in --block_press_size-token blocks, each scored with the "
                    "tokens kept so far as a prompt of its own, keeping the budget")
 

@@ -48,6 +48,7 @@ class IndependentChunks(Options):
     """ChunkPress: each chunk of the prompt scored alone, keeping its share of the budget."""
 
     name = "chunk_press"
+    reference = "kvpress' ChunkPress (NVIDIA kvpress)"
     switch_help = ("kvpress' ChunkPress: score each --chunk_press_length-token chunk of the prompt alone, each "
                    "keeping its share of the budget")
 

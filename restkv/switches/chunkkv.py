@@ -47,6 +47,7 @@ class ChunkSelection(Options):
     """ChunkKV: keep whole chunks of consecutive tokens, ranked by their mean head-summed score."""
 
     name = "chunkkv"
+    reference = "ChunkKV: Liu et al., 2025, arXiv 2502.00299"
     switch_help = "ChunkKV: keep whole chunks of --chunkkv_length consecutive tokens, the same for every head"
 
     chunkkv_length: int = option(20, "--chunkkv: tokens per chunk (at most what a fixed budget holds beside the "

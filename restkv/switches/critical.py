@@ -42,6 +42,7 @@ class CriticalRescoring(Options):
     """CriticalKV: keep a first share of each head's budget by its scores, rank the rest by score x ||v W_o||_1."""
 
     name = "critical"
+    reference = "CriticalKV: Feng et al., 2025, arXiv 2502.03805"
     switch_help = ("CriticalKV: keep --critical_first_stage of each head's budget by the scorer's ranking, the rest by "
                    "score x the L1 norm of the value's output projection")
 

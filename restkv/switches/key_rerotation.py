@@ -37,6 +37,7 @@ class KeyRerotation(Options):
     """kvpress' KeyRerotationPress: each head's kept keys turned to consecutive positions."""
 
     name = "rerotate_keys"
+    reference = "kvpress' KeyRerotationPress (NVIDIA kvpress), as Finch re-rotates kept keys (arXiv 2408.00167)"
     switch_help = ("re-rotate each head's kept keys to consecutive positions ending at the prompt's last one (kvpress' "
                    "KeyRerotationPress, Finch's rerotate_keys): the gaps eviction left are closed for RoPE")
 

@@ -62,6 +62,7 @@ class Moments(Options):
     """MomentKV: moment statistics of the evicted tokens, read as one first-order softmax entry."""
 
     name = "moments"
+    reference = "MomentKV: Li, Li and Lan, arXiv 2606.01563"
     switch_help = ("MomentKV: keep the evicted tokens' count, means and value-key covariance and read them as one "
                    "first-order softmax entry (its slots come from the budget)")
 

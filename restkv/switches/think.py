@@ -41,6 +41,7 @@ class KeyChannelPruning(Options):
     """ThinK: drop each KV head's least important key channels after selection."""
 
     name = "think"
+    reference = "ThinK: Xu et al., 2024, arXiv 2407.21018"
     #: the kept keys are not the input keys (dropped channels are zero)
     changes_entries = True
     switch_help = "ThinK: after selection, drop each KV head's least important key channels (decode queries read " \

@@ -30,6 +30,7 @@ class ThresholdEviction(Options):
     """DMS's rule: keep the tokens whose score reaches a threshold (at most the budget)."""
 
     name = "dms"
+    reference = "DMS's inference rule: Łańcucki et al., 2025, arXiv 2506.05345"
     switch_help = "DMS-style eviction: beyond the protected window, keep only the tokens whose score reaches " \
                   "--dms_threshold (at most the budget)"
 

@@ -47,8 +47,16 @@ def _check_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, par
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
             context_span: tuple[int, int] | None = None) -> DynamicCache:
-    """Run a (left-padded) prompt through the model once; returns its (compressed) cache.
-    ``context_span``: where the context lies in each row (``restkv.integrations.transformers.context_span``)."""
+    """Run a (left-padded) prompt through the model once; returns its (compressed) cache, to inspect
+    (``restkv.cache_report``, ``restkv.kept_positions``) or to continue from.
+
+    ``context_span``: where the context lies in each row (``restkv.integrations.transformers.context_span``).
+    Example::
+
+        with restkv.compression(model, method="snapkv", max_capacity_prompts=128):
+            cache = restkv.prefill(model, input_ids)
+        print(restkv.format_report(restkv.cache_report(cache)))
+    """
     _check_ids(input_ids, attention_mask, "the prompt")
     return _prefill(model, input_ids, attention_mask, context_span)[0]
 
@@ -91,7 +99,17 @@ def generate_after_context(
     Both parts may be left-padded (rows of different lengths); the returned ids are the
     generated tokens only, ``[B, new]``. ``return_cache=True`` also returns the cache, so a
     caller can check what it holds (``restkv.cache.cache_report``). ``context_span``: where the
-    context lies in ``context_ids`` (``restkv.integrations.transformers.context_span``).
+    context lies in ``context_ids`` (``restkv.integrations.transformers.context_span``); a reconstruction
+    scorer (KVzip) keeps what lies outside it (the chat template's opening) and repeats the context alone.
+    ``generate_kwargs`` go to ``model.generate``. Example::
+
+        context = tokenizer(document, return_tensors="pt").input_ids
+        question = tokenizer("\\n\\nWho wrote it?", add_special_tokens=False, return_tensors="pt").input_ids
+        with restkv.compression(model, method="kvzip", compression_ratio=0.8):
+            answer_ids = restkv.generate_after_context(model, context, question, max_new_tokens=32)
+        tokenizer.decode(answer_ids[0], skip_special_tokens=True)
+
+    The ``restkv-text-generation`` pipeline does this with the chat template applied and the span set.
     """
     _check_ids(context_ids, context_mask, "the context")
     _check_ids(question_ids, question_mask, "the question", rows=context_ids.shape[0])
@@ -116,7 +134,11 @@ def answer_many(
     every question is answered from that same compressed state (the cache is put back after each
     answer, so no question's tokens reach the next). Each answer equals what
     ``generate_after_context`` gives for that question alone, bit for bit. Returns the generated
-    ids of every question, ``[B, new]`` each.
+    ids of every question, ``[B, new]`` each. Example::
+
+        with restkv.compression(model, method="snapkv", max_capacity_prompts=256):
+            first, second = restkv.answer_many(model, context_ids, [question_ids, other_question_ids],
+                                               max_new_tokens=32)
     """
     _check_ids(context_ids, context_mask, "the context")
     if not questions:

@@ -44,11 +44,12 @@ from typing import Any, Iterator
 
 import torch
 
+from restkv.cache import CompressedLayer
 from restkv.config import CompressionConfig, ConfigError, ModelShape
 from restkv.integrations.transformers.attention import model_forward, patched_attention_of, recording_forward
 from restkv.integrations.transformers.backend import use_backend, use_native
 from restkv.integrations.transformers.capture import SERVED_KERNELS, native_name
-from restkv.integrations.transformers.compat import CACHE_ARGUMENT, check_transformers_version
+from restkv.integrations.transformers.compat import CACHE_ARGUMENT, check_transformers_version, output_cache
 from restkv.integrations.transformers.handles import (clear_class_config, has_class_config, module_config,
                                                       module_config_entry, restore_module_config, set_class_config,
                                                       set_module_config, switched_decoders)
@@ -173,46 +174,81 @@ def _replace(family: str, config: CompressionConfig | None) -> None:
     for cls in _decoder_classes(family):
         if cls not in _ORIGINAL_MODEL_FORWARDS:
             _ORIGINAL_MODEL_FORWARDS[cls] = cls.forward
-            cls.forward = _one_row_reconstruction(model_forward(cls.forward))
+            cls.forward = _checked_prefill(model_forward(cls.forward))
     _PATCHED_FAMILIES[family] = tuple(classes)
     _watch_unpatched()
 
 
-def _one_row_reconstruction(forward):
-    """A patched decoder model's ``forward``, refusing before it runs a prefill that the
-    reconstruction observation cannot compress: it repeats one context by its token ids, so it needs
-    the ``input_ids`` of one row (found after the whole prefill otherwise)."""
+class UncompressedPromptWarning(UserWarning):
+    """A prompt kept whole because it fits its budget (``--max_capacity_prompts`` at least its length, and no
+    layer's allocation keeps less): shown once per budget in a process. The benchmark runners record such samples
+    themselves and may filter it (``warnings.filterwarnings("ignore", category=UncompressedPromptWarning)``)."""
+
+
+#: the budgets a fitting prompt was warned about, so each is said once per process
+_WARNED_FITTING: set[int] = set()
+
+
+def _checked_prefill(forward):
+    """A patched decoder model's ``forward``, looking at a prefill before it runs: it refuses one the
+    reconstruction observation cannot compress (it repeats one context by its token ids, so it needs the
+    ``input_ids`` of one row: found after the whole prefill otherwise), and after it warns once when the
+    prompt fitted its budget, so it was kept whole, which would otherwise pass without a word."""
 
     def checked(self, *args, **kwargs):
         attention = patched_attention_of(self)
         config = module_config(attention) if attention is not None else None
-        if config is not None:
-            _refuse_batched_reconstruction(config, args, kwargs)
-        return forward(self, *args, **kwargs)
+        prompt = _prefill_tokens(args, kwargs) if config is not None else None
+        if prompt is not None:
+            _refuse_batched_reconstruction(config, prompt, kwargs)
+        output = forward(self, *args, **kwargs)
+        if prompt is not None:
+            _warn_if_kept_whole(config, prompt, kwargs, output)
+        return output
 
     return checked
 
 
-def _refuse_batched_reconstruction(config: CompressionConfig, args: tuple, kwargs: dict) -> None:
+def _prefill_tokens(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The input ids (or embeddings) of a forward that prefills an empty cache, else None."""
     ids = kwargs.get("input_ids", args[0] if args else None)
     tokens = ids if ids is not None else kwargs.get("inputs_embeds")
     cache = kwargs.get(CACHE_ARGUMENT, kwargs.get("past_key_values"))
-    prefill = tokens is not None and kwargs.get("use_cache") is not False and (cache is None or
-                                                                               cache.get_seq_length() == 0)
-    if config.run.observation != "reconstruction" or not prefill:
-        return
+    if tokens is None or kwargs.get("use_cache") is False or (cache is not None and cache.get_seq_length() > 0):
+        return None
+    return tokens
+
+
+def _refuse_batched_reconstruction(config: CompressionConfig, tokens: torch.Tensor, kwargs: dict) -> None:
     length = tokens.shape[1]
-    if config.budget_for(length) >= length:
+    if config.run.observation != "reconstruction" or config.budget_for(length) >= length:
         return
     # deferring_flags() names the reconstruction observation first, as the user chose it
     flag = config.deferring_flags()[0]
-    if ids is None:
+    if tokens.dim() == 3:  # inputs_embeds
         raise ConfigError(f"{flag} repeats the context by its token ids; this prefill reached the decoder as "
-                         "embeddings (an image or audio prompt, or inputs_embeds), which it cannot repeat: use a "
-                         "method that scores with the prompt's own queries")
-    if ids.shape[0] != 1:
-        raise ConfigError(f"{flag} compresses one prompt at a time: this prefill has {ids.shape[0]} rows; give "
-                         "input_ids of one row")
+                          "embeddings (an image or audio prompt, or inputs_embeds), which it cannot repeat: use a "
+                          "method that scores with the prompt's own queries")
+    if tokens.shape[0] != 1:
+        raise ConfigError(f"{flag} compresses one prompt at a time: this prefill has {tokens.shape[0]} rows; give "
+                          "input_ids of one row")
+
+
+def _warn_if_kept_whole(config: CompressionConfig, tokens: torch.Tensor, kwargs: dict, output) -> None:
+    """Warn (once per budget) when every row of the prompt fitted ``--max_capacity_prompts`` and the prefill left
+    every layer whole. A ratio always removes something; a decode budget compresses the layers later."""
+    budget = config.run.max_capacity_prompts
+    if budget is None or budget in _WARNED_FITTING or not config.policy.evicts or config.run.decode_budget is not None:
+        return
+    mask = kwargs.get("attention_mask")
+    longest = int(mask.sum(dim=-1).max()) if mask is not None and mask.dim() == 2 else tokens.shape[1]
+    cache = kwargs.get(CACHE_ARGUMENT, kwargs.get("past_key_values")) or output_cache(output)
+    if longest > budget or cache is None or any(isinstance(layer, CompressedLayer) for layer in cache.layers):
+        return
+    _WARNED_FITTING.add(budget)
+    warnings.warn(f"restkv: the prompt ({longest} tokens) fits max_capacity_prompts={budget}, so it is kept whole, "
+                  "not compressed; give a smaller budget or compression_ratio= to compress it (said once per budget)",
+                  UncompressedPromptWarning, stacklevel=3)
 
 
 def config_of_call(method: str | CompressionConfig | None, options: dict[str, Any]) -> CompressionConfig:
@@ -243,25 +279,48 @@ def replace_family(family: str, method: str | CompressionConfig | None = None, *
 
 
 def replace_llama(method: str | CompressionConfig | None = None, **options: Any) -> CompressionConfig:
-    """Patch Llama attention and give every Llama model the config of ``method`` and ``options``
-    (``CompressionConfig``'s options: ``max_capacity_prompts=128, window_size=32, ...``); returns it.
-    Models of other families warn that they run uncompressed. See ``replace_family``, and
-    ``restkv.compression`` for one model in a ``with`` block."""
+    """Patch Llama attention so that every Llama model compresses its KV cache after each prefill; returns the
+    config every Llama model now runs.
+
+    ``method`` names a ``--method`` (``restkv.available_methods()``; snapkv if omitted) or is a whole
+    ``CompressionConfig``; ``options`` are its options by their flag names (``restkv.describe(method)`` lists
+    them): the budget, ``max_capacity_prompts`` (tokens kept per layer and KV head, the observation window
+    included) or ``compression_ratio`` (the fraction of each prompt removed), then ``window_size``,
+    ``kernel_size``, ``allocation="adakv"``, ``residual=True``..., or the parts as values
+    (``policy=SnapKV(kernel_size=7), switches=[ResidualCache()]``). A bad option is a ``ConfigError`` naming it,
+    raised here, before any model runs.
+
+    Example::
+
+        from restkv.monkeypatch import replace_llama
+        replace_llama(method="snapkv", max_capacity_prompts=128, window_size=32)
+        model = AutoModelForCausalLM.from_pretrained("meta-llama/Llama-3.1-8B-Instruct")
+        out = model.generate(input_ids, max_new_tokens=64)   # compressed after the prefill
+
+    The patch holds for the process (``unpatch()`` restores transformers' own forwards); a model of another
+    family warns once that it runs uncompressed. For one model in a ``with`` block use ``restkv.compression``,
+    to change one model's options later ``restkv.configure``; ``replace_family`` patches any other decoder."""
     return replace_family("llama", method, **options)
 
 
 def replace_mistral(method: str | CompressionConfig | None = None, **options: Any) -> CompressionConfig:
-    """Patch Mistral attention (see ``replace_llama``)."""
+    """Patch Mistral attention: ``replace_llama`` for Mistral models.
+
+    Example: ``replace_mistral(method="restkv", max_capacity_prompts=256)``."""
     return replace_family("mistral", method, **options)
 
 
 def replace_qwen2(method: str | CompressionConfig | None = None, **options: Any) -> CompressionConfig:
-    """Patch Qwen2 attention (see ``replace_llama``)."""
+    """Patch Qwen2 attention: ``replace_llama`` for Qwen2 and Qwen2.5 models.
+
+    Example: ``replace_qwen2(method="adakv", compression_ratio=0.75)``."""
     return replace_family("qwen2", method, **options)
 
 
 def replace_gemma(method: str | CompressionConfig | None = None, **options: Any) -> CompressionConfig:
-    """Patch Gemma, Gemma 2 and Gemma 3 (text) attention (see ``replace_llama``)."""
+    """Patch Gemma, Gemma 2 and Gemma 3 (text) attention: ``replace_llama`` for Gemma models.
+
+    Example: ``replace_gemma(method="snapkv", max_capacity_prompts=512)``."""
     return replace_family("gemma", method, **options)
 
 
@@ -317,7 +376,12 @@ def configure(model: torch.nn.Module, config: CompressionConfig | None = None, /
       the given options alone.
     * ``configure(model, CompressionConfig(...))``: exactly that config.
 
-    The model's family must be patched (``replace_*``, or use ``compression``).
+    The model's family must be patched (``replace_*``, or use ``compression``). The config is checked
+    against the model before it is set (a ``ConfigError`` naming the option otherwise). Example::
+
+        replace_llama(method="snapkv", max_capacity_prompts=128)
+        configure(model, max_capacity_prompts=512)         # still snapkv, now 512 tokens per head
+        configure(model, reset=True, method="kvzip", compression_ratio=0.8)
     """
     modules = _patched_attention_modules(model)
     current = config_of(model)
@@ -336,8 +400,20 @@ def configure(model: torch.nn.Module, config: CompressionConfig | None = None, /
 @contextlib.contextmanager
 def compression(model: torch.nn.Module, config: CompressionConfig | None = None, /,
                 **options: Any) -> Iterator[CompressionConfig]:
-    """``with compression(model, method="snapkv", max_capacity_prompts=128) as config:`` — the model
-    runs a complete fresh config inside the block (``config`` or the options; nothing is inherited).
+    """Compress ``model``'s KV cache inside a ``with`` block; yields the config it runs.
+
+    The options are ``CompressionConfig``'s (``restkv.describe(method)`` lists a method's): a ``method``
+    (``restkv.available_methods()``), a budget (``max_capacity_prompts``: tokens per layer and KV head, the
+    window included; or ``compression_ratio``: the fraction of each prompt removed) and the method's options,
+    or the parts as values (``policy=SnapKV(kernel_size=7), switches=[ResidualCache()]``), or a whole
+    ``CompressionConfig`` as the second argument. Inside the block the model runs that complete fresh config
+    (nothing is inherited) for every prefill: ``generate``, ``restkv.prefill``, ``generate_after_context``.
+    Example::
+
+        with restkv.compression(model, method="kvzip", compression_ratio=0.8):
+            answer = model.generate(input_ids, max_new_tokens=32)
+            cache = restkv.prefill(model, input_ids)         # the compressed cache itself
+        print(restkv.format_report(restkv.cache_report(cache)))   # per layer: tokens seen and kept
 
     Only this model: if its family was not patched, it is patched for the block with no config of its
     own, so any other model of the family runs natively meanwhile; the model runs restkv's attention

@@ -28,6 +28,7 @@ class ResidualCache(Options):
     """ResKV: part of each budget goes to residual entries (k-means summaries of the evicted tokens)."""
 
     name = "residual"
+    reference = "ResKV: Zhan, Chen and Shang, arXiv 2607.29591"
     switch_help = "ResKV: give part of each budget to residual entries (k-means summaries of the evicted tokens)"
 
     residual_ratios: tuple[float, ...] = option(
