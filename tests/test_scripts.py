@@ -6,7 +6,6 @@ for every input, and the notes citing it could not be rerun)."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -17,7 +16,7 @@ import pytest
 from test_command_lines import one_line_error
 from top_level import ROOT, load_scripts_module, run_main
 
-from restkv.benchmarks import sweep
+from restkv.benchmarks import sweep, tables
 
 FIXTURES = ROOT / "data" / "fixtures"
 
@@ -40,10 +39,18 @@ def test_answer_nll_scores_each_method_aware_and_agnostic_and_resumes(tiny, toke
     assert (tmp_path / "answer_nll.jsonl").read_text() == written
 
 
+def test_answer_nll_takes_token_budgets(tiny, tokenizer, tmp_path):
+    answer_nll = load_scripts_module("answer_nll")
+    argv = ["--length", "400", "--tasks", "niah_single_1", "--num_samples", "1", "--methods", "snapkv", "--budgets",
+            "64", "--settings", "aware", "--save_dir", str(tmp_path)]
+    records = answer_nll.main(argv, model=tiny, tokenizer=tokenizer)
+    assert sorted((r["method"], r["budget"]) for r in records) == [("fullkv", "full"), ("snapkv", "64")]
+
+
 def test_efficiency_times_every_method_and_writes_the_figures_rows(tmp_path):
     efficiency = load_scripts_module("efficiency")
     out = tmp_path / "efficiency.json"
-    rows = efficiency.main(["--config", "tiny", "--lengths", "160", "--budget", "48", "--decode_steps", "2",
+    rows = efficiency.main(["--model_shape", "tiny", "--lengths", "160", "--budget", "48", "--decode_steps", "2",
                             "--repeats", "1", "--methods", "fullkv", "snapkv", "snapkv+residual", "--scoring",
                             "--out", str(out)])
     assert [row["method"] for row in rows] == ["fullkv", "snapkv", "snapkv+residual"]
@@ -76,11 +83,11 @@ def test_long_generation_holds_the_decode_budget_beside_the_full_cache(tiny, tok
     ("efficiency", ["--lengths", "100", "--budget", "128"], "a budget of 128 tokens compresses nothing in a 100-token"),
     ("efficiency", ["--methods", "snapkv", "--baseline", "restkv"], "--baseline restkv is not among --methods"),
     ("efficiency", ["--model_path", "/no/model"], "--model_path /no/model: no such folder"),
-    ("gpu_bench", ["--config", "tiny", "--budget", "0"], "--budget must be >= 1; got 0"),
-    ("gpu_bench", ["--config", "tiny", "--methods", "bogus"], "--method 'bogus' is not a known method"),
-    ("gpu_bench", ["--config", "tiny", "--decode_steps", "0"], "--decode_steps must be >= 1; got 0"),
-    ("gpu_bench", ["--config", "tiny", "--repeats", "0"], "--repeats must be >= 1; got 0"),
-    ("gpu_bench", ["--config", "tiny", "--lengths", "512", "--budget", "1024"], "compresses nothing"),
+    ("gpu_bench", ["--model_shape", "tiny", "--budget", "0"], "--budget must be >= 1; got 0"),
+    ("gpu_bench", ["--model_shape", "tiny", "--methods", "bogus"], "--method 'bogus' is not a known method"),
+    ("gpu_bench", ["--model_shape", "tiny", "--decode_steps", "0"], "--decode_steps must be >= 1; got 0"),
+    ("gpu_bench", ["--model_shape", "tiny", "--repeats", "0"], "--repeats must be >= 1; got 0"),
+    ("gpu_bench", ["--model_shape", "tiny", "--lengths", "512", "--budget", "1024"], "compresses nothing"),
     ("long_generation", ["--decode_budget", "16"], "--decode_budget 16 must exceed --window_size 32"),
     ("long_generation", ["--method", "bogus"], "--method 'bogus' is not a known method"),
     ("long_generation", ["--method", "kvzip", "--decode_budget", "96"], "--decode_budget compresses as tokens come"),
@@ -91,17 +98,22 @@ def test_long_generation_holds_the_decode_budget_beside_the_full_cache(tiny, tok
     ("answer_nll", ["--tasks", "nosuch"], "unknown RULER task 'nosuch'"),
     ("answer_nll", ["--length", "100"], "--length 100 leaves no room"),
     ("answer_nll", ["--model_path", "/no/model"], "--model_path /no/model: no such folder"),
+    ("answer_nll", ["--budgets", "0"], "--budgets must be >= 1; got 0"),
+    ("answer_nll", ["--budgets", "16", "--methods", "snapkv"], "--window_size 32 must be smaller than"),
+    # a model shape was --config before --config read a file of flags: that spelling still chooses one
+    ("efficiency", ["--config", "tiny-wide", "--lengths", "100", "--budget", "128"], "compresses nothing in a 100"),
+    ("gpu_bench", ["--config=tiny", "--budget", "0"], "--budget must be >= 1; got 0"),
     # output paths, found unwritable only when the results were written, after the work
     ("efficiency", ["--out", "{tmp}"], "--out {tmp}: a folder; give a file path"),
     ("efficiency", ["--out", "/dev/null/rows.json"], "--out /dev/null/rows.json: cannot make its folder: /dev/null is"),
     ("answer_nll", ["--save_dir", "/dev/null"], "--save_dir /dev/null: a file; give a folder path"),
-    ("gpu_bench", ["--config", "tiny", "--out", "{tmp}"], "--out {tmp}: a folder; give a file path"),
-    ("gpu_bench", ["--config", "tiny", "--summary", "{tmp}"], "--summary {tmp}: a folder; give a file path"),
+    ("gpu_bench", ["--model_shape", "tiny", "--out", "{tmp}"], "--out {tmp}: a folder; give a file path"),
+    ("gpu_bench", ["--model_shape", "tiny", "--summary", "{tmp}"], "--summary {tmp}: a folder; give a file path"),
     ("long_generation", ["--out", "{tmp}"], "--out {tmp}: a folder; give a file path"),
     # transformers' ImportError or CUDA error after the flags were read
     ("efficiency", ["--attn_implementation", "flash_attention_2"], "--attn_implementation flash_attention_2 needs"),
     ("answer_nll", ["--attn_implementation", "flash_attention_2"], "--attn_implementation flash_attention_2 needs"),
-    ("gpu_bench", ["--config", "tiny", "--attn_implementation", "flash_attention_2"],
+    ("gpu_bench", ["--model_shape", "tiny", "--attn_implementation", "flash_attention_2"],
      "--attn_implementation flash_attention_2 needs"),
 ])
 def test_bad_input_to_a_script_is_one_error_line_before_any_model_work(script, argv, message, monkeypatch, tmp_path):
@@ -131,9 +143,36 @@ def flash_attention_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
+@pytest.mark.parametrize("script, in_file, given, expected", [
+    ("answer_nll", "threads: 2\nsave_dir: first\nbudgets: [64]\nmax_num_examples: 2\n", ["--save_dir", "{tmp}"],
+     {"threads": 2, "save_dir": "{tmp}", "budgets": [64], "num_samples": 2}),
+    ("answer_nll", "budgets: [64]\n", ["--compression_ratios", "0.5", "--save_dir", "{tmp}"],
+     {"budgets": None, "compression_ratios": [0.5]}),  # the command line's ratios replace the file's budgets
+    ("efficiency", "threads: 2\nout: first.json\n", ["--out", "{tmp}/second.json"],
+     {"threads": 2, "out": "{tmp}/second.json"}),
+    ("gpu_bench", "seed: 3\nmodel_shape: tiny\n", ["--out", "{tmp}/second.json"],
+     {"seed": 3, "model_shape": "tiny", "out": "{tmp}/second.json"}),
+    ("long_generation", "window_size: 16\nout: first.json\n", ["--out", "{tmp}/second.json"],
+     {"window_size": 16, "out": "{tmp}/second.json"}),
+])
+def test_every_script_reads_its_flags_from_a_config_file_under_the_command_line(script, in_file, given, expected,
+                                                                                 tmp_path, capsys):
+    parse_args = load_scripts_module(script).parse_args
+    config = tmp_path / "flags.yaml"
+    config.write_text(in_file)
+    parsed = parse_args(["--config", str(config), *(arg.format(tmp=tmp_path) for arg in given)])
+    args = parsed[0] if isinstance(parsed, tuple) else parsed  # long_generation also returns its config
+    assert {name: getattr(args, name) for name in expected} == {
+        name: value.format(tmp=tmp_path) if isinstance(value, str) else value for name, value in expected.items()}
+    config.write_text("no_such_flag: 1\n")
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--config", str(config)])
+    assert stop.value.code == 2 and f"--config {config}: unknown key(s) no_such_flag" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("script, argv", [
     ("efficiency", ["--dtype", "foo"]),
-    ("gpu_bench", ["--config", "tiny", "--attn_implementation", "flash"]),
+    ("gpu_bench", ["--model_shape", "tiny", "--attn_implementation", "flash"]),
     ("efficiency", ["--attn_implementation", "flash"]),
     ("answer_nll", ["--attn_implementation", "flash"]),
 ])
@@ -246,9 +285,10 @@ def test_each_runner_and_its_evaluator_run_on_a_tiny_model_folder(runner, flags,
 def test_the_sweep_prints_its_table_and_writes_its_rows(tiny_model_dir, tmp_path, capsys):
     rows = sweep.main(["--model_path", str(tiny_model_dir), "--length", "400", "--tasks", "niah_single_1",
                        "--num_samples", "1", "--methods", "snapkv", "--budgets", "64", "--max_new_tokens", "2",
-                       "--save_dir", str(tmp_path)])
-    assert [(row["method"], row["budget"]) for row in rows] == [("fullkv", "full"), ("snapkv", "64")]
-    assert json.loads((tmp_path / "sweep_400.json").read_text()) == rows
+                       "--query_aware", "--save_dir", str(tmp_path)])
+    assert [(row["method"], tables.budget_label(row)) for row in rows if row["task"] == "average"] == [
+        ("fullkv", "full"), ("snapkv", "64")]
+    assert json.loads((tmp_path / "sweep_400_table.json").read_text())["rows"] == rows
     assert "RULER 400 tokens, 1 samples per task" in capsys.readouterr().out
 
 
@@ -287,6 +327,7 @@ SMOKE_TESTS = {
     "visualization/visualize.py": "test_visualization::test_efficiency_plot_from_rows_file",
     "restkv/benchmarks/sweep.py": "test_scripts::test_the_sweep_prints_its_table_and_writes_its_rows",
     "restkv/benchmarks/ruler_data.py": "test_ruler_data::test_cli_writes_ruler_layout_and_keeps_complete_files",
+    "restkv/data.py": "test_downloads::test_offline_the_command_says_in_one_line_what_to_put_where_and_exits_2",
     "restkv/tools/head_scores.py": "test_head_scores::test_command_writes_a_loadable_score_file_for_a_tiny_model",
     "restkv/tools/duo_pattern.py": "test_duo_attention::test_the_pattern_command_writes_a_file_the_method_reads",
     "restkv/tools/query_stats.py": "test_query_stats::test_the_command_writes_statistics_expected_attention_reads",
@@ -329,4 +370,6 @@ def test_every_command_has_a_smoke_test():
     assert _commands() == set(SMOKE_TESTS)
     for test in set(SMOKE_TESTS.values()):
         module, name = test.split("::")
-        assert callable(getattr(importlib.import_module(module), name, None)), f"{test} does not exist"
+        files = list((ROOT / "tests").glob(f"**/{module}.py"))
+        assert len(files) == 1, f"{test}: no single tests/**/{module}.py"
+        assert f"\ndef {name}(" in files[0].read_text(encoding="utf-8"), f"{test} does not exist"

@@ -84,6 +84,27 @@ def test_budget_curves_keep_variants_of_a_method_apart(tmp_path):
         figures.budget_curves([], tmp_path / "none.png")
 
 
+def test_budget_curves_give_every_method_its_own_marker(tmp_path):
+    """Methods with equal scores at equal budgets drew the same dot on top of one another."""
+    rows = [{"benchmark": "RULER", "method": method, "budget": 128, "score": 50.0} for method in ("a", "b", "c")]
+    lines = figures.budget_curves(rows, tmp_path / "curves.png").axes[0].get_lines()
+    assert len({line.get_marker() for line in lines}) == 3
+
+
+def test_the_results_table_figure_is_redrawn_from_its_json(tmp_path):
+    from restkv.benchmarks import tables
+
+    rows = [{"benchmark": "ruler", "setting": setting, "method": method, "compression_ratio": 0.9, "kv_kept": 0.1,
+             "task": tables.AVERAGE, "score": 50.0, "n": 4, "stderr": 10.0}
+            for setting in (tables.QUERY_AWARE, tables.QUERY_AGNOSTIC) for method in ("snapkv", "kvzip")]
+    _, json_path, _ = tables.write_table(rows, tmp_path / "sweep_table")
+    out = visualize.main(["table", "--table", str(json_path)])
+    assert out == tmp_path / "sweep_table.png"
+    assert_png(out)
+    with pytest.raises(SystemExit, match="--table .*nosuch.json: no such file"):
+        visualize.main(["table", "--table", str(tmp_path / "nosuch.json")])
+
+
 def test_efficiency_plot_from_rows_file(tmp_path):
     rows = [
         {"method": method, "prompt_tokens": n, "budget": 128, "prefill_s": n / 1000 * factor,

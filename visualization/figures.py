@@ -19,6 +19,7 @@ import numpy as np  # noqa: E402
 from matplotlib.colors import LinearSegmentedColormap  # noqa: E402
 
 from restkv.benchmarks.needle import score_grid  # noqa: E402
+from restkv.benchmarks.tables import MARKERS  # noqa: E402
 
 matplotlib.use("Agg")
 
@@ -130,9 +131,10 @@ def budget_curves(rows: Iterable[Mapping], out_path: str | Path, title: str = ""
                 references[row["method"]].append(row["score"])
             else:
                 methods[row["method"]][int(row["budget"])].append(row["score"])
-        for method in sorted(methods):
+        for index, method in enumerate(sorted(methods)):  # a marker each: equal scores do not hide a method
             budgets = sorted(methods[method])
-            axes.plot(budgets, [np.mean(methods[method][b]) for b in budgets], marker="o", label=method)
+            axes.plot(budgets, [np.mean(methods[method][b]) for b in budgets], label=method, alpha=0.85,
+                      marker=MARKERS[index % len(MARKERS)])
         for method, scores in sorted(references.items()):
             axes.axhline(float(np.mean(scores)), linestyle="--", color="grey", label=method)
         if methods:

@@ -2,6 +2,7 @@
 
     python visualization/visualize.py needle --results results/needle/smollm2-135m/snapkv_128
     python visualization/visualize.py budget --results_root results/longbench/smollm2-135m
+    python visualization/visualize.py table --table results/sweep/sweep_512_table.json
     python visualization/visualize.py efficiency --results results/efficiency.json
     python visualization/visualize.py attention --model_path smollm2-135m --layer 12 --head 0 \
         --method snapkv --max_capacity_prompts 64 --length 512
@@ -10,6 +11,8 @@
 * budget: score vs KV budget per method, from every run folder under ``--results_root`` that
   has been scored (LongBench ``metrics.json``, ``ruler_scores.json``, ``infinite_scores.json``,
   ``needle_results.json``);
+* table: score vs the share of the cache kept, from the results table a sweep or an eval wrote
+  (``restkv.benchmarks.tables``; they draw it themselves beside the table: this redraws it);
 * efficiency: prefill, decode and cache size vs prompt length (``scripts/efficiency.py`` rows);
 * attention: one layer/head's attention on a RULER needle prompt, full cache vs compressed.
 """
@@ -23,10 +26,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from visualization import figures  # noqa: E402
-
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from visualization import figures  # noqa: E402  # isort: skip (after the path above)
 
 
 
@@ -45,6 +48,16 @@ def plot_budget(args: argparse.Namespace) -> Path:
     rows = figures.read_run_scores(args.results_root)
     out = Path(args.out) if args.out else Path(args.results_root) / "budget_curves.png"
     figures.budget_curves(rows, out, title=args.title or "")
+    return out
+
+
+def plot_table(args: argparse.Namespace) -> Path:
+    from restkv.benchmarks.tables import read_rows, score_figure
+
+    if not Path(args.table).is_file():
+        raise SystemExit(f"--table {args.table}: no such file")
+    out = Path(args.out) if args.out else Path(args.table).with_suffix(".png")
+    score_figure(read_rows(args.table), out, title=args.title or "")
     return out
 
 
@@ -105,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--results_root", required=True, help="folder above the scored run folders")
     budget.set_defaults(draw=plot_budget)
 
+    table = commands.add_parser("table", help="score vs share of the cache kept, from a results table")
+    table.add_argument("--table", required=True, help="the JSON of a sweep's or an eval's results table")
+    table.set_defaults(draw=plot_table)
+
     efficiency = commands.add_parser("efficiency", help="prefill / decode / memory vs context length")
     efficiency.add_argument("--results", default="results/efficiency.json", help="rows of scripts/efficiency.py")
     efficiency.set_defaults(draw=plot_efficiency)
@@ -122,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     attention.add_argument("--seed", type=int, default=42)
     attention.set_defaults(draw=plot_attention)
 
-    for command in (needle, budget, efficiency, attention):
+    for command in (needle, budget, table, efficiency, attention):
         command.add_argument("--out", default=None, help="PNG path (default: beside the results)")
         command.add_argument("--title", default=None)
     return parser

@@ -6,7 +6,8 @@ exceptions, the metric of each dataset and ``scorer``/``scorer_e`` come from THU
 they define the benchmark and are reproduced byte for byte, typos included ("asconcisely").
 
 * Data: ``<data_dir>/<dataset>.jsonl`` with the official fields (``REQUIRED_FIELDS``);
-  LongBench-E files are ``<name>_e.jsonl`` (same fields, scored by length bucket too).
+  LongBench-E files are ``<name>_e.jsonl`` (same fields, scored by length bucket too);
+  ``python -m restkv.data longbench`` fetches them (``restkv.benchmarks.sources.LONGBENCH``).
 * Prompt: ``PROMPTS[dataset].format(**record)``; its ``context`` part ends right after the
   ``{context}`` text, the rest (question and answer cue) is the ``question`` part that
   ``--query_agnostic`` feeds after compressing the context.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -36,6 +36,8 @@ from restkv.benchmarks.errors import DataError, command_line
 from restkv.benchmarks.results import read_jsonl, read_predictions
 from restkv.benchmarks.runner import main as run_main
 from restkv.benchmarks.scoring import RunScores, footnotes, format_table, marked, samples_cell
+from restkv.benchmarks.sources import LONGBENCH
+from restkv.benchmarks.tables import strict_json
 
 #: The 16 English and code datasets, in the order of the papers' tables (the default set).
 ENGLISH_DATASETS = (
@@ -325,7 +327,7 @@ def base_dataset(name: str) -> str:
 def read_records(path: Path) -> list[dict]:
     """The records of one LongBench jsonl file, each checked for the official fields."""
     if not path.is_file():
-        raise DataError(f"{path}: no such data file (LongBench files are <data_dir>/<dataset>.jsonl)")
+        raise LONGBENCH.missing(path)
     records = []
     for number, record in read_jsonl(path):
         for name, kind in REQUIRED_FIELDS.items():
@@ -484,9 +486,8 @@ def _evaluate(results_dir: str | Path, datasets: Sequence[str] | None) -> tuple[
     evaluations = {}
     for run in runs:
         evaluations[run.label] = run_metrics(run)
-        (run.folder / "metrics.json").write_text(json.dumps(evaluations[run.label], indent=2, ensure_ascii=False),
-                                                 encoding="utf-8")
-    (results_dir / "results.json").write_text(json.dumps(evaluations, indent=2, ensure_ascii=False), encoding="utf-8")
+        (run.folder / "metrics.json").write_text(strict_json(evaluations[run.label]), encoding="utf-8")
+    (results_dir / "results.json").write_text(strict_json(evaluations), encoding="utf-8")  # NaN as null
     columns = _table_order({name for evaluation in evaluations.values() for name in evaluation["datasets"]})
     with open(results_dir / "results.csv", "w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)

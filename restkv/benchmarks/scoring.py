@@ -6,14 +6,19 @@ every run folder::
 
     {"benchmark": "ruler",
      "datasets": {"4096/vt": {"score": 87.5, "samples_scored": 3, "samples_expected": 4,
-                              "complete": false, "samples_uncompressed": 0}, ...},
+                              "complete": false, "samples_uncompressed": 0, "stderr": 12.5,
+                              "kv_kept": 0.11}, ...},
      "average": 87.5, "averaged_over": ["4096/vt"], "complete": false}
 
 ``samples_expected`` comes from the run's ``run_meta.json`` (null, and ``complete`` null, for
 files another tool wrote); ``samples_uncompressed`` counts samples answered with the full cache
-because their prompt was too short for a ratio budget. Every table built here or by an
-evaluator marks a cell that stands on fewer samples than expected with ``*``, says how many
-samples it scored (``samples`` column), and ends with a footnote per incomplete cell.
+because their prompt was too short for a ratio budget; ``stderr`` is the standard error of the
+mean of the per-sample scores and ``kv_kept`` the share of the prompt's tokens the caches held.
+``evaluate`` also writes every run as rows of one table in ``results_dir``
+(``score_table.csv`` / ``.json`` / ``.png``: ``table_rows``, ``restkv.benchmarks.tables``).
+Every table built here or by an evaluator marks a cell that stands on fewer samples than
+expected with ``*``, says how many samples it scored (``samples`` column), and ends with a
+footnote per incomplete cell.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from restkv.benchmarks import tables
 from restkv.benchmarks.benchmark import Benchmark
 from restkv.benchmarks.errors import DataError
 from restkv.benchmarks.results import SHARD_INFIX, datasets_in, read_predictions
@@ -39,13 +46,24 @@ class DatasetScore:
     """One dataset of one run: the score over the predictions present, and how many there are.
 
     score: None when the dataset has no prediction yet; expected: None when no runner recorded
-    it; uncompressed: samples answered with the full cache (prompt too short to compress).
+    it; uncompressed: samples answered with the full cache (prompt too short to compress);
+    stderr: of the mean of the per-sample scores; kv_seen/kv_stored: the prompt tokens the
+    samples' caches saw and held (summed; zero for files no runner wrote). The last three are
+    measurements of the same predictions, left out of equality.
     """
 
     score: float | None
     scored: int
     expected: int | None
     uncompressed: int = 0
+    stderr: float | None = field(default=None, compare=False)
+    kv_seen: int = field(default=0, compare=False)
+    kv_stored: float = field(default=0.0, compare=False)
+
+    @property
+    def kv_kept(self) -> float | None:
+        """The share of the prompt's tokens the cache held (None without cache reports)."""
+        return round(self.kv_stored / self.kv_seen, 4) if self.kv_seen else None
 
     @property
     def complete(self) -> bool | None:
@@ -53,7 +71,8 @@ class DatasetScore:
 
     def to_json(self) -> dict[str, Any]:
         return {"score": self.score, "samples_scored": self.scored, "samples_expected": self.expected,
-                "complete": self.complete, "samples_uncompressed": self.uncompressed}
+                "complete": self.complete, "samples_uncompressed": self.uncompressed, "stderr": self.stderr,
+                "kv_kept": self.kv_kept}
 
 
 @dataclass(frozen=True)
@@ -116,6 +135,7 @@ def score_run(folder: Path, benchmark: Benchmark, datasets: Sequence[str] | None
         records = read_predictions(folder, name)
         try:
             score = benchmark.score(name, records) if records else None
+            per_sample = [benchmark.score(name, [record]) for record in records]
         except DataError as error:
             raise DataError(f"{folder}: {error}") from None
         scores[name] = DatasetScore(
@@ -123,6 +143,9 @@ def score_run(folder: Path, benchmark: Benchmark, datasets: Sequence[str] | None
             scored=len(records),
             expected=recorded.get(name, {}).get("samples_expected"),
             uncompressed=sum(record.get("compressed") is False for record in records),
+            stderr=tables.stderr(per_sample),
+            kv_seen=sum(record.get("kv_tokens_seen", 0) for record in records),
+            kv_stored=sum(record.get("kv_tokens_stored", 0) for record in records),
         )
     scored = [name for name, score in scores.items() if score.score is not None]
     averaged = benchmark.average_over(scored) if benchmark.average_over is not None else scored
@@ -146,7 +169,64 @@ def evaluate(benchmark: Benchmark, results_dir: str | Path, datasets: Sequence[s
     if not any(score.scored for run in runs for score in run.datasets.values()):
         raise DataError(f"{root}: nothing to score: the {benchmark.name} runs there hold no predictions yet "
                         f"({', '.join(run.label for run in runs)})")
+    written = tables.write_results([row for run in runs for row in table_rows(run, benchmark)],
+                                   root / TABLE_STEM, title=f"{benchmark.name}: {root}")
+    # on stderr, beside the progress bars: stdout holds the evaluator's own tables
+    print(f"(every run as one table: {', '.join(str(path) for path in written.values())})", file=sys.stderr)
     return runs
+
+
+TABLE_STEM = "score_table"
+
+
+def run_fields(folder: Path, label: str) -> dict[str, Any]:
+    """What a run folder's table rows say of the run: benchmark, model, setting, method, the
+    options its folder name adds (``snapkv_128_residual_agnostic`` -> ``residual``) and its
+    budget, from its ``run_meta.json``; a folder no runner wrote is named by ``label``."""
+    settings = (read_run_meta(folder) or {}).get("settings", {})
+    config = settings.get("config", {})
+    method = config.get("method")
+    if method is None:
+        return {"method": label, "run": str(folder)}
+    ratio, budget = config.get("compression_ratio"), config.get("max_capacity_prompts")
+    multi = (settings.get("benchmark_flags") or {}).get("multi_question")
+    in_name = {"agnostic"} if settings.get("query_agnostic") else set()
+    in_name |= {"multi"} if multi else set()
+    rest = folder.name[len(method):] if folder.name.startswith(method) else folder.name
+    budget_part = "" if method == "fullkv" else str(budget) if ratio is None else f"ratio{ratio:g}"
+    parts = [part for part in rest.split("_") if part]
+    if budget_part and parts[:1] == [budget_part]:
+        parts = parts[1:]
+    for part in in_name & set(parts):
+        parts.remove(part)
+    setting = tables.QUERY_AGNOSTIC if settings.get("query_agnostic") else tables.QUERY_AWARE
+    return {"benchmark": settings.get("benchmark"), "model": settings.get("model_path"),
+            "setting": setting + (", one question per needle" if multi else ""), "method": method,
+            "options": "_".join(parts) or None, "budget": None if method == "fullkv" or ratio is not None else budget,
+            "compression_ratio": None if method == "fullkv" else ratio, "run": str(folder)}
+
+
+def table_rows(run: RunScores, benchmark: Benchmark, fields: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """A run as rows of the results table (``restkv.benchmarks.tables``): one per scored dataset,
+    then its ``average`` (over ``run.averaged_over``; stderr from the datasets' own, as
+    independent means). ``fields`` (default ``run_fields``) say what the run is."""
+    described = {"benchmark": benchmark.name, **(fields if fields is not None else run_fields(run.folder, run.label))}
+
+    def row(task: str, score: float | None, scores: Sequence[DatasetScore], error: float | None) -> dict[str, Any]:
+        seen = sum(one.kv_seen for one in scores)
+        expected = [one.expected for one in scores]
+        return {**described, "task": task, "score": score, "n": sum(one.scored for one in scores),
+                "expected": None if None in expected else sum(expected), "stderr": error,
+                "kv_kept": round(sum(one.kv_stored for one in scores) / seen, 4) if seen else None,
+                "uncompressed": sum(one.uncompressed for one in scores)}
+
+    rows = [row(name, one.score, [one], one.stderr) for name, one in run.datasets.items() if one.score is not None]
+    averaged = [run.datasets[name] for name in run.averaged_over]
+    if averaged:
+        errors = [one.stderr for one in averaged]
+        error = None if None in errors else round(math.sqrt(sum(e * e for e in errors)) / len(errors), 2)
+        rows.append(row(tables.AVERAGE, run.average, averaged, error))
+    return rows
 
 
 def _dataset_order(benchmark: Benchmark, name: str) -> tuple:

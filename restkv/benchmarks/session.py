@@ -16,7 +16,8 @@ stops with ``CompressionNotApplied``; every compressed layer must have been buil
 config, else ``CompressionMismatch``. Tokens seen / stored go in the line.
 
 **Prompts too short to compress.** Under ``--compression_ratio`` a short prompt may keep no
-more tokens than the method always keeps (its window, KVzip's sinks); the library refuses such
+more tokens than the method always keeps (its window, KVzip's sinks, the chat template and
+question around the context that KVzip-style ranking keeps); the library refuses such
 a row, so the sample is answered with the full cache and its line says so (``"compressed":
 false`` and ``"uncompressed_reason"``: the library's refusal); the evaluators count such samples.
 
@@ -217,7 +218,8 @@ def compression_record(model, config: CompressionConfig, cache, prefill_tokens: 
             )
     return {
         "kv_tokens_seen": max((r.tokens_seen for r in reports), default=0),
-        "kv_tokens_stored": round(float(np.mean([r.stored_mean + r.summary_slots for r in reports])), 1) if reports else 0,
+        "kv_tokens_stored": (round(float(np.mean([r.stored_mean + r.summary_slots for r in reports])), 1)
+                             if reports else 0),
         "kv_layers_compressed": sum(r.compressed for r in reports),
     }
 
@@ -227,18 +229,22 @@ def _evicted(report) -> bool:
     return report.stored_min + report.summary_slots < report.tokens_seen
 
 
-def uncompressible_reason(config: CompressionConfig, prefill_tokens: int) -> str | None:
+def uncompressible_reason(config: CompressionConfig, prefill_tokens: int,
+                          context_span: tuple[int, int] | None = None) -> str | None:
     """Why a prefill of ``prefill_tokens`` tokens cannot be compressed under ``config``, or None.
 
     A ratio budget can leave a short prompt no more tokens than the method always keeps (its
-    observation window, KVzip's sinks), and the library refuses to compress such a row; the
-    runner asks the library's own plan before generating, answers that sample with the full
-    cache, and records the library's reason.
+    observation window, KVzip's sinks, and for a method that keeps the template around the
+    prompt's ``context_span``, that template: a query-aware prompt's question); the library
+    refuses to compress such a row; the runner asks the library's own plan before generating,
+    answers that sample with the full cache, and records the library's reason.
     """
+    from restkv.integrations.transformers.context_span import protected_span
     from restkv.pipeline.plan import plan_layer
 
     try:
-        plan_layer(config, torch.ones(1, prefill_tokens, dtype=torch.bool))
+        plan_layer(config, torch.ones(1, prefill_tokens, dtype=torch.bool),
+                   context_span=protected_span(config, context_span))
     except ConfigError as refusal:
         return str(refusal)
     return None
@@ -378,7 +384,7 @@ class BenchmarkRun:
         stop_ids = stop_token_ids(self.model, self.tokenizer, sample.stop_tokens)
         max_new_tokens = sample.max_new_tokens if self.args.max_new_tokens is None else self.args.max_new_tokens
         context_tokens = len(prompts[0].context_ids)
-        reason = uncompressible_reason(self.config, context_tokens)
+        reason = uncompressible_reason(self.config, context_tokens, prompts[0].context_span)
         with contextlib.ExitStack() as stack:
             config = self.config if reason is None else stack.enter_context(full_cache(self.model, self.config))
             if sample.questions:
@@ -418,8 +424,11 @@ class BenchmarkRun:
         done = self.results.done(dataset)
         todo = [(index, sample) for index, sample in enumerate(samples[: self.inputs[dataset].covered])
                 if index % self.num_shards == self.shard_id and not done.issuperset(sample.line_ids)]
+        if not todo:  # resumed with every sample written: no empty bar
+            return writer.path
         label = dataset if self.num_shards == 1 else f"{dataset} [{self.shard_id}/{self.num_shards}]"
-        with tqdm(todo, desc=label, unit="sample", dynamic_ncols=True) as progress:
+        # leave=None: the bar stays when it is the only one, and goes under an outer one (the sweep's)
+        with tqdm(todo, desc=label, unit="sample", dynamic_ncols=True, leave=None) as progress:
             for index, sample in progress:
                 records = self.answer(sample)
                 for line_id, record in zip(sample.line_ids, records):

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# LongBench over budgets and methods (the ReST-KV paper's Table 2 layout), then scores.
+# LongBench over budgets and methods (the ReST-KV paper's Table 2 layout), then scores: eval.sh writes
+# the table of every run (SAVE_DIR/MODEL/score_table.csv, .json) and its figure (score_table.png).
 # Each GPU of GPUS takes the next run; a run that finds its predictions skips them (resume).
 #
 #   bash scripts/longbench/sweep.sh "GPUS" MODEL [run_longbench.py flags for every run...]

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Score RULER runs: every run folder under RESULTS_DIR gets ruler_scores.json / .csv.
+# Score RULER runs: every run folder under RESULTS_DIR gets ruler_scores.json / .csv; RESULTS_DIR gets
+# every run as one table, score_table.csv / .json, and its figure score_table.png.
 #
 #   bash scripts/ruler/eval.sh RESULTS_DIR      (e.g. results/ruler/smollm2-135m)
 set -euo pipefail

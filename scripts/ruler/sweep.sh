@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# RULER over budgets and methods, then scores and the budget-vs-score figure.
+# RULER over budgets and methods, then scores (eval.sh: the table of every run and its figure,
+# score vs share of the cache kept) and the budget-vs-score figure.
 #
 #   bash scripts/ruler/sweep.sh GPU MODEL [run_ruler.py flags for every run...]
 #

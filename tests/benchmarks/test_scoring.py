@@ -6,9 +6,9 @@ import dataclasses
 import json
 
 import pytest
-from toy_benchmark import TOY, lines_of, toy_run
+from toy_benchmark import TOY, lines_of, toy_run, toy_score
 
-from restkv.benchmarks import scoring
+from restkv.benchmarks import longbench, scoring, tables
 from restkv.benchmarks.errors import DataError
 from restkv.benchmarks.scoring import DatasetScore
 
@@ -33,10 +33,13 @@ def test_a_run_stopped_early_is_scored_with_its_counts_and_marked(tmp_path, tiny
     assert run.label == "smollm2-135m/snapkv_48" and run.complete is False
     assert run.datasets == {"logs": DatasetScore(expected, 3, 5)}
     written = json.loads((folder / "scores.json").read_text())
+    per_sample = [100.0 * (r["answers"][0] in r["pred"]) for r in records[:3]]
+    kept = sum(r["kv_tokens_stored"] for r in records[:3]) / sum(r["kv_tokens_seen"] for r in records[:3])
     assert written == {
         "benchmark": "toy",
         "datasets": {"logs": {"score": expected, "samples_scored": 3, "samples_expected": 5, "complete": False,
-                              "samples_uncompressed": 0}},
+                              "samples_uncompressed": 0, "stderr": tables.stderr(per_sample),
+                              "kv_kept": round(kept, 4)}},
         "average": expected, "averaged_over": ["logs"], "complete": False,
     }
     table = scoring.runs_table([run]).splitlines()
@@ -112,3 +115,62 @@ def test_a_line_the_metric_cannot_read_is_reported_with_its_folder(tmp_path):
     with pytest.raises(DataError, match=f"^{tmp_path / 'run'}: logs: the prediction of id 'a' lacks field"):
         scoring.evaluate(dataclasses.replace(TOY, score=strict), tmp_path)
 
+
+
+# --------------------------------------------------------------------------- the combined table
+
+
+def test_every_evaluation_writes_all_its_runs_as_one_numeric_table_that_a_partial_rescore_cannot_shrink(
+        tmp_path, tiny, tokenizer, capsys):
+    folder = toy_run(tmp_path, tiny, tokenizer)
+    toy_run(tmp_path, tiny, tokenizer, "--method", "fullkv", "--query_agnostic")
+    scoring.evaluate(TOY, tmp_path)
+    assert "every run as one table" in capsys.readouterr().err
+    saved = json.loads((tmp_path / "score_table.json").read_text())["rows"]
+    records = lines_of(folder / "logs.jsonl")
+    by_run = {(row["method"], row["setting"], row["task"]): row for row in saved}
+    snap = by_run[("snapkv", "query-aware", "logs")]
+    assert (snap["benchmark"], snap["budget"], snap["compression_ratio"], snap["options"]) == ("toy", 48, None, None)
+    assert (snap["n"], snap["expected"]) == (5, 5) and snap["score"] == toy_score("logs", records)
+    assert snap["stderr"] == tables.stderr([toy_score("logs", [record]) for record in records])
+    assert 0 < snap["kv_kept"] < 1 and by_run[("fullkv", "query-agnostic", "logs")]["kv_kept"] == 1.0
+    assert by_run[("snapkv", "query-aware", "average")]["score"] == snap["score"]
+    assert (tmp_path / "score_table.csv").is_file() and (tmp_path / "score_table.png").is_file()
+
+    write_lines(folder / "logs.jsonl", records[:2])  # predictions lost: the rescore stands on 2 of 5
+    scoring.evaluate(TOY, tmp_path)
+    assert json.loads((tmp_path / "score_table.json").read_text())["rows"] == saved
+
+
+def test_a_run_folder_name_gives_the_rows_options_and_setting(tmp_path):
+    folder = tmp_path / "m" / "snapkv_ratio0.9_residual_no_gate_reconstruction_agnostic_multi"
+    folder.mkdir(parents=True)
+    settings = {"benchmark": "ruler", "model_path": "m", "query_agnostic": True,
+                "benchmark_flags": {"multi_question": True},
+                "config": {"method": "snapkv", "compression_ratio": 0.9, "max_capacity_prompts": None}}
+    (folder / "run_meta.json").write_text(json.dumps({"settings": settings}))
+    assert scoring.run_fields(folder, "label") == {
+        "benchmark": "ruler", "model": "m", "setting": "query-agnostic, one question per needle",
+        "method": "snapkv", "options": "residual_no_gate_reconstruction", "budget": None,
+        "compression_ratio": 0.9, "run": str(folder)}
+    assert scoring.run_fields(tmp_path / "plain", "plain")["method"] == "plain"  # no runner wrote it
+
+
+def test_the_longbench_evaluation_writes_strict_json(tmp_path):
+    """A run without an average wrote a bare NaN into metrics.json and results.json."""
+    write_lines(tmp_path / "snapkv_64" / "hotpotqa.jsonl",
+                [{"id": "a", "pred": "Vienna", "answers": ["Vienna"], "all_classes": None, "length": 10}])
+    waiting = tmp_path / "fullkv"
+    waiting.mkdir()
+    expected = {"fingerprint": "0" * 64, "samples_in_data": 1, "samples_expected": 1}
+    (waiting / "run_meta.json").write_text(json.dumps({"settings": {"benchmark": "longbench"},
+                                                       "datasets": {"hotpotqa": expected}}))
+    longbench.evaluate_results_dir(tmp_path)
+
+    def refuse(name):
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    results = json.loads((tmp_path / "results.json").read_text(), parse_constant=refuse)
+    assert results["fullkv"]["average"] is None and results["snapkv_64"]["average"] == 100.0
+    assert json.loads((waiting / "metrics.json").read_text(), parse_constant=refuse)["average"] is None
+    json.loads((tmp_path / "score_table.json").read_text(), parse_constant=refuse)
