@@ -182,7 +182,7 @@ def test_one_layers_prefill_hands_the_cache_through_three_modules_in_a_straight_
             model(random_prompt(1, 50), cache=cache, use_cache=True)
         finally:
             sys.setprofile(None)
-    layers, modules = [], []
+    layers = []
     for module, function in calls:
         if function == "_cache_layer":  # a layer's forward starts at the seam
             layers.append([])

@@ -83,6 +83,8 @@ def test_every_longbench_data_file_is_checked_before_the_model(no_model_loading,
     argv = ["--data_dir", str(data), "--save_dir", str(tmp_path / "out"), "--method", "fullkv"]
     message = one_line_error(lambda: longbench.run([*argv, "--datasets", "samsum", "hotpotqa"]))
     assert "hotpotqa.jsonl: no such data file" in message
+    assert f"THUDM/LongBench (https://huggingface.co/datasets/THUDM/LongBench): python -m restkv.data longbench " \
+        f"--datasets hotpotqa --data_dir {data} fetches it" in message
     (data / "hotpotqa.jsonl").write_text('{"input": "q"}\n', encoding="utf-8")
     message = one_line_error(lambda: longbench.run([*argv, "--datasets", "samsum", "hotpotqa"]))
     assert "hotpotqa.jsonl:1: missing field 'context'" in message
@@ -106,9 +108,12 @@ def test_a_missing_infinitebench_file_is_found_before_the_model(no_model_loading
             "--save_dir", str(tmp_path)]
     with pytest.raises(SystemExit):  # an unknown task is a flag error
         infinitebench.run(argv)
-    argv = ["--data_dir", str(tmp_path / "empty"), "--datasets", "passkey", "--method", "fullkv",
-            "--save_dir", str(tmp_path)]
-    assert "no InfiniteBench data at" in one_line_error(lambda: infinitebench.run(argv))
+    empty = tmp_path / "empty"
+    argv = ["--data_dir", str(empty), "--datasets", "passkey", "--method", "fullkv", "--save_dir", str(tmp_path)]
+    message = one_line_error(lambda: infinitebench.run(argv))
+    assert "passkey.jsonl: no such data file; the infinitebench files <data_dir>/<name>.jsonl come from the root of " \
+        "the Hugging Face dataset xinrongzhang2022/InfiniteBench" in message
+    assert f"python -m restkv.data infinitebench --datasets passkey --data_dir {empty} fetches it" in message
 
 
 def test_a_busy_folder_is_found_before_the_model(no_model_loading, tokenizer, tmp_path):

@@ -7,6 +7,7 @@ Each allocation is a registered part (``--allocation <name>``) that owns its opt
 ``B = C - W`` is the row's candidate budget (``W`` = its protected tokens). A row whose
 visible tokens fit in its budget keeps all of them, whatever the allocation. The counts are
 ragged per head; the compressed cache stores each head's own (``restkv.cache.segments.ragged``).
+Each allocation's formula, defaults and paper: ``docs/methods/allocations.md``.
 """
 
 from restkv.config.options import import_folder

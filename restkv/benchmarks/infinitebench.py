@@ -4,7 +4,7 @@ Follows OpenBMB/InfiniteBench (``src/eval_utils.py``, ``src/prompt.py``,
 ``src/compute_scores.py``), as the ReST-KV release's runner does:
 
 * data: ``<data_dir>/<task>.jsonl`` from the HF dataset ``xinrongzhang2022/InfiniteBench``,
-  fields ``id, context, input, answer, options``;
+  fields ``id, context, input, answer, options`` (``python -m restkv.data infinitebench`` fetches them);
 * prompts: the ``yarn_mistral_templates`` (used for all open models), verbatim, no chat
   template; the runner middle-truncates the prompt to the model's limit (127000 tokens for
   Llama-3.1, as in the release);
@@ -35,6 +35,7 @@ from restkv.benchmarks.errors import DataError, command_line
 from restkv.benchmarks.longbench_metrics import f1_score, normalize_answer, normalize_zh_answer
 from restkv.benchmarks.results import read_jsonl
 from restkv.benchmarks.runner import main as run_main
+from restkv.benchmarks.sources import INFINITEBENCH
 
 OPTION_LETTERS = "ABCD"
 
@@ -325,10 +326,7 @@ def load_task(data_dir: str | Path, task: str) -> list[dict]:
     get_task(task)
     path = Path(data_dir) / f"{task}.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(
-            f"no InfiniteBench data at {path}; download <task>.jsonl from the HF dataset "
-            "xinrongzhang2022/InfiniteBench into --data_dir"
-        )
+        raise INFINITEBENCH.missing(path)
     examples = []
     for number, example in read_jsonl(path):
         if "context" not in example and "content" in example:

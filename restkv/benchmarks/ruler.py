@@ -236,8 +236,9 @@ def find_task_file(data_dir: str | Path, length: int, task: str) -> Path:
 
 
 def generate_command(data_dir: str | Path, length: int | str, task: str) -> str:
-    """The command that writes a task's data file (``restkv.benchmarks.ruler_data``)."""
-    return f"python -m restkv.benchmarks.ruler_data --tokenizer MODEL --lengths {length} --tasks {task} --out {data_dir}"
+    """The command that writes a task's data file (``python -m restkv.data ruler``: the project's generator,
+    ``restkv.benchmarks.ruler_data``; RULER's data are generated, never downloaded)."""
+    return f"python -m restkv.data ruler --tokenizer MODEL --lengths {length} --tasks {task} --out {data_dir}"
 
 
 def read_samples(path: str | Path) -> list[dict]:

@@ -1,5 +1,5 @@
 """Merging evicted tokens into kept ones after selection, one ``--merge`` a file (and CaM's value merging,
-which ``--method cam`` applies), each registering itself."""
+which ``--method cam`` applies), each registering itself. Their formulas and papers: ``docs/methods/merges.md``."""
 
 from restkv.config.options import import_folder
 

@@ -2,7 +2,8 @@
 
 Every module of this package is imported here, so a new method is one new file: its
 ``@register("method")`` class becomes a ``--method``, a ``replace_*`` keyword, a set of
-runner flags (its options) and an entry of every per-method test matrix.
+runner flags (its options) and an entry of every per-method test matrix. What each method computes,
+its defaults and its paper: ``docs/methods/`` (one page per family, indexed in ``docs/methods/README.md``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """How the compressed cache stores its kept tokens as codes, one ``--quant_method`` a file, each registering
-itself (the codes and their segment: ``restkv.cache.segments.quantized``)."""
+itself (the codes and their segment: ``restkv.cache.segments.quantized``; the formulas:
+``docs/methods/quantization.md``)."""
 
 from restkv.config.options import import_folder
 

@@ -10,6 +10,7 @@ from top_level import dry_run_script, usage_exit
 
 from restkv.benchmarks import infinitebench as ib
 from restkv.benchmarks.benchmark import Sample
+from restkv.benchmarks.errors import DataError
 from restkv.benchmarks.prompts import encode_prompt
 from restkv.benchmarks.results import read_predictions
 
@@ -56,7 +57,7 @@ def test_bad_data_is_reported(tmp_path):
     (tmp_path / "passkey.jsonl").write_text(json.dumps({"id": 0, "context": "c"}) + "\n")
     with pytest.raises(ValueError, match=r"passkey.jsonl:1: missing field\(s\) input, answer"):
         ib.load_task(tmp_path, "passkey")
-    with pytest.raises(FileNotFoundError, match="xinrongzhang2022/InfiniteBench"):
+    with pytest.raises(DataError, match="kv_retrieval.jsonl: no such data file.*xinrongzhang2022/InfiniteBench"):
         ib.load_task(tmp_path, "kv_retrieval")
     with pytest.raises(ValueError, match="unknown InfiniteBench task"):
         ib.load_task(tmp_path, "passkeys")

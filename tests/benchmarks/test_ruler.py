@@ -66,7 +66,7 @@ def test_both_data_layouts_are_found(tmp_path):
     assert ruler.load_task(tmp_path, 4096, "vt") == [official]
     assert ruler.load_task(tmp_path, 4096, "cwe")[0]["outputs"] == ["2"]
     assert ruler.load_task(tmp_path, 8192, "fwe")[0]["input"] == "official"
-    with pytest.raises(FileNotFoundError, match=r"4096/fwe/validation.jsonl.*ruler_data"):
+    with pytest.raises(FileNotFoundError, match=r"4096/fwe/validation.jsonl.*python -m restkv.data ruler"):
         ruler.load_task(tmp_path, 4096, "fwe")
     _write_jsonl(tmp_path / "4096" / "niah_single_1.jsonl", [{"input": "no answers"}])
     with pytest.raises(ValueError, match=r"niah_single_1.jsonl:1: .*'outputs'"):
@@ -280,7 +280,7 @@ def test_multi_question_needs_data_that_record_their_needles(niah_dir, tmp_path,
     assert stop.value.code == (
         f"error: {official}: sample 0 has no 'needles' list of {{'key', 'values'}}, which --multi_question asks about "
         "(RULER's prepare.py and older restkv data do not record them); regenerate the file: python -m "
-        f"restkv.benchmarks.ruler_data --tokenizer MODEL --lengths 600 --tasks niah_single_1 --out {data}")
+        f"restkv.data ruler --tokenizer MODEL --lengths 600 --tasks niah_single_1 --out {data}")
 
 
 def test_multi_question_runs_the_niah_tasks_only(capsys, no_model_loading):

@@ -118,7 +118,6 @@ def test_command_rejects_bad_grids(tmp_path):
                                "a hub id (org/name) or an embedded model (smollm2-135m, gemma3-270m)")
 
 
-@pytest.mark.skipif(not SHIPPED.exists(), reason="shipped score file not present")
 def test_shipped_smollm2_file_covers_every_query_head_and_allocates_exactly():
     entries = json.loads(SHIPPED.read_text())
     assert list(entries) == [f"{l}-{h}" for l in range(30) for h in range(9)]
