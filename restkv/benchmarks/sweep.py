@@ -23,7 +23,7 @@ task's score is then the mean over its questions, and ``samples`` counts questio
 
 The data come from the project's offline RULER generator (``restkv.benchmarks.ruler_data``),
 the runs from the RULER runner (``restkv.benchmarks.ruler``: resumable, one folder per method,
-budget and setting under ``--save_dir``), the scores from RULER's metrics. The model is loaded
+budget and setting under ``<save_dir>/len<length>``), the scores from RULER's metrics. The model is loaded
 once; per setting, the full cache runs first, then every method at every budget, under one
 progress bar ("run k of N"). The table gives, per setting, each task's score, the average, the
 share of prompt tokens the cache kept (from the runs' own cache reports, so a run in which
@@ -142,13 +142,19 @@ def runner_args(args: argparse.Namespace, spec: str, budget: list[str], agnostic
     argv = [*method_flags(spec), *budget, "--model_path", args.model_path,
             "--data_dir", str(Path(args.save_dir) / "data"), "--context_lengths", str(args.length),
             "--datasets", ",".join(ruler.parse_task_list(args.tasks)),
-            "--save_dir", str(args.save_dir), "--attn_implementation", args.attn_implementation,
+            "--save_dir", str(runs_dir(args)), "--attn_implementation", args.attn_implementation,
             "--num_shards", str(args.num_shards), "--shard_id", str(args.shard_id),
             *(["--query_agnostic"] if agnostic else []),
             *(["--multi_question"] if args.multi_question else []),
             *(["--max_new_tokens", str(args.max_new_tokens)] if args.max_new_tokens is not None else []),
             *(token for plugin in args.plugin or [] for token in ("--plugin", plugin))]
     return parse_runner_args(ruler.BENCHMARK, argv, ruler.add_flags, raising=True)
+
+
+def runs_dir(args: argparse.Namespace) -> Path:
+    """Where the runs' folders go: ``<save_dir>/len<length>``, so sweeps at several lengths share a ``--save_dir``
+    (a RULER run folder records its prompt limit, the length, and refuses another)."""
+    return Path(args.save_dir) / f"len{args.length}"
 
 
 def table_stem(args: argparse.Namespace) -> Path:

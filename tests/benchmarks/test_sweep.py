@@ -136,7 +136,7 @@ def test_the_main_command_writes_one_table_and_figure_and_a_partial_rerun_cannot
     assert (stem.parent / "sweep_400_table.png").read_bytes()[:4] == b"\x89PNG"
     assert f"figure: {stem.parent / 'sweep_400_table.png'}" in out
 
-    shutil.rmtree(tmp_path / "smollm2-135m" / "snapkv_ratio0.8")  # its predictions lost: rerun one shard
+    shutil.rmtree(tmp_path / "len400" / "smollm2-135m" / "snapkv_ratio0.8")  # its predictions lost: rerun one shard
     partial = sweep.main([*argv, "--query_aware", "--num_shards", "2", "--shard_id", "0"])
     err = capsys.readouterr().err
     assert [row["n"] for row in partial if row["task"] == tables.AVERAGE] == [4, 2]  # the rerun: half the samples
@@ -184,7 +184,7 @@ def test_a_multi_question_sweep_runs_reconstruction_and_kvzip_and_records_them(t
     multi = "query-agnostic, one question per needle"
     assert averages(rows) == [(multi, "fullkv", "full", "5/5"), (multi, "snapkv", "64", "5/5"),
                               (multi, "snapkv+observation=reconstruction", "64", "5/5"), (multi, "kvzip", "64", "5/5")]
-    folders = sorted(path.parent for path in (tmp_path / "smollm2-135m").glob("*/run_meta.json"))
+    folders = sorted(path.parent for path in (tmp_path / "len400" / "smollm2-135m").glob("*/run_meta.json"))
     recorded = {folder.name: json.loads((folder / "run_meta.json").read_text())["settings"] for folder in folders}
     assert {name: (s["config"]["method"], s["config"]["observation"]) for name, s in recorded.items()} == {
         "fullkv_agnostic_multi": ("fullkv", "window"),
@@ -202,3 +202,15 @@ def test_a_multi_question_sweep_runs_reconstruction_and_kvzip_and_records_them(t
     assert sweep.report(args, rows).splitlines()[0] == (
         "RULER 400 tokens, 1 samples per task, smollm2-135m, query-agnostic, one question per needle")
 
+
+
+def test_sweeps_at_two_lengths_share_one_save_dir_and_one_table_each(tmp_path, tiny, tokenizer):
+    """A RULER run folder records its prompt limit (the length), so the runs of each length live in their own
+    folder under the sweep's --save_dir; the second length runs instead of being refused."""
+    for length in ("400", "500"):
+        args = sweep.parse_args(["--length", length, "--tasks", "niah_single_1", "--num_samples", "1", "--methods",
+                                 "snapkv", "--budgets", "64", "--query_aware", "--max_new_tokens", "2",
+                                 "--save_dir", str(tmp_path)])
+        rows = sweep.run_sweep(args, model=tiny, tokenizer=tokenizer)
+        assert [samples for *_, samples in averages(rows)] == ["1/1", "1/1"]
+        assert (tmp_path / f"len{length}" / "smollm2-135m" / "snapkv_64" / length / "niah_single_1.jsonl").is_file()
