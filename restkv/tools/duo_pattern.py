@@ -7,7 +7,7 @@ without downloads::
 
 DuoAttention trains a gate per KV head; this is the training-free score kvpress computes when it
 has no trained pattern (``DuoAttentionPress(on_the_fly_scoring=True)``): over ``--num_texts``
-texts (the library's synthetic prose with facts, or ``--text_file``), each layer's mean query and
+texts (the training corpus of ``restkv.tools.training_text``, or ``--text_file``), each layer's mean query and
 mean key before RoPE are repeated over ``--span`` positions and rotated there (with the layer's own
 RoPE and attention scaling; kvpress turns every layer with the model's rotary embedding and scales
 by ``1 / sqrt(d)``: the same where the layers share one RoPE and use the usual scaling); a head's
@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from restkv.benchmarks.config_file import add_config_flags, parse_command_line
 from restkv.benchmarks.errors import FlagError, command_line
 from restkv.benchmarks.flags import check_output_path
 from restkv.integrations.transformers.models import model_label
@@ -64,7 +65,7 @@ def compute_pattern(model, texts: list[list[int]], span: int, qk_norm: bool = Tr
     return total / len(texts)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m restkv.tools.duo_pattern", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", required=True, help="embedded model name (smollm2-135m), folder or hub id")
@@ -80,7 +81,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="take the mean query and key after the attention's q/k norms (q_norm, k_norm), as the "
                              "attention computes them; --no-qk_norm: before them, as kvpress' on-the-fly scoring does "
                              "(it means to apply Gemma 3's and Qwen 3's norms but never does)")
-    args = parser.parse_args(argv)
+    add_config_flags(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    args, _ = parse_command_line(build_parser, argv)
     for flag in ("num_texts", "span", "sink_size", "recent_size"):
         if getattr(args, flag) < (0 if flag == "sink_size" else 1):
             raise FlagError(f"--{flag} must be at least {0 if flag == 'sink_size' else 1}; got {getattr(args, flag)}")

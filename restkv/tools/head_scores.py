@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from restkv.benchmarks.config_file import add_config_flags, parse_command_line
 from restkv.benchmarks.errors import BenchmarkError, FlagError, command_line
 from restkv.benchmarks.flags import check_output_path
 from restkv.benchmarks.longbench_metrics import qa_f1_score
@@ -259,10 +260,8 @@ def compute_head_scores(
     return per_head
 
 
-@command_line
-def main(argv: list[str] | None = None) -> Path:
-    from restkv.integrations.transformers.models import (DTYPES, check_model_path, load_model, load_tokenizer,
-                                                         model_label, model_path_errors)
+def build_parser() -> argparse.ArgumentParser:
+    from restkv.integrations.transformers.models import DTYPES
 
     parser = argparse.ArgumentParser(
         prog="python -m restkv.tools.head_scores",
@@ -283,7 +282,16 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--max_new_tokens", type=int, default=50,
                         help="decode limit per probe (each decoded token scores the heads)")
     parser.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
-    args = parser.parse_args(argv)
+    add_config_flags(parser)
+    return parser
+
+
+@command_line
+def main(argv: list[str] | None = None) -> Path:
+    from restkv.integrations.transformers.models import (check_model_path, load_model, load_tokenizer, model_label,
+                                                         model_path_errors)
+
+    args, parser = parse_command_line(build_parser, argv)
     if not 1 <= args.num_needles <= len(NEEDLES):
         parser.error(f"--num_needles must lie in [1, {len(NEEDLES)}]")
     if any(d < 0 or d > 100 for d in args.depths):

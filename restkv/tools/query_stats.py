@@ -6,7 +6,7 @@ model, without downloads::
 
     python -m restkv.tools.query_stats --model_path smollm2-135m --out data/query_stats/smollm2-135m.safetensors
 
-The texts are the library's synthetic prose with facts (``--num_texts`` of ``--text_length``
+The texts are the training corpus of ``restkv.tools.training_text`` (``--num_texts`` of ``--text_length``
 tokens), or ``--text_file``; each text's first ``--n_sink`` queries are left out (attention-sink
 outliers), the rest of all texts pooled: ``query_mean`` ``[L, H, d]`` and ``query_cov``
 ``[L, H, d, d]`` (divided by ``n - 1``), as kvpress' collection computes them.
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from restkv.benchmarks.config_file import add_config_flags, parse_command_line
 from restkv.benchmarks.errors import FlagError, command_line
 from restkv.benchmarks.flags import check_output_path
 from restkv.integrations.transformers.models import model_label
@@ -44,7 +45,7 @@ def collect_query_stats(model, texts: list[list[int]], n_sink: int) -> tuple[tor
     return mean, centred.transpose(-1, -2) @ centred / (queries.shape[2] - 1)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m restkv.tools.query_stats", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", required=True, help="embedded model name (smollm2-135m), folder or hub id")
@@ -54,7 +55,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--text_file", default=None, help="read the texts from this file instead of generating them")
     parser.add_argument("--n_sink", type=int, default=4, help="first queries of each text left out")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated texts")
-    args = parser.parse_args(argv)
+    add_config_flags(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    args, _ = parse_command_line(build_parser, argv)
     for flag, least in (("num_texts", 1), ("text_length", 2), ("n_sink", 0)):
         if getattr(args, flag) < least:
             raise FlagError(f"--{flag} must be at least {least}; got {getattr(args, flag)}")

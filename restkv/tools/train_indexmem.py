@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from restkv.benchmarks.config_file import add_config_flags, parse_command_line
 from restkv.benchmarks.flags import check_output_path
 from restkv.benchmarks.text import synthetic_prose
 from restkv.cache.partial import Probe, reference_kernel
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (the per-layer losses are small tensors: one thread is usually fastest)")
+    add_config_flags(parser)
     return parser
 
 
@@ -293,7 +295,7 @@ def train(model, sequences: list[torch.Tensor], args: argparse.Namespace) -> Ind
 
 def main(argv: list[str] | None = None) -> IndexMemWeights:
     """The command line; bad input (flags, a model that does not load) is one ``error:`` line."""
-    args = build_parser().parse_args(argv)
+    args, _ = parse_command_line(build_parser, argv)
     try:
         check_args(args)
         model, tokenizer = load_frozen(args.model_path)
