@@ -13,7 +13,9 @@ features is fitted exactly). ``python -m restkv.tools.train_scorer`` collects th
 File format (``torch.save`` of a dict; ``save`` and ``load_weights``): ``format``
 (``WEIGHTS_FORMAT``), ``weight`` ``[layers, KV heads, 2 d + 1]`` float32, ``target`` (the
 scores it predicts, e.g. ``kvzip``), ``training`` (how it was made: model, text, sequences,
-tokens, ridge, fit error).
+tokens, ridge, fit error, and the held-out report: per held-out text type, the recall of the
+target's top scores and the n-gram overlap with the training text; ``held_out``). The trainer
+writes no weights without that report (``missing_held_out``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ class ScorerWeights:
         """``(layers, KV heads, head dim)`` the weights were fitted for."""
         layers, heads, width = self.weight.shape
         return layers, heads, (width - 1) // 2
+
+    @property
+    def held_out(self) -> dict[str, dict]:
+        """Per held-out text type, what the trainer measured there (``recall``, ``token_overlap``,
+        ``word_overlap``); empty for weights made before the held-out protocol."""
+        return dict(self.training.get("held_out", {}))
 
     def predict(self, layer_idx: int, pre_rope_key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """``[B, H_kv, N]`` float32 predicted log-scores of layer ``layer_idx``'s tokens."""
@@ -100,6 +108,14 @@ class LeastSquares:
         fit = (self.factor @ weight[..., None]).squeeze(-1) - self.projected
         error = fit.square().sum(dim=-1) + self.target_square - self.projected.square().sum(dim=-1)
         return weight.float(), (error.clamp(min=0) / self.tokens.clamp(min=1)).float()
+
+
+def missing_held_out(weights: ScorerWeights, types: list[str]) -> list[str]:
+    """The ``types`` whose held-out report ``weights`` lack (all of them when none is asked: a report needs one)."""
+    if not types:
+        return ["any held-out type"]
+    needed = ("recall", "token_overlap", "word_overlap")
+    return [name for name in types if not all(key in weights.held_out.get(name, {}) for key in needed)]
 
 
 def save(path: str | Path, weights: ScorerWeights) -> None:

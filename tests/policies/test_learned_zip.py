@@ -9,12 +9,13 @@ from tiny_models import random_prompt, replace_for, tiny_model
 
 import restkv.tools.train_scorer as train_scorer
 from restkv import ConfigError
+from restkv.benchmarks.heldout_text import HELD_OUT_TYPES
 from restkv.cache import kept_positions
 from restkv.files.head_scores import load_head_scores
 from restkv.integrations.transformers.deferred import listening_to_scores
 from restkv.integrations.transformers.generation import prefill
 from restkv.integrations.transformers.patching import replace_for_model
-from restkv.learned.scorer import SHIPPED_WEIGHTS, LeastSquares, ScorerWeights, load_weights, save
+from restkv.learned.scorer import SHIPPED_WEIGHTS, LeastSquares, ScorerWeights, load_weights, missing_held_out, save
 from restkv.tools.train_scorer import Collected
 
 pytestmark = pytest.mark.filterwarnings("ignore:restkv. --observation reconstruction without")
@@ -102,19 +103,33 @@ def test_weights_of_another_shape_are_refused_before_the_model_runs(tmp_path):
         replace_for_model(tiny_model("llama"), method="learned_zip", max_capacity_prompts=8)
 
 
-def test_the_shipped_weights_fit_the_embedded_model_and_say_how_they_were_made():
+def test_the_shipped_weights_fit_the_embedded_model_and_were_checked_on_text_they_never_saw():
     weights = load_weights(SHIPPED_WEIGHTS)
     assert weights.shape == (30, 3, 64) and weights.target == "kvzip"
-    assert weights.training["model_path"] == "smollm2-135m" and weights.training["held_out_recall"] > 0.5
+    assert weights.training["model_path"] == "smollm2-135m" and weights.training["text"] == train_scorer.CORPUS_NAME
+    assert set(weights.held_out) == set(HELD_OUT_TYPES) and not missing_held_out(weights, list(HELD_OUT_TYPES))
+    for report in weights.held_out.values():
+        assert report["recall"] > 0.5 and report["token_overlap"] < 0.01 and report["word_overlap"] < 0.01
+    assert all(shares["token_overlap"] < 0.01 for shares in weights.training["benchmark_overlap"].values())
 
 
 def test_the_training_command_writes_weights_the_method_loads_and_head_scores_headkv_reads(tiny_model_dir,
                                                                                              tmp_path):
     out, heads = tmp_path / "weights.pt", tmp_path / "new_folder" / "heads.json"  # a folder it makes
+    save(tmp_path / "b.pt", ScorerWeights(torch.randn(*TINY_SHAPE[:2], 33, generator=torch.Generator().manual_seed(0)),
+                                          "kvzip"))
     weights = train_scorer.main(["--model_path", str(tiny_model_dir), "--output", str(out), "--num_sequences", "3",
-                                 "--held_out", "1", "--seq_len", "96", "--head_scores_output", str(heads)])
+                                 "--held_out", "1", "--seq_len", "96", "--head_scores_output", str(heads),
+                                 "--held_out_types", "code", "dialogue", "--baseline_weights", str(tmp_path / "b.pt")])
     assert weights.shape == TINY_SHAPE and torch.equal(load_weights(out).weight, weights.weight)
-    assert weights.training["tokens"] > 0 and 0 <= weights.training["held_out_recall"] <= 1
+    assert weights.training["tokens"] > 0 and weights.training["sequences"] == 3
+    # the report: per held-out type asked, the recall on its sequence and the overlap with the training text
+    report = load_weights(out).held_out
+    assert set(report) == {"code", "dialogue"} and all(0 <= line["recall"] <= 1 for line in report.values())
+    assert all(line["token_overlap"] < 0.01 and line["word_overlap"] < 0.01 for line in report.values())
+    baseline = weights.training["baseline"]["recall"]  # other weights judged on the same passes
+    assert set(baseline) == {"code", "dialogue"} and baseline != {name: line["recall"] for name, line in report.items()}
+    assert len(weights.training["benchmark_overlap"]) > 10  # the synthetic prose, RULER's tasks, the needle's prompt
     model = tiny_model("llama", vocab_size=49152)
     replace_for_model(model, method="learned_zip", max_capacity_prompts=8, learned_zip_weights=str(out))
     importance = load_head_scores(heads, 3, 4)  # every query head, each KV head's value for its group
@@ -129,7 +144,10 @@ def test_the_training_command_writes_weights_the_method_loads_and_head_scores_he
     (["--output", "{tmp}"], "--output {tmp}: a folder; give a file path"),
     (["--output", "{tmp}/a_file/w.pt"], "--output {tmp}/a_file/w.pt: cannot make its folder: {tmp}/a_file is a file"),
     (["--head_scores_output", "{tmp}"], "--head_scores_output {tmp}: a folder; give a file path"),
-    (["--held_out", "3"], "--held_out must lie in [0, --num_sequences 3); got 3"),
+    # no held-out report, no weights
+    (["--held_out", "0"], "--held_out 0 --held_out_types code records dialogue news: weights are written only with a"),
+    (["--held_out_types"], "--held_out 2 --held_out_types (none): weights are written only with a held-out report"),
+    (["--baseline_weights", "{tmp}/a_file"], "--baseline_weights '{tmp}/a_file' is not a readable weights file"),
     (["--ridge", "-1"], "--ridge must be >= 0; got -1.0"),
     (["--seq_len", "10"], "--seq_len must be at least 64"),
 ])
@@ -142,6 +160,19 @@ def test_the_training_command_checks_its_flags_before_the_model_loads(flags, mes
     with pytest.raises(SystemExit) as stop:
         train_scorer.main(["--num_sequences", "3", *(flag.format(tmp=tmp_path) for flag in flags)])
     assert str(stop.value.code).startswith(f"error: {message.format(tmp=tmp_path)}")
+
+
+def test_weights_without_a_held_out_report_are_not_written(tmp_path):
+    path = tmp_path / "w.pt"
+    partial = {"held_out": {"code": {"recall": 0.8, "token_overlap": 0.0, "word_overlap": 0.0},
+                            "news": {"recall": 0.7}}}
+    for training, missing in (({}, "code, news"), (partial, "news"), (partial, "any held-out type")):
+        with pytest.raises(SystemExit, match=f"error: no held-out report for {missing}: weights not written"):
+            train_scorer.write_weights(str(path), ScorerWeights(torch.zeros(3, 2, 33), "kvzip", training),
+                                       [] if missing == "any held-out type" else ["code", "news"])
+        assert not path.exists()
+    train_scorer.write_weights(str(path), ScorerWeights(torch.zeros(3, 2, 33), "kvzip", partial), ["code"])
+    assert load_weights(path).held_out == partial["held_out"]
 
 
 @pytest.mark.parametrize("family, message", [
