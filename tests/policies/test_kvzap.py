@@ -9,6 +9,8 @@ from tiny_models import (assert_model_compresses, assert_refused_when_configured
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.cache import kept_positions
 from restkv.integrations.transformers.compat import output_cache
+from restkv.integrations.transformers.generation import prefill
+from restkv.learned.kvzap import SHIPPED_SURROGATES, surrogates_of, training_record
 
 
 def surrogate_file(path, layers=3, hidden=64, kv_heads=2, mlp=True, seed=0):
@@ -43,9 +45,7 @@ def test_each_heads_score_is_its_surrogates_output_at_the_token(tmp_path, mlp):
         assert set(out.indices[0, head].tolist()) == set(scores[:, head].topk(20).indices.tolist())
 
 
-def test_kvzap_needs_its_weights_and_the_hidden_states(tmp_path):
-    with pytest.raises(ConfigError, match="--method kvzap needs --kvzap_weights FILE"):
-        CompressionConfig(method="kvzap", max_capacity_prompts=20, window_size=0)
+def test_kvzap_reads_its_weights_and_needs_the_hidden_states(tmp_path):
     with pytest.raises(ConfigError, match="--kvzap_weights .* is not a file"):
         CompressionConfig(method="kvzap", max_capacity_prompts=20, window_size=4, kvzap_weights=str(tmp_path / "none"))
     save_file({"q_filters": torch.zeros(2, 2, 4)}, str(tmp_path / "other.safetensors"))
@@ -116,3 +116,28 @@ def test_surrogates_that_are_no_surrogates_are_refused_when_the_config_is_built(
     save_file({**tensors, "layers.1.0.weight": torch.zeros(16, 64, dtype=torch.int32)}, path)
     with pytest.raises(ConfigError, match="layers.1.0.weight must be a tensor of floating-point numbers"):
         CompressionConfig(method="kvzap", max_capacity_prompts=20, window_size=4, kvzap_weights=path)
+
+
+def test_the_template_around_the_context_span_is_kept_as_kvzip_keeps_it(tmp_path):
+    """KVzap ranks the context as KVzip does: the chat template around a given span is kept whatever its score."""
+    path, _ = surrogate_file(tmp_path / "kvzap.safetensors")
+    model = tiny_model("llama")
+    replace_for("llama")(method="kvzap", max_capacity_prompts=30, window_size=0, kvzap_weights=path)
+    kept = kept_positions(prefill(model, random_prompt(1, 80, seed=9), context_span=(10, 70)))
+    template = set(range(10)) | set(range(70, 80))
+    assert all(template <= set(head) for layer in kept for head in layer.exact[0])
+    assert sum(len(head) for layer in kept for head in layer.exact[0]) == 3 * 2 * 30
+
+
+def test_the_shipped_surrogates_are_the_default_and_fit_the_embedded_model_only():
+    config = CompressionConfig(method="kvzap", max_capacity_prompts=20, window_size=0)
+    assert config.policy.file_read("kvzap_weights") == str(SHIPPED_SURROGATES)
+    surrogates = surrogates_of(str(SHIPPED_SURROGATES))
+    assert len(surrogates) == 30 and surrogates[0][0][0].shape[1] == 576 and surrogates[0][-1][0].shape[0] == 3
+    record = training_record(SHIPPED_SURROGATES)
+    assert record["model_path"] == "smollm2-135m" and record["text"] == "restkv.tools.training_text"
+    assert all(report["token_overlap"] < 0.01 and report["kvzap_recall"]["0.1"] > 0.3
+               for report in record["held_out"].values())
+    assert_refused_when_configured(dict(method="kvzap", max_capacity_prompts=20, window_size=4),
+                                   "shipped surrogates are SmolLM2-135M's: train surrogates for this model with "
+                                   "python -m restkv.tools.train_kvzap")
