@@ -33,13 +33,13 @@ import torch
 from tqdm import tqdm
 
 from restkv.benchmarks.flags import check_output_path
-from restkv.benchmarks.heldout_text import HELD_OUT_TYPES, held_out_sequences
+from restkv.benchmarks.heldout_text import held_out_sequences
 from restkv.integrations.transformers.models import check_model_path, load_frozen
 from restkv.integrations.transformers.patching import shape_of
 from restkv.learned.kvzap import Surrogate, fit_linear, fit_mlp, predict, save_surrogates
 from restkv.learned.scorer import LeastSquares, ScorerWeights
-from restkv.tools.train_scorer import (CORPUS_NAME, Collected, held_out_recall, kvzip_passes, overlap_report,
-                                       patch_for_kvzip_scores)
+from restkv.tools.train_scorer import (CORPUS_NAME, Collected, add_held_out_flags, held_out_recall, kvzip_passes,
+                                       overlap_report, patch_for_kvzip_scores)
 from restkv.tools.training_text import training_sequences
 
 KINDS = ("linear", "mlp")
@@ -54,10 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", default="kvzap.safetensors", help="surrogates file (what --kvzap_weights loads)")
     parser.add_argument("--num_sequences", type=int, default=24, help="training sequences")
     parser.add_argument("--seq_len", type=int, default=1024, help="tokens of text per sequence")
-    parser.add_argument("--held_out", type=int, default=2,
-                        help="held-out sequences of each --held_out_types type the fit is checked on (at least 1)")
-    parser.add_argument("--held_out_types", nargs="*", default=list(HELD_OUT_TYPES), choices=HELD_OUT_TYPES,
-                        metavar="TYPE", help=f"held-out text types (default: all: {' '.join(HELD_OUT_TYPES)})")
+    add_held_out_flags(parser)
     parser.add_argument("--check_ratio", type=float, nargs="+", default=[0.1, 0.2],
                         help="budget shares of the held-out check")
     parser.add_argument("--ridge", type=float, default=1e-3,

@@ -56,6 +56,14 @@ SCORE_FLOOR = 1e-8
 CORPUS_NAME = "restkv.tools.training_text"
 
 
+def add_held_out_flags(parser: argparse.ArgumentParser) -> None:
+    """The held-out check every learned scorer's trainer runs (weights are written only with its report)."""
+    parser.add_argument("--held_out", type=int, default=2,
+                        help="held-out sequences of each --held_out_types type the fit is checked on (at least 1)")
+    parser.add_argument("--held_out_types", nargs="*", default=list(HELD_OUT_TYPES), choices=HELD_OUT_TYPES,
+                        metavar="TYPE", help=f"held-out text types (default: all: {' '.join(HELD_OUT_TYPES)})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default="smollm2-135m")
@@ -65,10 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"plain-text training data (default: the training corpus, {CORPUS_NAME})")
     parser.add_argument("--num_sequences", type=int, default=12, help="training sequences")
     parser.add_argument("--seq_len", type=int, default=1024, help="tokens of text per sequence (held-out ones too)")
-    parser.add_argument("--held_out", type=int, default=2,
-                        help="held-out sequences of each --held_out_types type the fit is checked on (at least 1)")
-    parser.add_argument("--held_out_types", nargs="*", default=list(HELD_OUT_TYPES), choices=HELD_OUT_TYPES,
-                        metavar="TYPE", help=f"held-out text types (default: all: {' '.join(HELD_OUT_TYPES)})")
+    add_held_out_flags(parser)
     parser.add_argument("--baseline_weights", default=None,
                         help="also report these weights' held-out recall, on the same held-out passes")
     parser.add_argument("--ridge", type=float, default=1e-3,
