@@ -75,7 +75,7 @@ class Policy(Options):
     #: switches the method is defined with (``think`` = SnapKV with ``--think``, ``momentkv`` =
     #: SnapKV with ``--moments``)
     own_switches: ClassVar[tuple[str, ...]] = ()
-    #: scores with weights fitted to one model's layers and heads (``learned_zip``), so it cannot
+    #: scores with weights fitted to one model's layers and heads (``learned_zip``, ``kvzap``), so it cannot
     #: score a layer of any other shape
     fitted_to_a_model: ClassVar[bool] = False
     #: ranks the context alone as KVzip does without reading reconstruction queries (``learned_zip``): the

@@ -41,6 +41,7 @@ class KVzap(Policy):
     observes_queries = False
     needs_hidden_states = True
     ranks_context_alone = True
+    fitted_to_a_model = True
 
     kvzap_weights: str | None = option(
         None, "KVzap: safetensors file of the per-layer surrogates (kvpress' KVzapModel: layers.{l}.weight/bias, or "
