@@ -57,14 +57,21 @@ def smollm2():
 
 
 @pytest.fixture
-def no_model_loading(monkeypatch):
-    """Fails the test if a runner loads a model: the error under test must be found before."""
-    import restkv.integrations.transformers.models
-
+def refuse_model_loading(monkeypatch):
+    """``refuse_model_loading(module, name)``: the test fails if ``module.name`` (a model loader, as the
+    module imported it) is called: the error under test must be found before any model loads."""
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the error was found")
 
-    monkeypatch.setattr(restkv.integrations.transformers.models, "load_model", refuse)
+    return lambda module, name: monkeypatch.setattr(module, name, refuse)
+
+
+@pytest.fixture
+def no_model_loading(refuse_model_loading):
+    """Fails the test if a runner loads a model: the error under test must be found before."""
+    import restkv.integrations.transformers.models
+
+    refuse_model_loading(restkv.integrations.transformers.models, "load_model")
 
 
 @pytest.fixture(scope="module")

@@ -466,11 +466,8 @@ def test_the_training_command_writes_weights_the_method_loads(tiny_model_dir, tm
     (["--model_path", "{tmp}/no-model"], "--model_path {tmp}/no-model: no such folder; give a local model folder, a "
                                          "hub id (org/name) or an embedded model (smollm2-135m, gemma3-270m)"),
 ])
-def test_the_training_command_checks_its_flags_before_the_model_loads(flags, message, tmp_path, monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the error was found")
-
-    monkeypatch.setattr(train_indexmem, "load_frozen", refuse)
+def test_the_training_command_checks_its_flags_before_the_model_loads(flags, message, tmp_path, refuse_model_loading):
+    refuse_model_loading(train_indexmem, "load_frozen")
     (tmp_path / "a_file").write_text("")
     with pytest.raises(SystemExit) as stop:
         train_indexmem.main([*TRAIN_TINY, *(flag.format(tmp=tmp_path) for flag in flags)])

@@ -151,11 +151,8 @@ def test_the_training_command_writes_weights_the_method_loads_and_head_scores_he
     (["--ridge", "-1"], "--ridge must be >= 0; got -1.0"),
     (["--seq_len", "10"], "--seq_len must be at least 64"),
 ])
-def test_the_training_command_checks_its_flags_before_the_model_loads(flags, message, tmp_path, monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the error was found")
-
-    monkeypatch.setattr(train_scorer, "load_frozen", refuse)
+def test_the_training_command_checks_its_flags_before_the_model_loads(flags, message, tmp_path, refuse_model_loading):
+    refuse_model_loading(train_scorer, "load_frozen")
     (tmp_path / "a_file").write_text("")
     with pytest.raises(SystemExit) as stop:
         train_scorer.main(["--num_sequences", "3", *(flag.format(tmp=tmp_path) for flag in flags)])

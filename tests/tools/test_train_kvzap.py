@@ -102,11 +102,8 @@ def test_the_training_command_writes_surrogates_the_method_scores_with(tiny_mode
     (["--lr", "0"], "--lr must be > 0; got 0.0"),
     (["--output", "{tmp}"], "--output {tmp}: a folder; give a file path"),
 ])
-def test_the_training_command_checks_its_flags_before_the_model_loads(flags, message, tmp_path, monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the error was found")
-
-    monkeypatch.setattr(train_kvzap, "load_frozen", refuse)
+def test_the_training_command_checks_its_flags_before_the_model_loads(flags, message, tmp_path, refuse_model_loading):
+    refuse_model_loading(train_kvzap, "load_frozen")
     with pytest.raises(SystemExit) as stop:
         train_kvzap.main([flag.format(tmp=tmp_path) for flag in flags])
     assert str(stop.value) == "error: " + message.format(tmp=tmp_path)
