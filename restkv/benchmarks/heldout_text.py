@@ -7,7 +7,8 @@ index), so no two types and no two seeds draw the same stream:
 
 * ``code``: a Python-like module of functions and classes with identifiers and constants; the
   question asks the value a constant is assigned;
-* ``records``: a CSV table of orders; the question asks one field of the row with a given id;
+* ``records``: an order log, one order per line with labelled fields; the question asks the tracking
+  number of the one order a given customer placed;
 * ``dialogue``: speaker turns of a team's chat; the question asks a code one speaker gave;
 * ``news``: several short news reports; the question asks a figure one organisation announced.
 
@@ -110,18 +111,24 @@ def _order_id(rng: random.Random) -> str:
     return f"ORD-{rng.randint(100000, 999999)}"
 
 
-def _row(rng: random.Random, order: str) -> tuple[str, str]:
-    """A CSV row and its tracking number."""
-    tracking = f"{rng.choice('TXZ')}{rng.randint(10**8, 10**9 - 1)}"
+def _row(rng: random.Random, order: str, customer: str | None = None) -> tuple[str, str]:
+    """An order line (by ``customer``, default a random one) and its tracking number."""
+    tracking = str(rng.randint(1000, 9999))
     date = f"2019-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
-    return (f"{order},{_pick(rng, _FIRST)} {_pick(rng, _LAST)},{_pick(rng, _CITIES)},{_pick(rng, _PRODUCTS)},"
-            f"{rng.randint(1, 9)},{rng.randint(5, 900)}.{rng.randint(0, 99):02d},{date},{tracking}"), tracking
+    customer = customer or f"{_pick(rng, _FIRST)} {_pick(rng, _LAST)}"
+    return (f"Tracking number for {customer}'s order: {tracking} ({_pick(rng, _PRODUCTS)} x{rng.randint(1, 9)}, "
+            f"{_pick(rng, _CITIES)}, {date}, order {order}, total {rng.randint(5, 900)}.{rng.randint(0, 99):02d})"), tracking
+
+
+#: the asked order's customer: names no other line uses, so the question names one line
+_ASKED_FIRST = "Wilhelmina Bartholomew Ottoline Cosimo Philippa Leopold Henrietta Ambrose"
+_ASKED_LAST = "Featherstone Quenby Ravenscroft Tolliver Winterbourne Ashcombe Pendragon Marchbank"
 
 
 def _records_fact(rng: random.Random) -> _Fact:
-    order = _order_id(rng)
-    row, tracking = _row(rng, order)
-    return _Fact(row, order, f"What is the tracking number of order {order}?", tracking)
+    customer = f"{_pick(rng, _ASKED_FIRST)} {_pick(rng, _ASKED_LAST)}"
+    row, tracking = _row(rng, _order_id(rng), customer)
+    return _Fact(row, customer, f"What is the tracking number for {customer}'s order?", tracking)
 
 
 # ----------------------------------------------------------------------------- dialogue
@@ -195,13 +202,14 @@ def _news_fact(rng: random.Random) -> _Fact:
     filler = [_news_sentence(rng, rng.choice(_TOPICS), org) for _ in range(rng.randint(2, 4))]
     filler.insert(rng.randint(0, len(filler)), claim)
     return _Fact(_report(rng, org, filler), f"depot in {town}",
-                 f"How many workers did {org} say it would hire at its new depot in {town}?", count)
+                 f"According to the reports above, {org} said it would hire how many workers at a new depot in "
+                 f"{town}?", count)
 
 
 _GENERATORS = {
     "code": _TextType(lambda rng: f"# module {_pick(rng, _NOUNS)}_{_pick(rng, _NOUNS)}.py\nimport os\n",
                       _code_unit, _code_fact, "\n\n"),
-    "records": _TextType(lambda rng: "order_id,customer,city,product,quantity,total,date,tracking",
+    "records": _TextType(lambda rng: "Shipping log (one order per line)",
                          lambda rng: _row(rng, _order_id(rng))[0], _records_fact, "\n"),
     "dialogue": _TextType(lambda rng: f"#{_pick(rng, 'ops office facilities lab')}-team channel",
                           _dialogue_unit, _dialogue_fact, "\n"),
