@@ -208,13 +208,55 @@ def answer_nll(model, prompt_ids: torch.Tensor, answer_ids: torch.Tensor,
     if answer_ids.shape[-1] == 0:
         raise ValueError("answer_nll needs at least one answer token")
     cache, first = _prefill(model, prompt_ids, None, context_span)
-    question = question_ids if question_ids is not None else prompt_ids[:, :0]
+    return continuation_nll(model, cache, first, prompt_ids.shape[-1], answer_ids, question_ids)
+
+
+@torch.no_grad()
+def prefill_with_logits(model, prompt_ids: torch.Tensor, context_span: tuple[int, int] | None = None,
+                        appends: int | None = None) -> tuple[DynamicCache, torch.Tensor]:
+    """``prefill`` of one unpadded row ``[1, L]``, also returning the logits of its last position ``[1, 1, vocab]``:
+    what ``continuation_nll`` and ``greedy_continuation`` read on, so that one compression serves both (a
+    benchmark times the compression apart from them). ``appends``: the tokens that will follow, when known."""
+    _check_ids(prompt_ids, None, "the prompt")
+    if prompt_ids.shape[0] != 1:
+        raise ValueError("prefill_with_logits reads one row at a time")
+    return _prefill(model, prompt_ids, None, context_span, appends)
+
+
+@torch.no_grad()
+def continuation_nll(model, cache: DynamicCache, last_logits: torch.Tensor, start: int, answer_ids: torch.Tensor,
+                     question_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The NLL of each token of ``answer_ids`` ``[1, A]`` after ``question_ids`` ``[1, Q]`` (if any), both fed as
+    new tokens from position ``start`` into ``cache`` (which they extend), ``last_logits`` being the prefill's
+    last logits. Returns ``[A]`` float32 (natural log)."""
+    question = question_ids if question_ids is not None else answer_ids[:, :0]
     rest = torch.cat([question, answer_ids[:, :-1]], dim=-1)
-    logits = first
+    logits = last_logits
     if rest.shape[-1]:
-        start = prompt_ids.shape[-1]
         positions = torch.arange(start, start + rest.shape[-1], device=rest.device)[None]
         later = model(input_ids=rest, position_ids=positions, **with_cache(cache)).logits
-        logits = torch.cat([first, later], dim=1)
+        logits = torch.cat([last_logits, later], dim=1)
     predicting = logits[0, question.shape[-1]:].float()  # the logits that predict each answer token
     return torch.nn.functional.cross_entropy(predicting, answer_ids[0], reduction="none")
+
+
+@torch.no_grad()
+def greedy_continuation(model, cache: DynamicCache, last_logits: torch.Tensor, start: int,
+                        question_ids: torch.Tensor | None, max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    """Greedy answer after ``question_ids`` (if any), fed from position ``start`` into ``cache``: at most
+    ``max_new_tokens`` ids, ending at the first of ``stop_ids`` (not included)."""
+    logits, position, answer = last_logits, start, []
+    if question_ids is not None and question_ids.shape[-1]:
+        positions = torch.arange(start, start + question_ids.shape[-1], device=question_ids.device)[None]
+        logits = model(input_ids=question_ids, position_ids=positions, **with_cache(cache)).logits
+        position += question_ids.shape[-1]
+    while len(answer) < max_new_tokens:
+        token = int(logits[0, -1].argmax())
+        if token in stop_ids:
+            break
+        answer.append(token)
+        step = torch.tensor([[token]], device=logits.device)
+        logits = model(input_ids=step, position_ids=torch.tensor([[position]], device=logits.device),
+                       **with_cache(cache)).logits
+        position += 1
+    return answer
