@@ -56,6 +56,9 @@ __all__ = ["CompressionConfig", "ConfigError", "ModelShape", "RunOptions", "conf
 OBSERVATIONS = ("window", "reconstruction")
 #: how a scorer's aggregation over its observation queries reads the reconstruction queries
 RECONSTRUCTION_REDUCTIONS = ("max", "mean")
+#: what the model reads before it repeats each chunk of the context
+#: (``restkv.integrations.transformers.reconstruction_prompt`` builds each)
+RECONSTRUCTION_PROMPTS = ("instruction", "none", "closing", "user_turn")
 #: context tokens one reconstruction forward repeats, unless the method or ``--reconstruction_chunk``
 #: says otherwise (KVzip's)
 RECONSTRUCTION_CHUNK = 2048
@@ -112,6 +115,14 @@ class RunOptions(Options):
         "them gives a token (KVzip's: a token matters if some part of the context needs it) or their mean",
         RECONSTRUCTION_REDUCTIONS,
     )
+    reconstruction_prompt: str = option(
+        "none",
+        "--observation reconstruction: what the model reads before it repeats the context: nothing (none; the best "
+        "of the four on held-out text, docs/methods/reconstruction.md); KVzip's instruction continuing the user "
+        "turn, then the template's closing (instruction, the reference's); the template's closing alone (closing); "
+        "the user turn closed and opened again as it began (user_turn)",
+        RECONSTRUCTION_PROMPTS,
+    )
     prefill_chunk_size: int | None = option(
         None, "feed the prompt in chunks of this many tokens, compressing after each (no layer holds more than "
         "budget + chunk entries); default: one pass", minimum=1,
@@ -140,7 +151,7 @@ _SWITCHED_RUN_OPTIONS = {
     "decode_interval": ("--decode_budget", lambda run, policy_cls: run.decode_budget is not None),
     **{name: ("--observation reconstruction",
               lambda run, policy_cls: (run.observation or policy_cls.default_observation) == "reconstruction")
-       for name in ("reconstruction_chunk", "reconstruction_reduce")},
+       for name in ("reconstruction_chunk", "reconstruction_reduce", "reconstruction_prompt")},
 }
 
 
@@ -449,6 +460,11 @@ class CompressionConfig:
         for part in self.parts:
             values.update(part.options())
         return values
+
+    def idle_run_options(self) -> set[str]:
+        """The common options this run does not use: those that act only while a setting it has off is on
+        (``--reconstruction_prompt`` of a window scorer)."""
+        return {name for name, (_, is_on) in _SWITCHED_RUN_OPTIONS.items() if not is_on(self.run, type(self.policy))}
 
     def describe(self) -> str:
         """``--method snapkv --allocation adakv --residual``: the composition, as flags."""

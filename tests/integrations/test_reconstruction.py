@@ -83,6 +83,40 @@ def test_the_reconstruction_continues_the_user_turn_that_holds_the_context(token
             OPENING + sample.context + INSTRUCTION + "<|im_end|>\n<|im_start|>assistant\n" + sample.context)
 
 
+def test_each_reconstruction_prompt_form_puts_its_piece_before_every_chunk(tokenizer):
+    """--reconstruction_prompt: none repeats right after the context, closing after the template's closing,
+    user_turn after the user turn is closed and opened again as the template began it (system prompt, user
+    header; no second BOS where the tokenizer adds its own); a later chunk gets the same piece."""
+    chat = with_template(tokenizer, TINY_TEMPLATE)
+    prompt = set_reconstruction_prompt(tiny_model("llama"), chat)
+    previous = torch.tensor(chat("one two three four five six seven eight nine ten", add_special_tokens=False).input_ids)
+    expected = {"none": "", "closing": "<|im_end|>\n<|im_start|>assistant\n",
+                "user_turn": "<|im_end|>\n" + OPENING.removeprefix("<|endoftext|>")}
+    for form, text in expected.items():
+        assert chat.decode(prompt.before(None, form)) == text
+        assert chat.decode(prompt.before(previous, form)) == text
+    plain = set_reconstruction_prompt(tiny_model("llama"), with_template(tokenizer, None))
+    assert plain.before(None, "user_turn").tolist() == with_template(tokenizer, None)("\n\n").input_ids[1:]
+
+
+@pytest.mark.parametrize("form, length", [("instruction", 3), ("none", 0), ("closing", 1), ("user_turn", 2)])
+def test_the_reconstruction_reads_the_form_the_config_names(form, length):
+    model = tiny_model("llama")
+    repeated = []
+
+    def count_repeated(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.shape[1] < 90:
+            repeated.append(hidden.shape[1])
+
+    model.model.layers[0].register_forward_pre_hook(count_repeated, with_kwargs=True)
+    model_state(model.model).reconstruction_prompt = ReconstructionPrompt(
+        torch.tensor([5, 6]), torch.tensor([8]), torch.tensor([7]), torch.tensor([9, 10]))
+    replace_for("llama")(method="kvzip", max_capacity_prompts=30, reconstruction_prompt=form)
+    prefill(model, random_prompt(1, 90), context_span=(10, 80))
+    assert repeated == [length + 70]
+
+
 def test_without_a_chat_template_the_reconstruction_uses_kvzips_plain_closing(tokenizer):
     plain = with_template(tokenizer, None)
     prefix = set_reconstruction_prompt(tiny_model("llama"), plain).before(None)
@@ -146,7 +180,7 @@ def test_kvzip_scores_are_the_largest_attention_of_the_reconstruction_queries():
                 chunk = rows[..., [columns.index(c) for c in range(first, last)]]
                 expected[index, :, first:last] = chunk.amax(dim=1).view(2, 2, -1).amax(dim=1)
     replace_for("llama")(method="kvzip", max_capacity_prompts=10, reconstruction_chunk=16, n_sink=sinks,
-                         kvzip_layerwise=True)
+                         kvzip_layerwise=True, reconstruction_prompt="instruction")
     scores = recorded_scores(lambda: prefill(model, context))
     for index, layer_scores in scores.items():
         torch.testing.assert_close(layer_scores[0, :, sinks:], expected[index, :, sinks:], rtol=1e-5, atol=1e-6)
@@ -336,7 +370,8 @@ def test_a_context_span_keeps_the_template_around_it_and_only_the_context_is_rep
     hook = model.model.layers[0].register_forward_pre_hook(count_repeated, with_kwargs=True)
     model_state(model.model).reconstruction_prompt = ReconstructionPrompt(
         torch.tensor([5, 6]), torch.tensor([8]), torch.tensor([7]))  # as set_reconstruction_prompt sets it
-    replace_for("llama")(method="kvzip", max_capacity_prompts=30, reconstruction_chunk=128)
+    replace_for("llama")(method="kvzip", max_capacity_prompts=30, reconstruction_chunk=128,
+                         reconstruction_prompt="instruction")
     cache = prefill(model, prompt, context_span=(10, 80))
     hook.remove()
     model_state(model.model).reconstruction_prompt = None

@@ -93,6 +93,8 @@ def replay(case: str, **changes) -> tuple[list[list[list[int]]], dict[int, tuple
     head the kept positions, and per layer the policy's scores ``[H_kv, N]`` with the mask of the
     positions that competed (not protected)."""
     options = {**case_options(case), **changes}
+    if restkv.CompressionConfig(**options).run.observation == "reconstruction":
+        options.setdefault("reconstruction_prompt", "instruction")  # kvpress' presses repeat after its instruction
     model = tiny_llama(metadata()[case]["attn_implementation"])
     scores = {}
     with contextlib.ExitStack() as stack:

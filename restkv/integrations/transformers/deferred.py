@@ -256,7 +256,8 @@ def _reconstruct(model_forward: Callable, model, cache, pending: PendingPrefill)
     pieces = [(piece, min(piece + size, stop, real)) for piece in range(max(start, first), min(stop, real), size)]
     prompt = reconstruction_prompt(model) if config.policy.repeats_with_instruction else NO_PROMPT
     tokens = context[0, padding:]
-    inputs = [torch.cat([prompt.before(tokens[max(start, piece - size) : piece] if piece > start else None).to(
+    form = config.run.reconstruction_prompt
+    inputs = [torch.cat([prompt.before(tokens[max(start, piece - size) : piece] if piece > start else None, form).to(
         context.device), tokens[piece:last]]) for piece, last in pieces]
     expected = sum(ids.shape[0] for ids in inputs)
     for layer in pending.layers.values():

@@ -11,9 +11,13 @@ end of the user turn and the assistant's header), then the chunk itself. So the 
 opens no second turn: no second system prompt, no second BOS, no repeat of the opening. A
 tokenizer without a chat template gets the reference's fallback closing, ``"\\n\\nAnswer: "``.
 
-``set_reconstruction_prompt`` gives the model the ids of those pieces (the runners call it once
-per model); ``reconstruction_prompt`` reads them and ``ReconstructionPrompt.before`` builds what
-precedes each chunk. What is repeated is the
+``--reconstruction_prompt`` (``restkv.config.composition.RECONSTRUCTION_PROMPTS``) chooses what precedes each chunk: ``instruction``
+(the reference's, above), ``none`` (the chunk right after the context), ``closing`` (the template's
+closing alone: the assistant repeats the context unasked) or ``user_turn`` (the user turn closed
+and opened again as it began, the system prompt included: the user repeats the question-free
+turn). ``set_reconstruction_prompt`` gives the model the ids of those pieces (the runners call it
+once per model); ``reconstruction_prompt`` reads them and ``ReconstructionPrompt.before`` builds
+what precedes each chunk in the form asked. What is repeated is the
 context alone: ``prefilled_ids[start:stop]`` for the span the prompt's builder knows
 (``restkv.benchmarks.prompts.EncodedPrompt.context_span``: after the opening, before a
 question).
@@ -42,6 +46,8 @@ PLAIN_CLOSING = "\n\nAnswer: "
 KVPRESS_CLOSING = "\n"
 #: stands for a user message's content while a chat template is rendered
 _CONTENT_MARK = "\ue000restkv-content\ue000"
+#: what ``user_turn`` puts between the context and its repetition without a chat template (no turns to repeat)
+PLAIN_TURN_BREAK = "\n\n"
 
 
 def template_opening(tokenizer) -> str:
@@ -57,12 +63,35 @@ def template_closing(tokenizer) -> str:
     return _around_content(tokenizer)[1] if getattr(tokenizer, "chat_template", None) else PLAIN_CLOSING
 
 
+def template_turn_repeat(tokenizer) -> str:
+    """What closes the user turn holding the context and opens it again as the template began it (default
+    system prompt and user header, without a second BOS); ``PLAIN_TURN_BREAK`` without a template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return PLAIN_TURN_BREAK
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": _CONTENT_MARK}], add_generation_prompt=False,
+                                             tokenize=False)
+    opening, turn_end = rendered.split(_CONTENT_MARK)
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and opening.startswith(bos) and _adds_bos(tokenizer):  # the sequence's marker, not the turn's syntax
+        opening = opening[len(bos):]
+    return turn_end + opening
+
+
+def _adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer starts every sequence with its BOS token of its own accord."""
+    ids = tokenizer("x", add_special_tokens=True).input_ids
+    return bool(ids) and ids[0] == tokenizer.bos_token_id and ids != tokenizer("x", add_special_tokens=False).input_ids
+
+
 def _around_content(tokenizer) -> tuple[str, str]:
     """The chat template's text before and after one user message's content (assistant next)."""
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": _CONTENT_MARK}], add_generation_prompt=True,
                                              tokenize=False)
     opening, closing = rendered.split(_CONTENT_MARK)
     return opening, closing
+
+
+_NOTHING = torch.zeros(0, dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -73,17 +102,21 @@ class ReconstructionPrompt:
     instruction: torch.Tensor  # "\n\n" + the first chunk's instruction
     continuation: torch.Tensor  # "\n\n" + a later chunk's instruction, before the quoted tail
     closing: torch.Tensor  # the end of the user turn and the assistant's header
+    turn_repeat: torch.Tensor = _NOTHING  # the user turn closed and opened again (``template_turn_repeat``)
 
-    def before(self, previous_chunk: torch.Tensor | None) -> torch.Tensor:
-        """The ids before a chunk: the first's (``previous_chunk`` None), or a later one's, which
-        quotes the previous chunk's last ``PREVIOUS_TAIL`` ids."""
-        if previous_chunk is None:
-            return torch.cat([self.instruction, self.closing])
-        return torch.cat([self.continuation, previous_chunk[-PREVIOUS_TAIL:].cpu(), self.closing])
+    def before(self, previous_chunk: torch.Tensor | None, form: str = "instruction") -> torch.Tensor:
+        """The ids before a chunk in ``form`` (``RECONSTRUCTION_PROMPTS``): under ``instruction``, the first chunk's
+        (``previous_chunk`` None) or a later one's, which quotes the previous chunk's last ``PREVIOUS_TAIL`` ids;
+        the other forms put the same piece before every chunk."""
+        if form == "instruction":
+            if previous_chunk is None:
+                return torch.cat([self.instruction, self.closing])
+            return torch.cat([self.continuation, previous_chunk[-PREVIOUS_TAIL:].cpu(), self.closing])
+        return {"none": _NOTHING, "closing": self.closing, "user_turn": self.turn_repeat}[form]
 
 
 #: the prompt of a model without one set: the chunks are repeated with no instruction
-NO_PROMPT = ReconstructionPrompt(*(torch.zeros(0, dtype=torch.long),) * 3)
+NO_PROMPT = ReconstructionPrompt(_NOTHING, _NOTHING, _NOTHING, _NOTHING)
 
 
 def set_reconstruction_prompt(model, tokenizer, instruction: str = RECONSTRUCTION_INSTRUCTION,
@@ -98,7 +131,8 @@ def set_reconstruction_prompt(model, tokenizer, instruction: str = RECONSTRUCTIO
         return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
 
     prompt = ReconstructionPrompt(ids(f"\n\n{instruction}"), ids(f"\n\n{continuation}"),
-                                  ids(template_closing(tokenizer) if closing is None else closing))
+                                  ids(template_closing(tokenizer) if closing is None else closing),
+                                  ids(template_turn_repeat(tokenizer)))
     model_state(_decoder(model)).reconstruction_prompt = prompt
     return prompt
 
