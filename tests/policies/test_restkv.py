@@ -546,3 +546,22 @@ def test_model_rows_of_a_left_padded_batch_equal_their_single_row_runs(family, b
     replace_for(family)(method="restkv", max_capacity_prompts=24, window_size=8, scale=1.0)
     batched = assert_rows_match_single_row_runs(model, [90, 64, 41])
     assert batched.past_key_values.layers[0].kept_counts.tolist() == [[24] * model.config.num_key_value_heads] * 3
+
+
+def test_the_query_agnostic_preset_is_restkv_under_reconstruction_ranked_model_wide_without_pooling():
+    """--method restkv_recon keeps exactly what its options spelled out on --method restkv keep."""
+    from restkv.cache import kept_positions
+    from restkv.integrations.transformers.generation import prefill
+
+    preset = CompressionConfig(method="restkv_recon", compression_ratio=0.8)
+    assert (preset.run.observation, preset.run.allocation, preset.policy.pooling) == (
+        "reconstruction", "model_ranked", "none")
+    model, prompt = tiny_model("llama"), random_prompt(1, 200)
+    kept = []
+    for options in ({"method": "restkv_recon"}, {"method": "restkv", "observation": "reconstruction",
+                                                 "allocation": "model_ranked", "pooling": "none"}):
+        replace_for("llama")(compression_ratio=0.8, **options)
+        kept.append([layer.exact for layer in kept_positions(prefill(model, prompt, context_span=(4, 200)))])
+    assert kept[0] == kept[1]
+    assert CompressionConfig(method="restkv_recon", compression_ratio=0.8, pooling="adaptive").policy.pooling == (
+        "adaptive")
