@@ -83,6 +83,20 @@ def test_a_small_run_writes_as_it_goes_resumes_and_refuses_other_settings(tiny, 
     with pytest.raises(RuntimeError, match="measured"):  # another config under a spec measured before: measured anew
         heldout.main([*argv[:5], "snapkv", "kvzip+reconstruction_prompt=closing", *argv[7:]], model=tiny,
                      tokenizer=tokenizer)
+    lines = (folder / "records.jsonl").read_text().splitlines()
+    changed = json.loads(lines[0]) | {"sample": "another"}
+    (folder / "records.jsonl").write_text("\n".join([json.dumps(changed), *lines[1:]]) + "\n")
+    with pytest.raises(SystemExit, match=r"holds records of another code sample 0 \(the held-out text changed"):
+        heldout.main(argv, model=tiny, tokenizer=tokenizer)
     with pytest.raises(SystemExit, match=r"holds records of other settings \(max_new_tokens: 4 -> 5\)"):
         heldout.main([*argv[:-2], "--save_dir", str(tmp_path), "--max_new_tokens", "5"], model=tiny,
                      tokenizer=tokenizer)
+
+
+def test_a_budget_too_small_for_what_a_method_protects_skips_that_configuration_with_its_reason(tiny, tokenizer,
+                                                                                               tmp_path, capsys):
+    summary = heldout.main(["--num_samples", "1", "--context_tokens", "150", "--types", "code", "--methods", "snapkv",
+                            "restkv_recon", "--compression_ratios", "0.7", "--max_new_tokens", "2", "--save_dir",
+                            str(tmp_path)], model=tiny, tokenizer=tokenizer)
+    assert [row["method"] for row in summary] == ["fullkv", "snapkv"]
+    assert "restkv_recon at 30% kept not run: " in capsys.readouterr().out
