@@ -53,6 +53,8 @@ from restkv.config import CompressionConfig
 from restkv.config.plugins import plugins_used
 
 META_FILE = "run_meta.json"
+#: the settings' list of the common options the config leaves idle: what they hold changes no prediction
+IDLE_OPTIONS = "idle_options"
 
 
 def run_settings(args: argparse.Namespace, benchmark: Benchmark, config: CompressionConfig, dtype: str,
@@ -62,6 +64,7 @@ def run_settings(args: argparse.Namespace, benchmark: Benchmark, config: Compres
         "benchmark": benchmark.name,
         "model_path": args.model_path,
         "config": config.to_dict(),
+        IDLE_OPTIONS: sorted(config.idle_run_options()),
         "model_max_len": model_max_len,
         "query_agnostic": bool(args.query_agnostic),
         "max_new_tokens": args.max_new_tokens,
@@ -241,9 +244,11 @@ def read_run_meta(folder: Path) -> dict | None:
 
 
 def _differences(previous: Mapping[str, Any], current: Mapping[str, Any]) -> str:
-    """``"config.kernel_size: 5 -> 7; ..."`` for every setting that differs ("" when none)."""
+    """``"config.kernel_size: 5 -> 7; ..."`` for every setting that differs ("" when none), leaving out the common
+    options the current config leaves idle (a new one, or another default of one, does not refuse a folder)."""
     before, after = _flatten(previous), _flatten(current)
-    changed = sorted(key for key in set(before) | set(after) if before.get(key) != after.get(key))
+    ignored = {IDLE_OPTIONS, *(f"config.{name}" for name in current.get(IDLE_OPTIONS, ()))}
+    changed = sorted(key for key in (set(before) | set(after)) - ignored if before.get(key) != after.get(key))
     return "; ".join(f"{key}: {before.get(key)!r} -> {after.get(key)!r}" for key in changed)
 
 

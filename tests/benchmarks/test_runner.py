@@ -96,6 +96,20 @@ def test_a_folder_refuses_a_run_with_other_settings(tmp_path, tiny, tokenizer):
     assert len(lines_of(tmp_path / "smollm2-135m" / "snapkv_48" / "logs.jsonl")) == 2
 
 
+def test_a_common_option_the_run_leaves_idle_does_not_refuse_its_folder(tmp_path, tiny, tokenizer):
+    """A window scorer's folder made before a reconstruction option existed, or under another default of it,
+    resumes: the option changes none of its predictions."""
+    toy_run(tmp_path, tiny, tokenizer, "--max_num_examples", "1")
+    meta_path = tmp_path / "smollm2-135m" / "snapkv_48" / "run_meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert "reconstruction_prompt" in meta["settings"]["idle_options"]
+    del meta["settings"]["config"]["reconstruction_prompt"], meta["settings"]["idle_options"]
+    meta["settings"]["config"]["reconstruction_chunk"] = 512
+    meta_path.write_text(json.dumps(meta))
+    toy_run(tmp_path, tiny, tokenizer, "--max_num_examples", "2")
+    assert len(lines_of(tmp_path / "smollm2-135m" / "snapkv_48" / "logs.jsonl")) == 2
+
+
 def test_a_folder_without_a_completed_sample_takes_new_settings(tmp_path, tiny, tokenizer, monkeypatch, capsys):
     """A run that failed before its first sample left run_meta.json; the fixed rerun goes ahead."""
     real_generate = session.generate
