@@ -116,8 +116,10 @@ def _row(rng: random.Random, order: str, customer: str | None = None) -> tuple[s
     tracking = str(rng.randint(1000, 9999))
     date = f"2019-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
     customer = customer or f"{_pick(rng, _FIRST)} {_pick(rng, _LAST)}"
-    return (f"Tracking number for {customer}'s order: {tracking} ({_pick(rng, _PRODUCTS)} x{rng.randint(1, 9)}, "
-            f"{_pick(rng, _CITIES)}, {date}, order {order}, total {rng.randint(5, 900)}.{rng.randint(0, 99):02d})"), tracking
+    product, quantity, city = _pick(rng, _PRODUCTS), rng.randint(1, 9), _pick(rng, _CITIES)
+    total = f"{rng.randint(5, 900)}.{rng.randint(0, 99):02d}"
+    return (f"Tracking number for {customer}'s order: {tracking} ({product} x{quantity}, {city}, {date}, "
+            f"order {order}, total {total})"), tracking
 
 
 #: the asked order's customer: names no other line uses, so the question names one line

@@ -11,13 +11,13 @@ end of the user turn and the assistant's header), then the chunk itself. So the 
 opens no second turn: no second system prompt, no second BOS, no repeat of the opening. A
 tokenizer without a chat template gets the reference's fallback closing, ``"\\n\\nAnswer: "``.
 
-``--reconstruction_prompt`` (``restkv.config.composition.RECONSTRUCTION_PROMPTS``) chooses what precedes each chunk: ``instruction``
-(the reference's, above), ``none`` (the chunk right after the context), ``closing`` (the template's
-closing alone: the assistant repeats the context unasked) or ``user_turn`` (the user turn closed
-and opened again as it began, the system prompt included: the user repeats the question-free
-turn). ``set_reconstruction_prompt`` gives the model the ids of those pieces (the runners call it
-once per model); ``reconstruction_prompt`` reads them and ``ReconstructionPrompt.before`` builds
-what precedes each chunk in the form asked. What is repeated is the
+``--reconstruction_prompt`` (``restkv.config.composition.RECONSTRUCTION_PROMPTS``) chooses what
+precedes each chunk: ``none`` (the default: the chunk right after the context), ``instruction`` (the
+reference's, above), ``closing`` (the template's closing alone: the assistant repeats the context
+unasked) or ``user_turn`` (the user turn closed and opened again as it began, the system prompt
+included: the user repeats the question-free turn). ``set_reconstruction_prompt`` gives the model the
+ids of those pieces (the runners call it once per model); ``reconstruction_prompt`` reads them and
+``ReconstructionPrompt.before`` builds what precedes each chunk in the form asked. What is repeated is the
 context alone: ``prefilled_ids[start:stop]`` for the span the prompt's builder knows
 (``restkv.benchmarks.prompts.EncodedPrompt.context_span``: after the opening, before a
 question).

@@ -18,7 +18,8 @@ prefilled and compressed before the question is seen (query-agnostic), and the q
 and the answer prefix come after, attending to the compressed cache (``answer_many``). The context's span is set
 on the cache, so a reconstruction scorer (``method="kvzip"``) keeps the template's opening and repeats the
 context alone (after what ``--reconstruction_prompt`` names, built by ``set_reconstruction_prompt`` and closed
-as this prompt is: each call sets it on the model). With ``method="fullkv"`` the answer is ``model.generate``'s on the whole prompt.
+as this prompt is: each call sets it on the model). With ``method="fullkv"`` the answer is ``model.generate``'s
+on the whole prompt.
 
 Compression options are any of ``CompressionConfig``'s (the flat names, ``config=CompressionConfig(...)``, or
 the parts as values: ``policy=SnapKV(kernel_size=7)``); given to a call they replace those given when the
