@@ -38,10 +38,8 @@ from restkv.benchmarks.prompts import encode_prompt
 from restkv.benchmarks.scoring import format_table
 from restkv.config import config_from_spec
 from restkv.integrations.transformers.generation import answer_nll
-from restkv.integrations.transformers.models import (check_model_path, check_supported, load_model, load_tokenizer,
-                                                     model_path_errors)
+from restkv.integrations.transformers.models import check_model_path, load_for_scoring
 from restkv.integrations.transformers.patching import replace_for_model
-from restkv.integrations.transformers.reconstruction_prompt import set_reconstruction_prompt
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,13 +103,7 @@ def load_samples(args: argparse.Namespace, tokenizer) -> list[tuple[str, Sample]
 def main(argv: list[str] | None = None, model=None, tokenizer=None) -> list[dict]:
     """The command line; ``model``/``tokenizer`` skip loading (tests). Returns every record."""
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    with model_path_errors(args.model_path):
-        tokenizer = tokenizer or load_tokenizer(args.model_path)
-        model = model or load_model(args.model_path, attn_implementation=args.attn_implementation)
-    check_supported(model, args.model_path)
-    set_reconstruction_prompt(model, tokenizer)
+    model, tokenizer = load_for_scoring(args.model_path, args.attn_implementation, args.threads, model, tokenizer)
     samples = load_samples(args, tokenizer)
     out = Path(args.save_dir) / "answer_nll.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)

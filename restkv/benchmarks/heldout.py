@@ -61,10 +61,8 @@ from restkv.benchmarks.scoring import format_table
 from restkv.cache import cache_report
 from restkv.config import CompressionConfig, ConfigError, config_from_spec
 from restkv.integrations.transformers.generation import continuation_nll, greedy_continuation, prefill_with_logits
-from restkv.integrations.transformers.models import (check_model_path, check_supported, load_model, load_tokenizer,
-                                                     model_path_errors)
+from restkv.integrations.transformers.models import check_model_path, load_for_scoring
 from restkv.integrations.transformers.patching import compression
-from restkv.integrations.transformers.reconstruction_prompt import set_reconstruction_prompt
 
 #: every query-agnostic method the library has a cheap or a reference form of, ReST-KV and its preset, and SnapKV
 #: for the time ratio; kvzap ranked across the model as KVzip is (its own per-head budget and 32-token window lose
@@ -244,13 +242,7 @@ def measure(model, tokenizer, encoded: EncodedPrompt, answer: str, max_new_token
 def run(args: argparse.Namespace, model=None, tokenizer=None) -> tuple[list[dict], dict[tuple[str, str], str]]:
     """Measure every configuration on every sample not yet in the folder; returns every record of the folder and,
     per (spec, budget) that could not run (a budget too small for the tokens the method protects), why."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    with model_path_errors(args.model_path):
-        tokenizer = tokenizer or load_tokenizer(args.model_path)
-        model = model or load_model(args.model_path, attn_implementation=args.attn_implementation)
-    check_supported(model, args.model_path)
-    set_reconstruction_prompt(model, tokenizer)
+    model, tokenizer = load_for_scoring(args.model_path, args.attn_implementation, args.threads, model, tokenizer)
     records = Records(run_dir(args), folder_settings(args, model))
     samples = [(text_type, index, sample) for text_type in args.types
                for index, sample in enumerate(held_out_samples(text_type, tokenizer, args.num_samples,

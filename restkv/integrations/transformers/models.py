@@ -99,6 +99,24 @@ def load_frozen(model_path: str, dtype: str = "float32"):
     return model, tokenizer
 
 
+def load_for_scoring(model_path: str, attn_implementation: str, threads: int | None = None, model=None,
+                     tokenizer=None):
+    """``(model, tokenizer)`` of a command that scores methods on them (``scripts/answer_nll.py``, the held-out
+    benchmark): ``threads`` torch threads when given; the model and tokenizer loaded unless given (a path that does
+    not load is one line naming ``--model_path``), checked as one restkv serves, with the pieces of the
+    reconstruction prompt set."""
+    from restkv.integrations.transformers.reconstruction_prompt import set_reconstruction_prompt
+
+    if threads:
+        torch.set_num_threads(threads)
+    with model_path_errors(model_path):
+        tokenizer = tokenizer or load_tokenizer(model_path)
+        model = model or load_model(model_path, attn_implementation=attn_implementation)
+    check_supported(model, model_path)
+    set_reconstruction_prompt(model, tokenizer)
+    return model, tokenizer
+
+
 def check_supported(model_or_config, model_path: str) -> None:
     """A model (or its config) of a type restkv does not serve (``restkv.integrations.transformers.patching.family_of``)
     is a bad ``--model_path``: one line naming the model type and why, before the command works on it."""
