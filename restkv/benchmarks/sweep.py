@@ -6,9 +6,10 @@
     python -m restkv.benchmarks.sweep --compression_ratios 0.9 --methods snapkv kvzip \
         snapkv+observation=reconstruction --multi_question
 
-By default it compares the full cache, StreamingLLM, SnapKV, ReST-KV, KVzip and learned_zip (the
-cheap query-agnostic method: KVzip's ranking predicted from each key and value, no second pass)
-at 10% and 20% of the prompt kept (``--compression_ratios 0.9 0.8``) on 4 samples of three
+By default it compares the full cache, StreamingLLM, SnapKV, ReST-KV, ReST-KV's preset for a context
+compressed before its question (restkv_recon: the model's repetition of the context scores it), KVzip
+and learned_zip (the cheap query-agnostic method: KVzip's ranking predicted from each key and value,
+no second pass) at 10% and 20% of the prompt kept (``--compression_ratios 0.9 0.8``) on 4 samples of three
 1024-token needle tasks of the embedded smollm2-135m (answers cut at 32 tokens: a method that
 lost the needle would otherwise ramble on for RULER's 128), in both settings: query-aware (the
 question inside the compressed prompt) and query-agnostic (the context compressed before the
@@ -51,7 +52,7 @@ from restkv.benchmarks.results import named_in_folder
 from restkv.config import ConfigError, method_spec_options
 
 DEFAULT_TASKS = "niah_single_1,niah_single_2,niah_multikey_1"
-DEFAULT_METHODS = ("streamingllm", "snapkv", "restkv", "kvzip", "learned_zip")
+DEFAULT_METHODS = ("streamingllm", "snapkv", "restkv", "restkv_recon", "kvzip", "learned_zip")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,7 +32,7 @@ def test_the_default_compares_the_namesake_kvzip_and_a_cheap_query_agnostic_meth
     runs = sweep.configurations(args)
     assert len(runs) == 2 * (1 + 2 * len(sweep.DEFAULT_METHODS))
     assert {agnostic for agnostic, _, _ in runs} == {False, True}
-    assert {spec for _, spec, _ in runs} == {"fullkv", "streamingllm", "snapkv", "restkv", "kvzip",
+    assert {spec for _, spec, _ in runs} == {"fullkv", "streamingllm", "snapkv", "restkv", "restkv_recon", "kvzip",
                                             "learned_zip"}
     assert {sweep.budget_label(budget) for _, _, budget in runs} == {"full", "10%", "20%"}
     assert sweep.runner_args(args, "fullkv", [], True).max_new_tokens == 32  # a lost needle does not ramble on
