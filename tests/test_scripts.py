@@ -326,6 +326,7 @@ SMOKE_TESTS = {
     "scripts/longbench/eval.sh": "test_longbench::test_scripts_run_with_valid_flags_and_sweep",
     "visualization/visualize.py": "test_visualization::test_efficiency_plot_from_rows_file",
     "restkv/benchmarks/sweep.py": "test_scripts::test_the_sweep_prints_its_table_and_writes_its_rows",
+    "restkv/benchmarks/heldout.py": "test_heldout::test_a_small_run_writes_as_it_goes_resumes_and_refuses_other_settings",
     "restkv/benchmarks/ruler_data.py": "test_ruler_data::test_cli_writes_ruler_layout_and_keeps_complete_files",
     "restkv/data.py": "test_downloads::test_offline_the_command_says_in_one_line_what_to_put_where_and_exits_2",
     "restkv/tools/head_scores.py": "test_head_scores::test_command_writes_a_loadable_score_file_for_a_tiny_model",
