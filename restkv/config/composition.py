@@ -155,6 +155,11 @@ _SWITCHED_RUN_OPTIONS = {
 }
 
 
+def _idle_run_options(run: RunOptions, policy_cls: type) -> set[str]:
+    """The ``_SWITCHED_RUN_OPTIONS`` that ``run`` under ``policy_cls`` leaves off."""
+    return {name for name, (_, is_on) in _SWITCHED_RUN_OPTIONS.items() if not is_on(run, policy_cls)}
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What a config is checked against when it is given to a model (``CompressionConfig.check_model``).
@@ -208,8 +213,8 @@ class CompressionConfig:
         policy_cls = lookup("method", run.method)
         # Given (and checked above) but inactive: the run keeps their defaults (a default given, as
         # ``to_dict`` gives every option, changes nothing and is not worth a warning).
-        switched_off = {name for name, (_, is_on) in _SWITCHED_RUN_OPTIONS.items()
-                        if explicit.get(name) not in (None, getattr(RunOptions, name)) and not is_on(run, policy_cls)}
+        switched_off = {name for name in _idle_run_options(run, policy_cls)
+                        if explicit.get(name) not in (None, getattr(RunOptions, name))}
         if switched_off:
             run = RunOptions(**{name: explicit[name] for name in _RUN_NAMES
                                 if name in explicit and name not in switched_off})
@@ -464,7 +469,7 @@ class CompressionConfig:
     def idle_run_options(self) -> set[str]:
         """The common options this run does not use: those that act only while a setting it has off is on
         (``--reconstruction_prompt`` of a window scorer)."""
-        return {name for name, (_, is_on) in _SWITCHED_RUN_OPTIONS.items() if not is_on(self.run, type(self.policy))}
+        return _idle_run_options(self.run, type(self.policy))
 
     def describe(self) -> str:
         """``--method snapkv --allocation adakv --residual``: the composition, as flags."""
