@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import functools
 import hashlib
 import json
 import statistics
@@ -197,11 +198,19 @@ def fingerprint(described: dict[str, Any]) -> str:
     named it, so ``kvzip`` and ``kvzip+reconstruction_prompt=none`` share records while a default changed since
     (another config under the same spec) is measured anew. A common option the config leaves idle
     (``--reconstruction_prompt`` of a window scorer) does not count."""
-    config = dict(described["config"])
+    return _fingerprint_of(json.dumps({"config": described["config"], "files": described["files"]}, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=None)
+def _fingerprint_of(content: str) -> str:
+    """``fingerprint`` of a record's config and files as JSON: each distinct config is rebuilt once (to find its
+    idle options), however many records hold it."""
+    described = json.loads(content)
+    config = described["config"]
     idle = CompressionConfig.from_any({name: value for name, value in config.items() if value is not None})
     config.update(dict.fromkeys(idle.idle_run_options()))
-    content = json.dumps({"config": config, "files": described["files"]}, sort_keys=True)
-    return hashlib.sha256(content.encode()).hexdigest()[:16]
+    normalised = json.dumps({"config": config, "files": described["files"]}, sort_keys=True)
+    return hashlib.sha256(normalised.encode()).hexdigest()[:16]
 
 
 def sample_digest(sample: HeldOutSample) -> str:
@@ -256,9 +265,10 @@ def run(args: argparse.Namespace, model=None, tokenizer=None) -> tuple[list[dict
         for spec, ratio in runs:
             budget, config = budget_label(ratio), build_config(spec, ratio)
             described = config_record(config)
+            measured_as = fingerprint(described)
             progress.set_description(f"{spec} {budget}")
             for position, (text_type, index, sample) in enumerate(samples):
-                if (fingerprint(described), text_type, index) not in records.done:
+                if (measured_as, text_type, index) not in records.done:
                     try:
                         with compression(model, config):
                             measured = measure(model, tokenizer, encoded[(text_type, index)], sample.answer,
