@@ -233,9 +233,7 @@ def continuation_nll(model, cache: DynamicCache, last_logits: torch.Tensor, star
     rest = torch.cat([question, answer_ids[:, :-1]], dim=-1)
     logits = last_logits
     if rest.shape[-1]:
-        positions = torch.arange(start, start + rest.shape[-1], device=rest.device)[None]
-        later = model(input_ids=rest, position_ids=positions, **with_cache(cache)).logits
-        logits = torch.cat([last_logits, later], dim=1)
+        logits = torch.cat([last_logits, _extend(model, cache, rest, start)], dim=1)
     predicting = logits[0, question.shape[-1]:].float()  # the logits that predict each answer token
     return torch.nn.functional.cross_entropy(predicting, answer_ids[0], reduction="none")
 
@@ -247,16 +245,19 @@ def greedy_continuation(model, cache: DynamicCache, last_logits: torch.Tensor, s
     ``max_new_tokens`` ids, ending at the first of ``stop_ids`` (not included)."""
     logits, position, answer = last_logits, start, []
     if question_ids is not None and question_ids.shape[-1]:
-        positions = torch.arange(start, start + question_ids.shape[-1], device=question_ids.device)[None]
-        logits = model(input_ids=question_ids, position_ids=positions, **with_cache(cache)).logits
+        logits = _extend(model, cache, question_ids, start)
         position += question_ids.shape[-1]
     while len(answer) < max_new_tokens:
         token = int(logits[0, -1].argmax())
         if token in stop_ids:
             break
         answer.append(token)
-        step = torch.tensor([[token]], device=logits.device)
-        logits = model(input_ids=step, position_ids=torch.tensor([[position]], device=logits.device),
-                       **with_cache(cache)).logits
+        logits = _extend(model, cache, torch.tensor([[token]], device=logits.device), position)
         position += 1
     return answer
+
+
+def _extend(model, cache: DynamicCache, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Feed ``ids`` ``[1, T]`` into ``cache`` at positions ``start`` on; their logits ``[1, T, vocab]``."""
+    positions = torch.arange(start, start + ids.shape[-1], device=ids.device)[None]
+    return model(input_ids=ids, position_ids=positions, **with_cache(cache)).logits
