@@ -90,6 +90,12 @@ class Policy(Options):
     needs_hidden_states: ClassVar[bool] = False
 
     @property
+    def reads_every_query(self) -> bool:
+        """True when scoring reads the query of every prompt token, not only the trailing window's: what
+        an engine that keeps only the last queries of a prompt (vLLM's) cannot give."""
+        return False
+
+    @property
     def divides_by_hidden_norm(self) -> bool:
         """Whether each reconstruction query's attention is divided by its hidden state's norm
         before it is folded into the statistics (KVzip+)."""

@@ -39,6 +39,10 @@ class FutureQueries(KeepsSinks, GroupedScores):
         512, "Expected Attention, CAPKV: positions after the prompt whose mean RoPE rotation turns the prompt's "
         f"queries (at most {MAX_FUTURE_POSITIONS})", minimum=1, maximum=MAX_FUTURE_POSITIONS)
 
+    @property
+    def reads_every_query(self) -> bool:
+        return True
+
     def check(self, config) -> None:
         super().check(config)
         self.check_sinks(config)

@@ -38,6 +38,10 @@ class H2O(GroupedScores):
         False, "H2O divides each token's sum by the number of the accumulated queries that see it"
     )
 
+    @property
+    def reads_every_query(self) -> bool:
+        return self.h2o_queries == "all"
+
     def check(self, config) -> None:
         super().check(config)
         if self.h2o_queries == "all" and (config.compresses_after_prefill or config.rescores):

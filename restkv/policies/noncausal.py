@@ -44,6 +44,10 @@ class NonCausalAttention(GroupedScores):
         "mask)"
     )
 
+    @property
+    def reads_every_query(self) -> bool:
+        return True
+
     def check(self, config) -> None:
         super().check(config)
         run = config.run
