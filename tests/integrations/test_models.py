@@ -71,3 +71,30 @@ def test_first_load_dequantises_into_an_empty_cache_and_the_second_load_reads_it
     assert models.resolve_model_path("smollm2-135m") == folder
     model = models.load_model("smollm2-135m")
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
+
+
+@pytest.mark.embedded
+def test_the_export_command_writes_a_folder_transformers_loads_and_refuses_to_overwrite(tmp_path, smollm2):
+    """``python -m restkv.models export smollm2-135m DIR``: safetensors, config, tokenizer and chat template, the
+    same weights as the embedded model; a non-empty folder or an unknown name is one line and exit 2."""
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = tmp_path / "exported"
+    done = subprocess.run([sys.executable, "-m", "restkv.models", "export", "smollm2-135m", str(target)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {
+        path.name for path in target.iterdir()}
+    model, tokenizer = smollm2
+    exported = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), exported.state_dict().values()))
+    assert AutoTokenizer.from_pretrained(target).chat_template == tokenizer.chat_template
+    for name, folder, says in (("smollm2-135m", target, "is not an empty folder"),
+                               ("no-such-model", tmp_path / "other", "is not a local model folder")):
+        refused = subprocess.run([sys.executable, "-m", "restkv.models", "export", name, str(folder)],
+                                 capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2 and says in refused.stderr and len(refused.stderr.strip().splitlines()) == 1

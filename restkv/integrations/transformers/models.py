@@ -154,6 +154,20 @@ def resolve_model_path(name_or_path: str) -> str:
     return str(target)
 
 
+def export_model(name_or_path: str, target: str | Path) -> Path:
+    """Write ``name_or_path`` (an embedded name, or a local folder) as a Hugging Face folder at ``target``:
+    safetensors weights, config, tokenizer and chat template, what vLLM and other tools load. ``target`` must
+    not exist or be empty (``FileExistsError``)."""
+    target = Path(target)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise FileExistsError(f"{target} exists and is not an empty folder; choose a new one")
+    if name_or_path not in EMBEDDED_MODELS and not Path(name_or_path).is_dir():
+        raise ModelPathError(f"{name_or_path!r} is not {_WHAT_LOADS.replace('a hub id (org/name) or ', '')}")
+    source = Path(resolve_model_path(name_or_path))
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    return target
+
+
 def _materialise(model: EmbeddedModel, target: Path) -> None:
     """Dequantise the GGUF file into a safetensors folder, written atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
