@@ -3,7 +3,10 @@
 #   1. pytest -m cuda: flash_attention_2 and sdpa exactness, flash compresses what sdpa
 #      compresses, the ResKV log-sum-exp combination on CUDA tensors (tests/test_cuda.py);
 #   2. scripts/gpu_bench.py with Llama-3.1-8B's shape at 32K and 128K tokens for fullkv, snapkv
-#      and restkv (budget 1024, 2 interleaved repeats, 128 decode steps).
+#      and restkv (budget 1024, 2 interleaved repeats, 128 decode steps);
+#   3. where a CUDA vLLM environment is there (VLLM_PYTHON, default .venv-vllm/bin/python with vllm and
+#      CUDA), scripts/vllm_bench.py --check: plain vLLM against vLLM + restkv snapkv at 10% kept
+#      (vllm_bench.log); skipped with a line in the summary otherwise.
 # Everything lands in the output folder: pytest_cuda.log, gpu_bench.log, gpu_bench.json (rows for
 # `visualization/visualize.py efficiency`) and summary.txt (the tables, ratios vs SnapKV and vs
 # the full cache).
@@ -15,7 +18,9 @@
 #   WHEELS        a folder of wheels installed first, offline, into a scratch folder (for a
 #                 machine that reaches no package index: e.g. transformers 5.24 and flash-attn)
 #   DEVICE_CHECK_TINY=1   the same steps on the CPU with the tiny model shape, in seconds (the
-#                 CUDA tests skip): a dry run of this script (tests/test_gpu_bench.py)
+#                 CUDA tests skip, and so does the vLLM step): a dry run of this script (tests/test_gpu_bench.py)
+#   VLLM_PYTHON   the interpreter of an environment with CUDA vLLM and restkv (e.g. made by
+#                 TORCH_SPEC=... VLLM_EXTRA=vllm bash scripts/setup_vllm.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,8 +50,17 @@ failed=0
     || failed=1
 "$PYTHON" scripts/gpu_bench.py "${bench[@]}" --methods fullkv snapkv restkv --out "$out/gpu_bench.json" \
     --summary "$out/summary.txt" 2>&1 | tee "$out/gpu_bench.log" || failed=1
+vllm_python=${VLLM_PYTHON:-.venv-vllm/bin/python}
+if [ "${DEVICE_CHECK_TINY:-0}" != 1 ] && [ -x "$vllm_python" ] \
+        && "$vllm_python" -c 'import sys, torch, vllm; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    "$vllm_python" scripts/vllm_bench.py --method snapkv --compression_ratio 0.9 --check 2>&1 \
+        | tee "$out/vllm_bench.log" || failed=1
+    grep '^vllm:' "$out/vllm_bench.log" >> "$out/summary.txt" || true
+else
+    echo "vllm: skipped (no CUDA vLLM environment at $vllm_python)" >> "$out/summary.txt"
+fi
 [ -f "$out/summary.txt" ] && cat "$out/summary.txt"
 if [ "$failed" = 1 ]; then
-    echo "device check: a step failed (see $out/pytest_cuda.log, $out/gpu_bench.log)" >&2
+    echo "device check: a step failed (see $out/pytest_cuda.log, $out/gpu_bench.log, $out/vllm_bench.log)" >&2
 fi
 exit "$failed"

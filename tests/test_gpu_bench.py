@@ -71,6 +71,7 @@ def test_device_check_dry_run_on_the_cpu_leaves_logs_json_and_a_summary(tmp_path
         (method, length) for method in ("fullkv", "snapkv", "restkv") for length in (160, 288)}
     summary = (tmp_path / "summary.txt").read_text()
     assert summary.startswith("tiny, float32, sdpa, cpu") and summary.count("(ratios vs fullkv)") == 2
+    assert summary.rstrip().endswith("vllm: skipped (no CUDA vLLM environment at .venv-vllm/bin/python)")
 
 
 def test_peak_memory_runs_each_method_in_a_fresh_process_and_reports_its_high_water_mark(tmp_path):
