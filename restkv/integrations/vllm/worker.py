@@ -1,6 +1,8 @@
 """The worker side: compress each request's layers as its prefill ends, and keep slots apart from positions.
 
-Three seams of vLLM's model runner, patched once per process (``install``):
+Three seams of vLLM's model runner, patched once per process (``install``), and its ``initialize_kv_cache``,
+where the layers are hooked and one made-up prompt compressed, so that what a method needs and a layer cannot
+give stops the engine's start:
 
 * ``_prepare_inputs``: after vLLM computes the step's positions, seq lens and slot mapping from each request's
   true length, a compressed request's slots and seq len are moved down by the tokens it gave back, while its
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from restkv.config import ConfigError
 from restkv.integrations.vllm.record import record_folder, write_kept
 from restkv.integrations.vllm.selection import select_kept
 from restkv.integrations.vllm.settings import ENVIRONMENT_VARIABLE, VllmCompression, VllmSettingsError
@@ -189,6 +192,22 @@ def _hook_attention(runner, ledger: WorkerLedger) -> None:
         projection = _output_projection(runner.model, layer.layer_name)
         if projection is not None:
             ledger.output_projections[layer.layer_name] = projection
+    if layers:
+        _try_layer(ledger, layers[0])
+
+
+def _try_layer(ledger: WorkerLedger, layer) -> None:
+    """Compress a made-up prompt as ``layer`` would compress a real one, so that what the method needs and the
+    layer cannot give (an output projection, say) stops the engine's start instead of its first request."""
+    impl, window = layer.impl, ledger.compression.trailing_queries
+    kept = window + 4
+    keys = torch.randn(2 * kept, impl.num_kv_heads, impl.head_size)
+    try:
+        select_kept(ledger.compression.config, torch.randn(window, impl.num_heads, impl.head_size), keys, keys, kept, 0,
+                    ledger.num_layers, impl.scale, getattr(impl, "logits_soft_cap", None),
+                    ledger.output_projections.get(layer.layer_name))
+    except (ConfigError, ValueError) as error:
+        raise VllmSettingsError(f"{ENVIRONMENT_VARIABLE}: {error}") from None
 
 
 def _output_projection(model, layer_name: str) -> torch.Tensor | None:
@@ -223,6 +242,7 @@ def install(compression: VllmCompression) -> None:
         return
     update_states, prepare_inputs, execute_model = (GPUModelRunner._update_states, GPUModelRunner._prepare_inputs,
                                                     GPUModelRunner.execute_model)
+    initialize_kv_cache = GPUModelRunner.initialize_kv_cache
 
     def ledger_of(runner) -> WorkerLedger:
         ledger = _LEDGERS.get(runner)
@@ -230,6 +250,11 @@ def install(compression: VllmCompression) -> None:
             ledger = _LEDGERS[runner] = WorkerLedger(compression)
             _hook_attention(runner, ledger)
         return ledger
+
+    def initialize_kv_cache_(self, *args, **kwargs):
+        result = initialize_kv_cache(self, *args, **kwargs)
+        ledger_of(self)  # the layers hooked, and tried, as the engine starts
+        return result
 
     def _update_states_(self, scheduler_output):
         ledger_of(self).before_update(self, scheduler_output)
@@ -250,6 +275,7 @@ def install(compression: VllmCompression) -> None:
                 if ledger.recorded:
                     ledger.write_records(self)
 
+    GPUModelRunner.initialize_kv_cache = initialize_kv_cache_
     GPUModelRunner._update_states = _update_states_
     GPUModelRunner._prepare_inputs = _prepare_inputs_
     GPUModelRunner.execute_model = execute_model_

@@ -24,7 +24,8 @@ def test_the_benchmark_checks_pass_with_prompts_prefilled_in_chunks():
     256-token chunks: outputs identical to plain vLLM where nothing is evicted, every layer's and head's kept
     positions the transformers path's, ceil(kept / block size) blocks per compressed request."""
     done = _run(["scripts/vllm_bench.py", "--num_prompts", "4", "--min_length", "600", "--max_length", "900",
-                 "--kv_cache_requests", "2", "--max_tokens", "6", "--max_num_batched_tokens", "256", "--check"])
+                 "--kv_cache_requests", "2", "--max_tokens", "6", "--max_num_batched_tokens", "256", "--enforce_eager",
+                 "--check"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     assert any(line.startswith("checks passed: (a) 4 outputs identical") for line in lines), done.stdout
