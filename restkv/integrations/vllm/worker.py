@@ -189,7 +189,7 @@ def _hook_attention(runner, ledger: WorkerLedger) -> None:
             raise VllmSettingsError(f"{ENVIRONMENT_VARIABLE}: the attention backend {type(impl).__name__} writes its "
                                     "cache inside its kernel; restkv needs one with a separate cache write")
         impl.forward = _compressing_forward(impl, impl.forward, ledger)
-        projection = _output_projection(runner.model, layer.layer_name)
+        projection = _output_projection(runner.model, layer.layer_name, runner.model_config.dtype, runner.device)
         if projection is not None:
             ledger.output_projections[layer.layer_name] = projection
     if layers:
@@ -210,13 +210,21 @@ def _try_layer(ledger: WorkerLedger, layer) -> None:
         raise VllmSettingsError(f"{ENVIRONMENT_VARIABLE}: {error}") from None
 
 
-def _output_projection(model, layer_name: str) -> torch.Tensor | None:
-    """The ``o_proj`` weight beside attention layer ``layer_name`` (``...self_attn.attn``), where the model has
-    one: vLLM's decoders name it so; None elsewhere (a scorer in output space then says it needs it)."""
+def _output_projection(model, layer_name: str, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """The ``o_proj`` weight ``[D, H_q * d]`` beside attention layer ``layer_name`` (``...self_attn.attn``), where
+    the model has one (vLLM's decoders name it so); None elsewhere (a scorer in output space then says it needs it).
+    Where vLLM packed it for its CPU GEMM and dropped ``.weight``, it is read back through the layer's own matmul
+    of the identity (this worker's shard under tensor parallelism)."""
     try:
-        return model.get_submodule(layer_name.rsplit(".", 1)[0]).o_proj.weight
+        projection = model.get_submodule(layer_name.rsplit(".", 1)[0]).o_proj
     except AttributeError:
         return None
+    weight = getattr(projection, "weight", None)
+    if weight is not None and weight.dim() == 2 and weight.numel():
+        return weight
+    identity = torch.eye(projection.input_size_per_partition, dtype=dtype, device=device)
+    with torch.no_grad():
+        return projection.quant_method.apply(projection, identity).T.contiguous()
 
 
 def _compressing_forward(impl, native, ledger: WorkerLedger):
