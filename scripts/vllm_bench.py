@@ -4,15 +4,15 @@
 
 Prefix caching is off in both engines (restkv turns it off: a compressed request's blocks no longer hold its
 prefix) and no two prompts share a prefix. Each engine runs in its own process (restkv's plugin reads
-``RESTKV_VLLM`` when a vLLM process starts): plain vLLM, vLLM with restkv, and with ``--check`` vLLM with
-restkv at a budget above every prompt. The KV cache holds ``--kv_cache_requests`` uncompressed requests. The
-table: requests running at once at the peak, preemptions, blocks per request after prefill, output tokens per second, and the needle's exact match (its five-digit code
-in the reply) beside the transformers path's on the same prompts with the same method. ``--check``
-exits 1 unless (a) the budget above every prompt gives token-identical outputs to plain vLLM, (b) every
-layer's and KV head's kept positions equal the transformers path's, (c) each compressed request holds
-``ceil(kept / block_size)`` blocks. Check (b) allows what two float paths (vLLM's fused kernels, transformers'
-modules) can disagree on: at most 1% of the layer-heads may differ, each by a near-tie swap (at least 95% of its
-positions shared); the counts are printed. The last line starts with ``vllm:``.
+``RESTKV_VLLM`` when a vLLM process starts): plain vLLM, vLLM with restkv, and with ``--check`` vLLM with restkv at
+a budget above every prompt. The KV cache holds ``--kv_cache_requests`` uncompressed requests. The table: requests
+running at once at the peak, preemptions, blocks per request after prefill, output tokens per second, and the
+needle's exact match (its five-digit code in the reply) beside the transformers path's on the same prompts with the
+same method. ``--check`` exits 1 unless (a) the budget above every prompt gives token-identical outputs to plain
+vLLM, (b) every layer's and KV head's kept positions equal the transformers path's, (c) each compressed request
+holds ``ceil(kept / block_size)`` blocks. Check (b) allows what two float paths (vLLM's fused kernels,
+transformers' modules) can disagree on: at most 1% of the layer-heads may differ, each by a near-tie swap (at least
+95% of its positions shared); the counts are printed. The last line starts with ``vllm:``.
 """
 
 from __future__ import annotations
