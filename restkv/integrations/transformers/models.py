@@ -162,7 +162,8 @@ def export_model(name_or_path: str, target: str | Path) -> Path:
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise FileExistsError(f"{target} exists and is not an empty folder; choose a new one")
     if name_or_path not in EMBEDDED_MODELS and not Path(name_or_path).is_dir():
-        raise ModelPathError(f"{name_or_path!r} is not {_WHAT_LOADS.replace('a hub id (org/name) or ', '')}")
+        raise ModelPathError(f"{name_or_path!r} is not a local model folder, an embedded model "
+                             f"({', '.join(EMBEDDED_MODELS)})")
     source = Path(resolve_model_path(name_or_path))
     shutil.copytree(source, target, dirs_exist_ok=True)
     return target

@@ -137,11 +137,15 @@ class WorkerLedger:
                 self.truncations[req_id] = len(blocks)
             self.step.append(work)
 
-    def after_attention(self, layer, impl, query, key, value, kv_cache) -> None:
-        """Compress this layer for the rows of the step whose prompt ends here; hold the chunks of the others."""
-        from vllm.model_executor.models.utils import extract_layer_index
+    def select(self, layer, layer_idx: int, queries, keys, values, kept: int):
+        """``select_kept`` with what ``layer`` is (its scale, soft-cap, output projection)."""
+        impl = layer.impl
+        return select_kept(self.compression.config, queries, keys, values, kept, layer_idx, self.num_layers, impl.scale,
+                           getattr(impl, "logits_soft_cap", None), self.output_projections.get(layer.layer_name))
 
-        layer_idx = extract_layer_index(layer.layer_name)
+    def after_attention(self, layer, layer_idx: int, query, key, value, kv_cache) -> None:
+        """Compress this layer for the rows of the step whose prompt ends here; hold the chunks of the others."""
+        impl = layer.impl
         window = self.compression.trailing_queries
         heads, kv_heads, head_dim = impl.num_heads, impl.num_kv_heads, impl.head_size
         for work in self.step:
@@ -158,9 +162,7 @@ class WorkerLedger:
                 continue
             keys, values = torch.cat([*held.keys, chunk_key]), torch.cat([*held.values, chunk_value])
             del self.held[work.req_id][layer_idx]
-            kept = select_kept(self.compression.config, queries[-window:], keys, values, work.kept, layer_idx,
-                               self.num_layers, impl.scale, getattr(impl, "logits_soft_cap", None),
-                               self.output_projections.get(layer.layer_name))
+            kept = self.select(layer, layer_idx, queries[-window:], keys, values, work.kept)
             impl.do_kv_cache_update(layer, kept.keys.contiguous(), kept.values.contiguous(), kv_cache, work.slots)
             if self.records is not None:
                 self.recorded.setdefault(work.req_id, {})[layer_idx] = kept.positions
@@ -175,6 +177,7 @@ class WorkerLedger:
 def _hook_attention(runner, ledger: WorkerLedger) -> None:
     """Wrap every attention layer's ``impl.forward`` once (the layers are known once the model is loaded)."""
     from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.models.utils import extract_layer_index
 
     layers = [layer for layer in runner.compilation_config.static_forward_context.values()
               if isinstance(layer, Attention)]
@@ -188,7 +191,7 @@ def _hook_attention(runner, ledger: WorkerLedger) -> None:
         if not hasattr(impl, "do_kv_cache_update"):
             raise VllmSettingsError(f"{ENVIRONMENT_VARIABLE}: the attention backend {type(impl).__name__} writes its "
                                     "cache inside its kernel; restkv needs one with a separate cache write")
-        impl.forward = _compressing_forward(impl, impl.forward, ledger)
+        impl.forward = _compressing_forward(impl.forward, extract_layer_index(layer.layer_name), ledger)
         projection = _output_projection(runner.model, layer.layer_name, runner.model_config.dtype, runner.device)
         if projection is not None:
             ledger.output_projections[layer.layer_name] = projection
@@ -203,9 +206,7 @@ def _try_layer(ledger: WorkerLedger, layer) -> None:
     kept = window + 4
     keys = torch.randn(2 * kept, impl.num_kv_heads, impl.head_size)
     try:
-        select_kept(ledger.compression.config, torch.randn(window, impl.num_heads, impl.head_size), keys, keys, kept, 0,
-                    ledger.num_layers, impl.scale, getattr(impl, "logits_soft_cap", None),
-                    ledger.output_projections.get(layer.layer_name))
+        ledger.select(layer, 0, torch.randn(window, impl.num_heads, impl.head_size), keys, keys, kept)
     except (ConfigError, ValueError) as error:
         raise VllmSettingsError(f"{ENVIRONMENT_VARIABLE}: {error}") from None
 
@@ -227,11 +228,11 @@ def _output_projection(model, layer_name: str, dtype: torch.dtype, device) -> to
         return projection.quant_method.apply(projection, identity).T.contiguous()
 
 
-def _compressing_forward(impl, native, ledger: WorkerLedger):
+def _compressing_forward(native, layer_idx: int, ledger: WorkerLedger):
     def forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
         output = native(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
         if ledger.step and attn_metadata is not None:
-            ledger.after_attention(layer, impl, query, key, value, kv_cache)
+            ledger.after_attention(layer, layer_idx, query, key, value, kv_cache)
         return output
 
     return forward
