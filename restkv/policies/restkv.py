@@ -41,7 +41,7 @@ from restkv.config.options import ConfigError, option, redeclared, register
 from restkv.pipeline.inputs import LayerInputs
 from restkv.policies.base import PooledScores
 from restkv.policies.random_control import random_scores
-from restkv.scoring.output_space import column_chunks, group_grams, head_grams
+from restkv.scoring.output_space import column_chunks, group_grams, head_factors, head_grams
 from restkv.scoring.temporal import TEMPORAL_MODES, aggregate_queries
 
 #: attention weights are clamped to 1 - ODDS_EPSILON before the odds ratio (no inf / NaN)
@@ -148,15 +148,31 @@ class RestKV(PooledScores):
 
 
 def reconstruction_after(ctx: LayerInputs, options: RestKV) -> torch.Tensor:
-    """``[B, H, N]``: ``r(ā_j) * ‖W_o^h (ō - v_j)‖^tau`` per query head (``--metric_mode after``)."""
+    """``[B, H, N]``: ``r(ā_j) * ‖W_o^h (ō - v_j)‖^tau`` per query head (``--metric_mode after``).
+
+    With ``W_o``, the gaps are ``‖R_h ō - R_h v_j‖`` (``R_h``: a square factor of the head's Gram
+    matrix, ``head_factors``): every value is projected for the whole query group by one product,
+    and the difference is taken after the projection, so no ``[G, N, d]`` difference is formed
+    before it."""
     mean_attention, mean_output = _aggregated_attention_and_output(ctx, options)
-    gram = head_grams(ctx) if options.use_wo else None
-    gaps = torch.empty_like(_grouped(mean_attention, ctx))
     values = ctx.value.float()
-    for columns in column_chunks(values.shape[2], mean_output.numel(), values.device):
-        differences = mean_output[:, :, :, None, :] - values[:, :, None, columns, :]
-        gaps[..., columns] = _projected_norms(differences, gram)
+    batch, num_kv_heads, length, dim = values.shape
+    groups = mean_output.shape[2]
+    gaps = values.new_empty(batch, num_kv_heads, groups, length)
     if options.use_wo:
+        factors = head_factors(ctx)  # [H_kv, G, d, d]
+        offsets = torch.einsum("kgij,bkgj->bkgi", factors, mean_output).neg_().reshape(batch * num_kv_heads, 1, -1)
+        projection = factors.permute(0, 3, 1, 2).reshape(1, num_kv_heads, dim, groups * dim)
+        projection = projection.expand(batch, -1, -1, -1).reshape(batch * num_kv_heads, dim, groups * dim)
+        flat_values = values.reshape(batch * num_kv_heads, length, dim)
+    for columns in column_chunks(length, groups * dim, values.device):
+        if options.use_wo:  # R_h v_j - R_h ō for every head of the group in one product
+            differences = torch.baddbmm(offsets, flat_values[:, columns], projection)
+            differences = differences.view(batch, num_kv_heads, -1, groups, dim)
+        else:
+            differences = values[:, :, columns, None, :] - mean_output[:, :, None]
+        gaps[..., columns] = torch.linalg.vector_norm(differences, dim=-1).transpose(-1, -2)
+    if options.use_wo and options.tau != 1:
         gaps = gaps.pow(options.tau)
     return _odds(mean_attention) * _per_query_head(gaps)
 

@@ -1,8 +1,9 @@
 """Output-space maths shared by the scorers that read ``W_o`` (ReST-KV's ``--use_wo``, LaProx, CriticalKV).
 
 The norm of a head's contribution to the layer output, ``||W_o^h x||``, needs no ``N x hidden``
-projection: with the Gram matrix ``G_h = W_o^hT W_o^h`` (``d x d``), ``||W_o^h x||^2 = xT G_h x``.
-Temporaries over many key columns are bounded by
+projection: with the Gram matrix ``G_h = W_o^hT W_o^h`` (``d x d``), ``||W_o^h x||^2 = xT G_h x``, or with
+a square factor ``R_h`` of it (``R_hT R_h = G_h``), ``||W_o^h x|| = ||R_h x||``: one product of every value
+with every head's factor, and the differences taken in the projected space (``head_factors``). Temporaries over many key columns are bounded by
 ``column_chunks``.
 """
 
@@ -22,6 +23,20 @@ def head_grams(ctx) -> torch.Tensor:
     weight = output_weight(ctx)
     per_head = torch.einsum("chd,che->hde", weight, weight)
     return per_head.view(ctx.num_kv_heads, -1, *per_head.shape[1:])
+
+
+def head_factors(ctx) -> torch.Tensor:
+    """``[H_kv, G, d, d]``: a square ``R_h`` with ``R_hT R_h = Γ_h`` for each query head (so
+    ``‖W_o^h x‖ = ‖R_h x‖``): the Cholesky factor of the Gram matrix, or where one is singular (a
+    head whose ``W_o^h`` has rank below ``d``) the triangular factor of ``W_o^h``'s QR."""
+    grams = head_grams(ctx)
+    lower, info = torch.linalg.cholesky_ex(grams)
+    if bool((info != 0).any()):
+        weight = output_weight(ctx)  # [D, H, d]
+        triangular = torch.linalg.qr(weight.permute(1, 0, 2), mode="r").R  # [H, min(D, d), d]
+        rows = grams.shape[-1] - triangular.shape[-2]  # a W_o^h of fewer rows than d: zero rows to square it
+        return torch.nn.functional.pad(triangular, (0, 0, 0, rows)).view_as(grams)
+    return lower.transpose(-1, -2)
 
 
 def group_grams(ctx) -> torch.Tensor:
