@@ -9,13 +9,13 @@ from tiny_models import (FAMILY_BACKENDS, assert_rows_match_single_row_runs, dec
 
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.cache import CompressedLayer, cache_nbytes
-from restkv.cache.partial import Probe, softmax_partial
+from restkv.cache.partial import Probe, merge, softmax_partial
 from restkv.integrations.transformers.compat import output_cache
 from restkv.integrations.transformers.generation import generate_after_context, prefill
 from restkv.pipeline.inputs import LayerFacts
 from restkv.switches.residual import (ResidualEntries, ResidualReadout, choose_ratios, entries_of, lloyd_kmeans,
                                       split_observations)
-from restkv.switches.residual.validation import KeySegments
+from restkv.switches.residual.validation import KeySegments, segment_cuts, unranked_partial
 
 GATE_OFF = ResidualReadout(gate=False)
 PAPER = ResidualReadout()
@@ -352,6 +352,23 @@ def test_every_validation_variant_still_finds_the_heavy_cluster(options):
     query, key, value = crafted("cluster")
     out = compress_kv(query, key, value, residual_config(**CRAFTED, **options))
     assert out.residual_log_counts is not None and bool(torch.isfinite(out.residual_log_counts).any())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_validation_target_read_in_two_parts_is_the_full_prompt_attention(causal):
+    """The proxy's target reads the ranked prefix as segments and the rest (keys only the target reads) with the
+    fused kernel; merged, they are one float32 softmax over every key, also for queries that see none of the rest."""
+    generator = torch.Generator().manual_seed(5)
+    queries, keys, values = (torch.randn(2, shape, 8, generator=generator) for shape in (6, 40, 40))
+    visible = None
+    if causal:  # query i sees the keys ranked up to 30 + i: the first two see nothing past the prefix of 32
+        visible = (torch.arange(40)[None, :] <= torch.arange(30, 36)[:, None])[None].expand(2, -1, -1)
+    whole = KeySegments.of(queries, keys, values, 0.3, None, visible, segment_cuts(40, [])).joined().output
+    prefix = KeySegments.of(queries, keys[:, :32], values[:, :32], 0.3, None,
+                            None if visible is None else visible[..., :32], segment_cuts(32, [20])).joined()
+    rest = unranked_partial(queries, keys[:, 32:], values[:, 32:], 0.3, None,
+                            None if visible is None else visible[..., 32:])
+    torch.testing.assert_close(merge([prefix, rest], statistics=False).output, whole, rtol=1e-5, atol=1e-6)
 
 
 def test_ratio_decision_rule():

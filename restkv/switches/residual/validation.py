@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from restkv.cache.partial import Partial, softmax_partial
+from restkv.cache.partial import Partial, Probe, merge, sdpa_kernel, softmax_partial
 from restkv.cache.segments.residual_entries import capped
 from restkv.switches.residual.clustering import Entries, RankedRow, ResidualOptions
 
@@ -122,6 +122,21 @@ def segment_cuts(length: int, ends: list[int]) -> list[int]:
     return sorted({0, length, *(end for end in ends if 0 < end < length), *range(KEY_BLOCK, length, KEY_BLOCK)})
 
 
+def unranked_partial(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                     softcap: float | None, visible: torch.Tensor | None) -> Partial:
+    """Output and log-sum-exp of ``queries`` ``[H, q, d]`` over keys no candidate's main cache holds
+    (the evicted ones, which only the full-prompt target reads): no peak and no count are needed, so on
+    the CPU the fused kernel reads them in one call; elsewhere, and for soft-capped logits, ``KEY_BLOCK``
+    blocks."""
+    if queries.device.type != "cpu" or softcap is not None or keys.shape[-1] != values.shape[-1]:
+        return KeySegments.of(queries, keys, values, scaling, softcap, visible,
+                              segment_cuts(keys.shape[1], [])).joined()
+    probe = Probe(queries[None], queries.shape[0], 0, scaling, need_lse=True)
+    part = sdpa_kernel(probe, keys[None], values[None], None if visible is None else visible[None])
+    lse = part.lse[0]
+    return Partial(torch.where(torch.isfinite(lse)[..., None], part.output[0].float(), 0.0), lse)
+
+
 def full_attention_output(
     queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, softcap: float | None,
     visible: torch.Tensor | None,
@@ -165,9 +180,15 @@ def validation_losses(
         causal = data.order[:, None, :] <= query_positions[None, :, None]  # [H_kv, G * count, n], ranked
     mains = [data.budgets - sizes for sizes in sizes_of]
     ends = sorted({end for main in [data.budgets, *mains] for end in main.tolist()})
-    segments = KeySegments.of(queries, data.keys, data.values, ctx.scaling, ctx.softcap, causal,
-                              segment_cuts(visible, ends))
-    target = segments.joined().output
+    ranked = max(ends)  # every main cache lies within the first `ranked` keys; the rest only in the target
+    segments = KeySegments.of(queries, data.keys[:, :ranked], data.values[:, :ranked], ctx.scaling, ctx.softcap,
+                              None if causal is None else causal[..., :ranked], segment_cuts(ranked, ends))
+    target = segments.joined()
+    if ranked < visible:
+        rest = unranked_partial(queries, data.keys[:, ranked:], data.values[:, ranked:], ctx.scaling, ctx.softcap,
+                                None if causal is None else causal[..., ranked:])
+        target = merge([target, rest], statistics=False)
+    target = target.output
     readout = options.readout(validation=True)
 
     def losses(main_size: torch.Tensor, entries: Entries | None) -> tuple[torch.Tensor, torch.Tensor]:
