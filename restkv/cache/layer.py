@@ -21,7 +21,11 @@ not implement its role when it is built.
 A step (``attend``) appends the new tokens to the tail, reads every exact segment as a
 partial attention (``restkv.cache.partial``: output, log-sum-exp, and the peak when a summary asks),
 merges the partials exactly by their log-sum-exps, lets each summary join, and applies the
-corrections. A layer of one exact segment and nothing else is one fused kernel call.
+corrections. A layer of one exact segment and nothing else is one fused kernel call; so is a layer
+of several token segments that can all write their slots into one buffer (``SlotWriter``: exact
+dense tokens, quantised codes dequantised straight into it, ThinK's compact keys scattered to
+whole width) while its tail is short (``GATHER_LIMIT``): each step then reads them with one
+kernel call and merges nothing, instead of one call and one log-sum-exp merge per segment.
 
 ``tokens_seen`` counts every column processed (padding included, as ``DynamicLayer`` does),
 separately from what is stored: transformers derives the next RoPE position from
@@ -35,9 +39,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-from restkv.cache.partial import Probe, merge
-from restkv.cache.segments.base import (CorrectionSegment, SegmentReport, SummarySegment, TokenSegment, checked_segment,
-                                        tensor_bytes)
+from restkv.cache.partial import Partial, Probe, attend_block, merge, workspace
+from restkv.cache.segments.base import (CorrectionSegment, SegmentReport, SlotWriter, SummarySegment, TokenSegment,
+                                        checked_segment, tensor_bytes)
 from restkv.cache.segments.dense import DenseTokens
 from restkv.cache.segments.exact import exact_tokens, joined_view
 from restkv.scoring.rope import unrotate
@@ -60,6 +64,12 @@ def new_token_columns(attention_mask, batch: int, first: int, count: int, device
         return None
     columns = torch.arange(first, first + count, device=device, dtype=torch.int32).expand(batch, -1)
     return columns.masked_fill(~real.to(device), -1)
+
+
+#: slots the tail may hold for a step to gather every token segment into one buffer and read them with one
+#: kernel call; above it each segment is read where it lies (copying a long tail every step would cost more
+#: than the merge it saves)
+GATHER_LIMIT = 1024
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -154,10 +164,11 @@ class CompressedLayer(CacheLayerMixin):
     def read(self, probe: Probe, rotary=None) -> torch.Tensor:
         """``[B, q, H, d]``: the probe's attention over every segment (nothing is appended);
         ``rotary``: the queries' ``(cos, sin)``, for corrections that read them before RoPE."""
-        probe.need_lse = len(self.kept) > 1 or bool(self.summaries) or bool(self.corrections)
+        gathered = self._gathers(probe)
+        probe.need_lse = (len(self.kept) > 1 and not gathered) or bool(self.summaries) or bool(self.corrections)
         probe.need_peak = any(summary.needs_peak for summary in self.summaries)
         probe.need_count = any(summary.needs_count for summary in self.summaries)
-        exact = merge([segment.attend(probe) for segment in self.kept])
+        exact = self._gathered_partial(probe) if gathered else merge([segment.attend(probe) for segment in self.kept])
         current = exact
         for summary in self.summaries:
             current = summary.join(current, exact, probe)
@@ -167,6 +178,29 @@ class CompressedLayer(CacheLayerMixin):
             for correction in self.corrections:
                 output = correction.correct(probe.query, output, probe.per_query_head(exact.lse), pre_rope)
         return output.to(probe.query.dtype)
+
+    def _gathers(self, probe: Probe) -> bool:
+        """Whether this step reads every token segment from one buffer with one kernel call (see the module
+        docstring)."""
+        return len(self.kept) > 1 and probe.value_heads is None and self.tail.slot_count <= GATHER_LIMIT and all(
+            isinstance(segment, SlotWriter) for segment in self.kept)
+
+    def _gathered_partial(self, probe: Probe) -> Partial:
+        """Every token segment written into one shared buffer (``restkv.cache.partial.workspace``: nothing
+        outlives the step) and read with one kernel call."""
+        tail = self.tail
+        batch, heads = tail.rows, tail.kv_heads
+        widths = [segment.slot_count for segment in self.kept]
+        total = sum(widths)
+        keys = workspace("gathered keys", (batch, heads, total, probe.query.shape[-1]), tail.keys.dtype, self.device)
+        values = workspace("gathered values", (batch, heads, total, tail.value_dim), tail.values.dtype, self.device)
+        columns, start = [], 0
+        for segment, width in zip(self.kept, widths):
+            columns.append(segment.write_slots(keys[:, :, start : start + width], values[:, :, start : start + width]))
+            start += width
+        holes = probe.masks_by_position or any(segment.holes for segment in self.kept)
+        visible = probe.visibility(torch.cat(columns, dim=-1)) if holes else None
+        return attend_block(probe, keys, values, visible)
 
     # ----------------------------------------------------------- writing
     def append(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor | None = None) -> None:

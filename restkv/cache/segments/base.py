@@ -125,6 +125,20 @@ class TokenSegment(Segment, Protocol):
 
 
 @runtime_checkable
+class SlotWriter(Protocol):
+    """A token segment a decode step can read together with the others in ONE kernel call: it writes its
+    slots, as attention reads them (dequantised, whole keys), into a shared buffer (``CompressedLayer.read``)."""
+
+    #: slots it writes (tokens and holes), and whether any is a hole
+    slot_count: int
+    holes: bool
+
+    def write_slots(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Write its slots into ``keys``/``values`` ``[B, H_kv, slot_count, d]`` (views of the shared buffer);
+        returns their columns ``[B, H_kv, slot_count]`` (-1: a hole)."""
+
+
+@runtime_checkable
 class SummarySegment(Segment, Protocol):
     """Entries standing for evicted tokens that join the token segments' softmax (``CompressedLayer.summaries``)."""
 

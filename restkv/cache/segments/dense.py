@@ -129,6 +129,17 @@ class DenseTokens(ExactTokens):
         visible = probe.visibility(columns) if self.holes or probe.masks_by_position else None
         return attend_block(probe, keys, values, visible)
 
+    @property
+    def slot_count(self) -> int:
+        return self.used
+
+    def write_slots(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Copy the used slots into a shared buffer (``restkv.cache.segments.base.SlotWriter``)."""
+        own_keys, own_values, columns = self.padded()
+        keys.copy_(own_keys)
+        values.copy_(own_values)
+        return columns
+
     # ------------------------------------------------------------ bookkeeping
     def nbytes(self) -> int:
         return tensor_bytes([self.keys, self.values, self.columns])

@@ -49,6 +49,22 @@ class PrunedKeyTokens:
         visible = probe.visibility(columns) if self.inner.holes or probe.masks_by_position else None
         return attend_block(probe.with_queries(F.pad(queries, padding)), F.pad(compact, padding), values, visible)
 
+    @property
+    def holes(self) -> bool:
+        return self.inner.holes
+
+    @property
+    def slot_count(self) -> int:
+        return self.inner.padded()[2].shape[-1]
+
+    def write_slots(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """The compact keys scattered into whole-width slots of a shared buffer, zeros in the dropped
+        channels, so the step's whole queries read them (``restkv.cache.segments.base.SlotWriter``)."""
+        compact, own_values, columns = self.inner.padded()
+        keys.zero_().scatter_(-1, self.channels[:, :, None, :].expand(-1, -1, compact.shape[2], -1), compact)
+        values.copy_(own_values)
+        return columns
+
     def padded(self, appended: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The kept tokens with whole keys (zeros in the dropped channels)."""
         compact, values, columns = self.inner.padded()

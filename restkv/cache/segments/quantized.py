@@ -89,6 +89,20 @@ def unpack(packed: torch.Tensor, nbits: int, count: int) -> torch.Tensor:
     return codes.flatten(-2)[..., :count]
 
 
+_CODE_TABLES: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def unpack_float(packed: torch.Tensor, nbits: int, count: int) -> torch.Tensor:
+    """``unpack``'s codes as float32, through a table of every byte's codes (one lookup per byte instead of a
+    shift, a mask and a conversion per code: what a decode step's dequantisation runs)."""
+    key = (nbits, str(packed.device))
+    if key not in _CODE_TABLES:
+        _CODE_TABLES[key] = unpack(torch.arange(256, dtype=torch.uint8, device=packed.device)[:, None], nbits,
+                                   CODES_PER_BYTE[nbits]).float()
+    codes = _CODE_TABLES[key].index_select(0, packed.reshape(-1).long())
+    return codes.view(*packed.shape[:-1], -1)[..., :count]
+
+
 @dataclass
 class QuantizedTensor:
     """A ``[..., S, d]`` tensor as packed codes with a scale and a zero-point per group.
@@ -123,7 +137,7 @@ class QuantizedTensor:
         codes) in the stored dtype, outliers restored exactly; written into ``out`` (a reused
         buffer of that shape) when given."""
         stop = self.packed.shape[-2] if stop is None else stop
-        codes = unpack(self.packed[..., start:stop, :], self.nbits, self.channels).to(torch.float32)
+        codes = unpack_float(self.packed[..., start:stop, :], self.nbits, self.channels)
         block = self._scaled(codes, start, stop, out)
         if self.outlier_index is not None and self.outlier_index.numel():
             rows = self.packed.shape[-2]
@@ -140,10 +154,17 @@ class QuantizedTensor:
         statistics broadcast over its members (a copy of them only for a partial group), in the
         stored dtype; into ``out`` when given."""
         count, group = stop - start, self.group
+        if self.per_channel and out is not None and count > group and count % group:
+            whole = count // group * group  # the whole groups, then the last one on its own: nothing is spread
+            self._scaled(codes[..., :whole, :], start, start + whole, out[..., :whole, :])
+            self._scaled(codes[..., whole:, :], start + whole, stop, out[..., whole:, :])
+            return out
         if self.per_channel:
             groups = slice(start // group, -(-stop // group))
             scale, zero = self.scale[..., groups, :], self.zero[..., groups, :]
-            if count % group:
+            if count < group:  # within one group: its [..., 1, d] statistics broadcast over the tokens
+                pass
+            elif count % group:
                 scale, zero = (_spread(t, group, -2, count) for t in (scale, zero))
             else:  # [..., n / g, g, d] codes against [..., n / g, 1, d] statistics
                 codes, scale, zero = codes.unflatten(-2, (-1, group)), scale[..., None, :], zero[..., None, :]
@@ -295,6 +316,20 @@ class QuantizedTokens:
             visible = probe.visibility(columns) if self.holes or probe.masks_by_position else None
             parts.append(attend_block(probe, keys, values, visible))
         return merge(parts)
+
+    @property
+    def slot_count(self) -> int:
+        return self.columns.shape[-1]
+
+    def write_slots(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Dequantise every slot straight into a shared buffer (``restkv.cache.segments.base.SlotWriter``): the
+        codes are read once a step and no copy of them outlives the read."""
+        for quantized, out in ((self.keys, keys), (self.values, values)):
+            if quantized.outlier_index is None:
+                quantized.dequantize(out=out)
+            else:  # outliers are restored through a flat view, which a strided slice of the buffer has not
+                out.copy_(quantized.dequantize())
+        return self.columns
 
     def padded(self, appended: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(keys, values, columns)``, dequantised (a temporary copy, for compression and inspection)."""
