@@ -164,6 +164,9 @@ class CompressedLayer(CacheLayerMixin):
     def read(self, probe: Probe, rotary=None) -> torch.Tensor:
         """``[B, q, H, d]``: the probe's attention over every segment (nothing is appended);
         ``rotary``: the queries' ``(cos, sin)``, for corrections that read them before RoPE."""
+        if len(self.kept) == 1 and len(self.summaries) == 1 and not self.corrections and \
+                getattr(self.summaries[0], "host", None) is self.tail and self.summaries[0].reads_with_host(probe):
+            return probe.interface(self.summaries[0].read_with_host(probe).output).to(probe.query.dtype)
         gathered = self._gathers(probe)
         probe.need_lse = (len(self.kept) > 1 and not gathered) or bool(self.summaries) or bool(self.corrections)
         probe.need_peak = any(summary.needs_peak for summary in self.summaries)

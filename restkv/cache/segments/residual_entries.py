@@ -167,6 +167,28 @@ class ResidualEntries:
         return self.readout.join(current, exact, logits, self.values, self.log_counts[:, :, None, :], visible,
                                  self._bias)
 
+    def reads_with_host(self, probe: Probe) -> bool:
+        """Whether a step reads the entries and their host's tokens in one pass (``read_with_host``): entries
+        co-located in an exact segment's buffer, joined in one softmax."""
+        return self.host is not None and not self.readout.separate_softmax and probe.value_heads is None
+
+    def read_with_host(self, probe: Probe) -> Partial:
+        """The host's exact tokens and the entries in its slots as one softmax from one product of the step's
+        queries with the host's buffer: the exact columns give the peak and log-sum-exp the gate reads, the
+        entry columns take ``beta log c + log g(q)``; then one softmax and one product with the buffer's values."""
+        keys, values, columns = self.host.padded()
+        logits = scaled_logits(probe, keys)
+        exact = logits.masked_fill(~probe.visibility(columns), float("-inf"))
+        slots = self.host_slots
+        entry_logits = logits[..., slots] + self._bias
+        if probe.sliding_window is not None and self.oldest is not None:
+            entry_logits = entry_logits.masked_fill(~probe.visibility(self.oldest), float("-inf"))
+        if self.readout.gate:
+            peak, lse = exact.amax(dim=-1), torch.logsumexp(exact, dim=-1)
+            entry_logits = entry_logits + self.readout.log_gate(Partial(None, lse, peak))[..., None]
+        exact[..., slots] = entry_logits  # entry slots are holes of the exact tokens: they take the entries' logits
+        return softmax_partial(exact, values, peak=False)
+
     def as_slots(self):
         """``(keys, values [B, H_kv, R, d], log_counts [B, H_kv, R], oldest or None, value maps None)``:
         the entries as the last slots of ``restkv.pipeline.compress.CompressedKV``."""
