@@ -146,15 +146,21 @@ def test_token_segments_gathered_into_one_call_equal_each_read_where_it_lies(fam
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family, backend", [("llama", "sdpa"), ("gemma3", "eager"), ("qwen2", "eager")])
-def test_residual_entries_read_with_their_host_equal_their_join(family, backend, monkeypatch):
+HOSTED_ENTRY_CASES = [(family, backend, SEGMENT_CONFIGS["residual entries"])
+                      for family, backend in (("llama", "sdpa"), ("gemma3", "eager"), ("qwen2", "eager"))] + \
+    [(family, backend, dict(method="snapkv", residual=True, decode_budget=20, decode_interval=3))
+     for family, backend in (("llama", "sdpa"), ("qwen2", "eager"))]  # heads with fewer entries than slots
+
+
+@pytest.mark.parametrize("family, backend, options", HOSTED_ENTRY_CASES)
+def test_residual_entries_read_with_their_host_equal_their_join(family, backend, options, monkeypatch):
     """Entries co-located in the exact tokens' buffer are read in one pass over it (their logits beside the
     exact ones, one softmax); read apart (the exact partial, then the entries joined by log-sum-exp) they give
     the same logits: the gate, the count bias, sliding windows and soft-capping included."""
     from restkv.cache.segments.residual_entries import ResidualEntries
 
     model = tiny_model(family, backend)
-    replace_for(family)(max_capacity_prompts=24, window_size=8, **SEGMENT_CONFIGS["residual entries"])
+    replace_for(family)(max_capacity_prompts=24, window_size=8, **options)
     input_ids, attention_mask = left_padded([60, 44])
     step = torch.tensor([[7, 9, 11], [5, 6, 8]])
     cache = prefill(model, input_ids, attention_mask)

@@ -180,13 +180,14 @@ class ResidualEntries:
         logits = scaled_logits(probe, keys)
         exact = logits.masked_fill(~probe.visibility(columns), float("-inf"))
         slots = self.host_slots
-        entry_logits = logits[..., slots] + self._bias
+        entry = torch.isfinite(self._bias)  # a head with fewer entries keeps exact tokens in its other slots
         if probe.sliding_window is not None and self.oldest is not None:
-            entry_logits = entry_logits.masked_fill(~probe.visibility(self.oldest), float("-inf"))
+            entry = entry & probe.visibility(self.oldest)
+        entry_logits = logits[..., slots] + self._bias
         if self.readout.gate:
             peak, lse = exact.amax(dim=-1), torch.logsumexp(exact, dim=-1)
             entry_logits = entry_logits + self.readout.log_gate(Partial(None, lse, peak))[..., None]
-        exact[..., slots] = entry_logits  # entry slots are holes of the exact tokens: they take the entries' logits
+        exact[..., slots] = torch.where(entry, entry_logits, exact[..., slots])
         return softmax_partial(exact, values, peak=False)
 
     def as_slots(self):
