@@ -407,21 +407,53 @@ def test_each_chunk_repeats_against_the_context_alone_and_its_scores_come_in_bou
     held, blocks = [], []
     hook = model.model.layers[0].self_attn.register_forward_pre_hook(
         lambda module, args, kwargs: held.append(kwargs[CACHE_ARGUMENT].layers[0].get_seq_length()), with_kwargs=True)
-    original = deferred.chunk_attention
+    original = ReconstructionStats.add
 
-    def measured(query, key, *args, **kwargs):
-        weights = original(query, key, *args, **kwargs)
+    def measured(stats, weights, *args, **kwargs):
         blocks.append(weights.numel())
-        return weights
+        return original(stats, weights, *args, **kwargs)
 
     with mock.patch.object(deferred, "RECONSTRUCTION_BLOCK_ELEMENTS", 4 * 40 * 8), \
-            mock.patch.object(deferred, "chunk_attention", measured):
+            mock.patch.object(ReconstructionStats, "add", measured):
         blocked = recorded_scores(lambda: prefill(model, context))
     hook.remove()
     assert held[0] == 0 and set(held[1:]) == {100}  # each chunk starts from the context alone
     assert max(blocks) <= 4 * 40 * 8 and len(blocks) > len(whole) * math.ceil(100 / 24)
     for index in whole:
         torch.testing.assert_close(blocked[index], whole[index], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("options", [dict(method="kvzip"), dict(method="kvzip", reconstruction_chunk=24),
+                                     dict(method="kvzip", kvzip_plus=True), dict(method="restkv_recon", window_size=8)],
+                         ids=["whole context", "chunks", "weighted queries", "restkv drift"])
+@pytest.mark.parametrize("family, backend", [("llama", "sdpa"), ("qwen2", "eager")])
+def test_scores_read_with_the_models_attention_equal_a_second_softmax(family, backend, options):
+    """On the CPU a reconstruction chunk's attention is read as partials whose log-sum-exps also normalise its
+    scores (``attend_and_observe``); with that path off, the model's own kernel runs and ``observe_chunk``
+    takes a softmax of its own: the same scores, kept tokens and answers."""
+    from restkv.integrations.transformers import steps
+
+    model = tiny_model(family, backend)
+    set_reconstruction_prompt(model, FakeTokenizer())
+    context = random_prompt(1, 100)
+    replace_for(family)(max_capacity_prompts=20, **options)
+    calls = []
+    original = steps.attend_and_observe
+
+    def counted(*args, **kwargs):
+        calls.append(original(*args, **kwargs))
+        return calls[-1]
+
+    with mock.patch.object(steps, "attend_and_observe", counted):
+        fused = recorded_scores(lambda: prefill(model, context)) if options["method"] == "kvzip" else None
+        fused_cache = prefill(model, context)
+    assert calls and all(output is not None for output in calls)
+    with mock.patch.object(steps, "attend_and_observe", lambda *args, **kwargs: None):
+        apart = recorded_scores(lambda: prefill(model, context)) if options["method"] == "kvzip" else None
+        apart_cache = prefill(model, context)
+    for index in fused or ():
+        torch.testing.assert_close(fused[index], apart[index], rtol=1e-5, atol=1e-7)
+    assert kept_positions(fused_cache) == kept_positions(apart_cache)
 
 
 # ---------------------------------------------------------------- reconstruction in chunked prefill

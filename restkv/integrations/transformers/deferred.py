@@ -60,16 +60,21 @@ from typing import Any, Callable, Iterator
 import torch
 
 from restkv.cache import CompressedLayer
+from restkv.cache.partial import Partial, Probe, attend_block, merge
 from restkv.integrations.transformers.compat import with_cache
-from restkv.integrations.transformers.context_span import context_span, protected_span
+from restkv.integrations.transformers.context_span import (context_span,
+                                                           protected_span)
 from restkv.integrations.transformers.handles import cache_state
-from restkv.integrations.transformers.reconstruction_prompt import NO_PROMPT, reconstruction_prompt
-from restkv.integrations.transformers.replay_gradients import replay_gradient_norms
+from restkv.integrations.transformers.reconstruction_prompt import (
+    NO_PROMPT, reconstruction_prompt)
+from restkv.integrations.transformers.replay_gradients import \
+    replay_gradient_norms
 from restkv.pipeline.compress import compress_layer
 from restkv.pipeline.inputs import LayerInputs
 from restkv.pipeline.plan import LayerPlan
 from restkv.pipeline.recompress import ScoredChunk, rank_chunk
-from restkv.scoring.observation import ReconstructionObservation, ReconstructionStats
+from restkv.scoring.observation import (ReconstructionObservation,
+                                        ReconstructionStats)
 
 #: float32 attention weights (query heads x queries x scored keys) of one block of a reconstruction
 #: chunk's scores: 16 MiB
@@ -177,6 +182,50 @@ def observe_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torc
         if weights_of_queries is not None:
             weights = weights * weights_of_queries[:, None, start:stop, None]
         pending_layer.stats.add(weights[..., sinks:context], chunk.start - chunk.offset, query[:, :, start:stop])
+
+
+def attend_and_observe(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, facts, weights_of_queries: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A reconstruction chunk's attention ``[1, q, H, d]`` computed so that its scores cost no second pass over
+    the repetition: the model's attention read as three partials merged by log-sum-exp (the scored context
+    columns, sinks + chunk, with the CPU's fused kernel; the other context columns; the repetition, causal), and
+    the scores' softmax normaliser is the first and last partials' log-sum-exp, so each block of scores is one
+    product with the chunk's keys and one ``exp`` (``observe_chunk`` computes the same weights from a softmax
+    of its own over sinks + chunk + repetition). None where this does not apply (a padded or sliding-window
+    context, soft-capped logits, a device without a fused kernel that returns the log-sum-exp): then the
+    model's own kernel runs and ``observe_chunk`` scores."""
+    repeated, total = query.shape[2], key.shape[2]
+    context = total - repeated
+    if query.shape[0] != 1 or key.device.type != "cpu" or facts.softcap is not None or \
+            (facts.sliding_window is not None and facts.sliding_window < total) or \
+            not bool(pending_layer.plan.valid[0, :context].all()) or query.shape[-1] != value.shape[-1]:
+        return None
+    kv_heads = key.shape[1]
+    probe = Probe(query, kv_heads, context, facts.scaling, need_lse=True)
+    scored = torch.cat([chunk.sinks.to(key.device), torch.arange(chunk.start, chunk.stop, device=key.device)])
+    others = torch.ones(context, dtype=torch.bool, device=key.device).index_fill_(0, scored, False).nonzero()[:, 0]
+    inside = attend_block(probe, key.index_select(2, scored), value.index_select(2, scored), None)
+    groups = query.shape[1] // kv_heads
+    repetition_keys, repetition_values = (t[:, :, context:].repeat_interleave(groups, dim=1) for t in (key, value))
+    output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, repetition_keys, repetition_values, 0.0, True, scale=facts.scaling)[:2]
+    repetition = Partial(output.reshape(probe.stacked.shape), lse.float().reshape(probe.stacked.shape[:-1]))
+    parts = [inside, repetition]
+    if others.numel():
+        parts.append(attend_block(probe, key.index_select(2, others), value.index_select(2, others), None))
+    normaliser = torch.logaddexp(inside.lse, repetition.lse).reshape(kv_heads * groups, repeated)  # [H, q]
+    chunk_keys = key[0, :, chunk.start : chunk.stop].float().transpose(-1, -2)  # [H_kv, d, c]
+    block = max(1, RECONSTRUCTION_BLOCK_ELEMENTS // (query.shape[1] * chunk_keys.shape[-1]))
+    for start in range(0, repeated, block):
+        stop = min(start + block, repeated)
+        rows = query[0, :, start:stop].float().reshape(kv_heads, groups * (stop - start), -1)
+        shift = normaliser[:, start:stop].reshape(kv_heads, groups * (stop - start), 1).neg()
+        weights = torch.baddbmm(shift, rows, chunk_keys, alpha=facts.scaling).exp_().view(1, -1, stop - start,
+                                                                                             chunk_keys.shape[-1])
+        if weights_of_queries is not None:
+            weights = weights * weights_of_queries[:, None, start:stop, None]
+        pending_layer.stats.add(weights, chunk.start - chunk.offset, query[:, :, start:stop])
+    return probe.interface(merge(parts, statistics=False).output).to(query.dtype)
 
 
 def observe_held_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torch.Tensor, layer,

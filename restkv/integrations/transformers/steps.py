@@ -27,18 +27,30 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import (Cache, DynamicLayer,
+                                      DynamicSlidingWindowLayer)
 
 from restkv.cache import CompressedLayer
 from restkv.config.options import ConfigError
 from restkv.integrations.transformers.context_span import protected_span
-from restkv.integrations.transformers.deferred import (PendingLayer, PendingPrefill, chunk_budgets, defer_layer,
-                                                       kept_hidden, observe_chunk, observe_held_chunk, query_weights,
+from restkv.integrations.transformers.deferred import (PendingLayer,
+                                                       PendingPrefill,
+                                                       attend_and_observe,
+                                                       chunk_budgets,
+                                                       defer_layer,
+                                                       kept_hidden,
+                                                       observe_chunk,
+                                                       observe_held_chunk,
+                                                       query_weights,
                                                        trailing_queries)
 from restkv.integrations.transformers.handles import CacheState, cache_state
-from restkv.integrations.transformers.rotation import check_pre_rope, layer_rotary
-from restkv.integrations.transformers.seams import UnsupportedModel, derives_values
-from restkv.pipeline.compress import compress_layer, exact_tokens_only_conflicts, prunes_fitting_layers
+from restkv.integrations.transformers.rotation import (check_pre_rope,
+                                                       layer_rotary)
+from restkv.integrations.transformers.seams import (UnsupportedModel,
+                                                    derives_values)
+from restkv.pipeline.compress import (compress_layer,
+                                      exact_tokens_only_conflicts,
+                                      prunes_fitting_layers)
 from restkv.pipeline.inputs import LayerFacts, LayerInputs
 from restkv.pipeline.plan import LayerPlan, plan_layer, valid_from_mask
 from restkv.pipeline.recompress import recompress
@@ -136,10 +148,16 @@ def native_layer_step(module, step, call, facts, native, query, key, value, atte
 def observe_layer(module, step, call, facts, native, query, key, value, attention_mask, kwargs):
     """A reconstruction forward over a native layer: the model's own kernel, and its queries folded into the
     waiting layer's statistics (``deferred.observe_chunk``)."""
-    output = native(module, query, key, value, attention_mask, **kwargs)
     waiting = step.pending.layers.get(module.layer_idx)
-    if waiting is not None and waiting.reconstructed and step.pending.folding:
-        observe_chunk(waiting, step.pending.repeating, query, key, query_weights(waiting, step.hidden_states))
+    if waiting is None or not waiting.reconstructed or not step.pending.folding:
+        return native(module, query, key, value, attention_mask, **kwargs)
+    weights = query_weights(waiting, step.hidden_states)
+    if call == 0 and not derives_values(type(module)):
+        output = attend_and_observe(waiting, step.pending.repeating, query, key, value, facts, weights)
+        if output is not None:
+            return output, None
+    output = native(module, query, key, value, attention_mask, **kwargs)
+    observe_chunk(waiting, step.pending.repeating, query, key, weights)
     return output
 
 
