@@ -4,10 +4,13 @@
 #      compresses, the ResKV log-sum-exp combination on CUDA tensors (tests/test_cuda.py);
 #   2. scripts/gpu_bench.py with Llama-3.1-8B's shape at 32K and 128K tokens for fullkv, snapkv
 #      and restkv (budget 1024, 2 interleaved repeats, 128 decode steps);
-#   3. where a CUDA vLLM environment is there (VLLM_PYTHON, default .venv-vllm/bin/python with vllm and
+#   3. the same benchmark for the stored segments against SnapKV (KIVI 4-bit codes, ThinK's pruned
+#      keys, ResKV's entries, MomentKV's entry, AdaKV's ragged heads), with flash_attention_2 where
+#      flash-attn imports (else sdpa), one repeat (segments.log, segments.json);
+#   4. where a CUDA vLLM environment is there (VLLM_PYTHON, default .venv-vllm/bin/python with vllm and
 #      CUDA), scripts/vllm_bench.py --check: plain vLLM against vLLM + restkv snapkv at 10% kept
 #      (vllm_bench.log); skipped with a line in the summary otherwise.
-# Everything lands in the output folder: pytest_cuda.log, gpu_bench.log, gpu_bench.json (rows for
+# Everything lands in the output folder: pytest_cuda.log, gpu_bench.log, gpu_bench.json, segments.json (rows for
 # `visualization/visualize.py efficiency`) and summary.txt (the tables, ratios vs SnapKV and vs
 # the full cache).
 #
@@ -40,9 +43,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 if [ "${DEVICE_CHECK_TINY:-0}" = 1 ]; then
     bench=(--config tiny --device cpu --lengths 160 288 --budget 64 --decode_steps 4 --repeats 1)
+    segments=(--config tiny --device cpu --lengths 288 --budget 64 --decode_steps 4 --repeats 1)
 else
     "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "no CUDA GPU visible to torch")'
     bench=(--config llama-8b --lengths 32768 131072 --budget 1024 --decode_steps 128 --repeats 2)
+    segments=(--config llama-8b --lengths 32768 131072 --budget 1024 --decode_steps 128 --repeats 1)
+    if "$PYTHON" -c 'import flash_attn' 2>/dev/null; then
+        segments+=(--attn_implementation flash_attention_2)
+    fi
 fi
 
 failed=0
@@ -50,6 +58,10 @@ failed=0
     || failed=1
 "$PYTHON" scripts/gpu_bench.py "${bench[@]}" --methods fullkv snapkv restkv --out "$out/gpu_bench.json" \
     --summary "$out/summary.txt" 2>&1 | tee "$out/gpu_bench.log" || failed=1
+"$PYTHON" scripts/gpu_bench.py "${segments[@]}" --methods snapkv snapkv+quant_method=kivi+nbits=4 snapkv+think \
+    snapkv+residual momentkv adakv --out "$out/segments.json" --summary "$out/segments.txt" 2>&1 \
+    | tee "$out/segments.log" || failed=1
+[ -f "$out/segments.txt" ] && cat "$out/segments.txt" >> "$out/summary.txt"
 vllm_python=${VLLM_PYTHON:-.venv-vllm/bin/python}
 if [ "${DEVICE_CHECK_TINY:-0}" != 1 ] && [ -x "$vllm_python" ] \
         && "$vllm_python" -c 'import sys, torch, vllm; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
@@ -61,6 +73,7 @@ else
 fi
 [ -f "$out/summary.txt" ] && cat "$out/summary.txt"
 if [ "$failed" = 1 ]; then
-    echo "device check: a step failed (see $out/pytest_cuda.log, $out/gpu_bench.log, $out/vllm_bench.log)" >&2
+    echo "device check: a step failed (see $out/pytest_cuda.log, $out/gpu_bench.log, $out/segments.log," \
+        "$out/vllm_bench.log)" >&2
 fi
 exit "$failed"

@@ -64,13 +64,18 @@ def test_device_check_dry_run_on_the_cpu_leaves_logs_json_and_a_summary(tmp_path
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_bench.json", "gpu_bench.log", "pytest_cuda.log",
+                                                           "segments.json", "segments.log", "segments.txt",
                                                            "summary.txt"]
     assert "skipped" in (tmp_path / "pytest_cuda.log").read_text()  # collected, and skipped without a GPU
     rows = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert {(row["method"], row["prompt_tokens"]) for row in rows} == {
         (method, length) for method in ("fullkv", "snapkv", "restkv") for length in (160, 288)}
+    segments = {row["method"] for row in json.loads((tmp_path / "segments.json").read_text())}
+    assert segments == {"snapkv", "snapkv+quant_method=kivi+nbits=4", "snapkv+think", "snapkv+residual", "momentkv",
+                        "adakv"}
     summary = (tmp_path / "summary.txt").read_text()
     assert summary.startswith("tiny, float32, sdpa, cpu") and summary.count("(ratios vs fullkv)") == 2
+    assert summary.count("snapkv+quant_method=kivi+nbits=4") == 1  # the segments' table
     assert summary.rstrip().endswith("vllm: skipped (no CUDA vLLM environment at .venv-vllm/bin/python)")
 
 
