@@ -3,8 +3,8 @@
 The norm of a head's contribution to the layer output, ``||W_o^h x||``, needs no ``N x hidden``
 projection: with the Gram matrix ``G_h = W_o^hT W_o^h`` (``d x d``), ``||W_o^h x||^2 = xT G_h x``, or with
 a square factor ``R_h`` of it (``R_hT R_h = G_h``), ``||W_o^h x|| = ||R_h x||``: one product of every value
-with every head's factor, and the differences taken in the projected space (``head_factors``). Temporaries over many key columns are bounded by
-``column_chunks``.
+with every head's factor, and the differences taken in the projected space (``head_factors``).
+Temporaries over many key columns are bounded by ``column_chunks``.
 """
 
 from __future__ import annotations

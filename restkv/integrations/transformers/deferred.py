@@ -44,8 +44,11 @@ repetition K/V (instruction + ``--reconstruction_chunk`` tokens) and one float32
 most ``RECONSTRUCTION_BLOCK_ELEMENTS`` attention weights (queries x heads x scored keys; the
 model's own attention of the chunk over the context comes on top, as in any forward).
 Cost: one extra forward per chunk, each over its chunk against context + chunk keys, so the
-whole pass costs one forward over the context with ``(L + chunk) / L`` times the keys; the
-scores read ``sinks + 2 x chunk`` keys per query. Reconstruction runs one row at a time
+whole pass costs one forward over the context with ``(L + chunk) / L`` times the keys. On the CPU
+(``attend_and_observe``) that forward's attention is read as partials whose log-sum-exps are the
+scores' softmax normaliser, so the scores cost one product of the queries with the chunk's keys
+and one ``exp``; elsewhere the model's own kernel runs and the scores read ``sinks + 2 x chunk``
+keys per query in a softmax of their own. Reconstruction runs one row at a time
 (batch 1; a left-padded row repeats its real tokens).
 """
 
@@ -62,19 +65,15 @@ import torch
 from restkv.cache import CompressedLayer
 from restkv.cache.partial import Partial, Probe, attend_block, merge
 from restkv.integrations.transformers.compat import with_cache
-from restkv.integrations.transformers.context_span import (context_span,
-                                                           protected_span)
+from restkv.integrations.transformers.context_span import context_span, protected_span
 from restkv.integrations.transformers.handles import cache_state
-from restkv.integrations.transformers.reconstruction_prompt import (
-    NO_PROMPT, reconstruction_prompt)
-from restkv.integrations.transformers.replay_gradients import \
-    replay_gradient_norms
+from restkv.integrations.transformers.reconstruction_prompt import NO_PROMPT, reconstruction_prompt
+from restkv.integrations.transformers.replay_gradients import replay_gradient_norms
 from restkv.pipeline.compress import compress_layer
 from restkv.pipeline.inputs import LayerInputs
 from restkv.pipeline.plan import LayerPlan
 from restkv.pipeline.recompress import ScoredChunk, rank_chunk
-from restkv.scoring.observation import (ReconstructionObservation,
-                                        ReconstructionStats)
+from restkv.scoring.observation import ReconstructionObservation, ReconstructionStats
 
 #: float32 attention weights (query heads x queries x scored keys) of one block of a reconstruction
 #: chunk's scores: 4 MiB (a block its reductions read while it is still in cache; 16 MiB ran slower)
@@ -185,7 +184,8 @@ def observe_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torc
 
 
 def attend_and_observe(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torch.Tensor, key: torch.Tensor,
-                       value: torch.Tensor, facts, weights_of_queries: torch.Tensor | None = None) -> torch.Tensor | None:
+                       value: torch.Tensor, facts,
+                       weights_of_queries: torch.Tensor | None = None) -> torch.Tensor | None:
     """A reconstruction chunk's attention ``[1, q, H, d]`` computed so that its scores cost no second pass over
     the repetition: the model's attention read as three partials merged by log-sum-exp (the scored context
     columns, sinks + chunk, with the CPU's fused kernel; the other context columns; the repetition, causal), and

@@ -27,30 +27,18 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from transformers.cache_utils import (Cache, DynamicLayer,
-                                      DynamicSlidingWindowLayer)
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from restkv.cache import CompressedLayer
 from restkv.config.options import ConfigError
 from restkv.integrations.transformers.context_span import protected_span
-from restkv.integrations.transformers.deferred import (PendingLayer,
-                                                       PendingPrefill,
-                                                       attend_and_observe,
-                                                       chunk_budgets,
-                                                       defer_layer,
-                                                       kept_hidden,
-                                                       observe_chunk,
-                                                       observe_held_chunk,
-                                                       query_weights,
-                                                       trailing_queries)
+from restkv.integrations.transformers.deferred import (PendingLayer, PendingPrefill, attend_and_observe, chunk_budgets,
+                                                       defer_layer, kept_hidden, observe_chunk, observe_held_chunk,
+                                                       query_weights, trailing_queries)
 from restkv.integrations.transformers.handles import CacheState, cache_state
-from restkv.integrations.transformers.rotation import (check_pre_rope,
-                                                       layer_rotary)
-from restkv.integrations.transformers.seams import (UnsupportedModel,
-                                                    derives_values)
-from restkv.pipeline.compress import (compress_layer,
-                                      exact_tokens_only_conflicts,
-                                      prunes_fitting_layers)
+from restkv.integrations.transformers.rotation import check_pre_rope, layer_rotary
+from restkv.integrations.transformers.seams import UnsupportedModel, derives_values
+from restkv.pipeline.compress import compress_layer, exact_tokens_only_conflicts, prunes_fitting_layers
 from restkv.pipeline.inputs import LayerFacts, LayerInputs
 from restkv.pipeline.plan import LayerPlan, plan_layer, valid_from_mask
 from restkv.pipeline.recompress import recompress
