@@ -214,16 +214,14 @@ def attend_and_observe(pending_layer: PendingLayer, chunk: RepeatedChunk, query:
     if others.numel():
         parts.append(attend_block(probe, key.index_select(2, others), value.index_select(2, others), None))
     normaliser = torch.logaddexp(inside.lse, repetition.lse).reshape(kv_heads * groups, repeated)  # [H, q]
-    # [k_j, 1] against [scale q, -normaliser]: one product gives each score's logit minus its normaliser
-    chunk_keys = key[0, :, chunk.start : chunk.stop].float()
-    lifted_keys = torch.cat([chunk_keys, chunk_keys.new_ones(*chunk_keys.shape[:-1], 1)], dim=-1).transpose(-1, -2)
-    width = lifted_keys.shape[-1]
+    chunk_keys = key[0, :, chunk.start : chunk.stop].float().transpose(-1, -2)  # [H_kv, d, c]
+    width = chunk_keys.shape[-1]
     block = max(1, RECONSTRUCTION_BLOCK_ELEMENTS // (query.shape[1] * width))
     for start in range(0, repeated, block):
         stop = min(start + block, repeated)
-        rows = torch.cat([query[0, :, start:stop].float() * facts.scaling, -normaliser[:, start:stop, None]], dim=-1)
-        weights = torch.bmm(rows.reshape(kv_heads, groups * (stop - start), -1), lifted_keys).exp_()
-        weights = weights.view(1, -1, stop - start, width)
+        rows = (query[0, :, start:stop].float() * facts.scaling).reshape(kv_heads, groups * (stop - start), -1)
+        weights = torch.bmm(rows, chunk_keys).view(1, -1, stop - start, width)
+        weights = weights.sub_(normaliser[None, :, start:stop, None]).exp_()
         if weights_of_queries is not None:
             weights = weights * weights_of_queries[:, None, start:stop, None]
         pending_layer.stats.add(weights, chunk.start - chunk.offset, query[:, :, start:stop])
