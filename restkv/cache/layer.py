@@ -24,7 +24,7 @@ merges the partials exactly by their log-sum-exps, lets each summary join, and a
 corrections. A layer of one exact segment and nothing else is one fused kernel call; so is a layer
 of several token segments that can all write their slots into one buffer (``SlotWriter``: exact
 dense tokens, quantised codes dequantised straight into it, ThinK's compact keys scattered to
-whole width) while its tail is short (``GATHER_LIMIT``): each step then reads them with one
+whole width) while they hold few slots (``GATHER_LIMIT``): each step then reads them with one
 kernel call and merges nothing, instead of one call and one log-sum-exp merge per segment.
 
 ``tokens_seen`` counts every column processed (padding included, as ``DynamicLayer`` does),
@@ -66,10 +66,10 @@ def new_token_columns(attention_mask, batch: int, first: int, count: int, device
     return columns.masked_fill(~real.to(device), -1)
 
 
-#: slots the tail may hold for a step to gather every token segment into one buffer and read them with one
-#: kernel call; above it each segment is read where it lies (copying a long tail every step would cost more
-#: than the merge it saves)
-GATHER_LIMIT = 1024
+#: slots a layer's token segments may hold together for a step to gather them into one buffer and read them
+#: with one kernel call; above it each segment is read where it lies (copying a long tail every step would cost
+#: more than the merge it saves, and quantised segments are then dequantised in bounded blocks)
+GATHER_LIMIT = 4096
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -185,8 +185,9 @@ class CompressedLayer(CacheLayerMixin):
     def _gathers(self, probe: Probe) -> bool:
         """Whether this step reads every token segment from one buffer with one kernel call (see the module
         docstring)."""
-        return len(self.kept) > 1 and probe.value_heads is None and self.tail.slot_count <= GATHER_LIMIT and all(
-            isinstance(segment, SlotWriter) for segment in self.kept)
+        return len(self.kept) > 1 and probe.value_heads is None and all(
+            isinstance(segment, SlotWriter) for segment in self.kept) and sum(
+            segment.slot_count for segment in self.kept) <= GATHER_LIMIT
 
     def _gathered_partial(self, probe: Probe) -> Partial:
         """Every token segment written into one shared buffer (``restkv.cache.partial.workspace``: nothing

@@ -127,8 +127,8 @@ def test_decode_through_every_segment_kind_equals_the_reference_kernel(family, b
 @pytest.mark.parametrize("kind", ["pruned keys", "quantised blocks"])
 @pytest.mark.parametrize("family, backend", [("llama", "sdpa"), ("gemma3", "eager")])
 def test_token_segments_gathered_into_one_call_equal_each_read_where_it_lies(family, backend, kind, monkeypatch):
-    """A layer of several token segments reads them from one buffer with one kernel call while its tail is
-    short; with gathering off (``GATHER_LIMIT`` below any tail) each is its own call and the partials merge:
+    """A layer of several token segments reads them from one buffer with one kernel call while they hold few
+    slots; with gathering off (``GATHER_LIMIT`` below any layer) each is its own call and the partials merge:
     the same logits (a 3-token chunk, then single tokens; a sliding-window layer on Gemma 3)."""
     import restkv.cache.layer as layer_module
 
