@@ -40,8 +40,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from restkv.cache.partial import Partial, Probe, attend_block, merge, workspace
-from restkv.cache.segments.base import (CorrectionSegment, SegmentReport, SlotWriter, SummarySegment, TokenSegment,
-                                        checked_segment, tensor_bytes)
+from restkv.cache.segments.base import (CorrectionSegment, SegmentReport, SummarySegment, TokenSegment, checked_segment,
+                                        tensor_bytes)
 from restkv.cache.segments.dense import DenseTokens
 from restkv.cache.segments.exact import exact_tokens, joined_view
 from restkv.scoring.rope import unrotate
@@ -167,11 +167,14 @@ class CompressedLayer(CacheLayerMixin):
         if len(self.kept) == 1 and len(self.summaries) == 1 and not self.corrections and \
                 getattr(self.summaries[0], "host", None) is self.tail and self.summaries[0].reads_with_host(probe):
             return probe.interface(self.summaries[0].read_with_host(probe).output).to(probe.query.dtype)
-        gathered = self._gathers(probe)
-        probe.need_lse = (len(self.kept) > 1 and not gathered) or bool(self.summaries) or bool(self.corrections)
+        widths = self._gathered_widths(probe)
+        probe.need_lse = (len(self.kept) > 1 and widths is None) or bool(self.summaries) or bool(self.corrections)
         probe.need_peak = any(summary.needs_peak for summary in self.summaries)
         probe.need_count = any(summary.needs_count for summary in self.summaries)
-        exact = self._gathered_partial(probe) if gathered else merge([segment.attend(probe) for segment in self.kept])
+        if widths is not None:
+            exact = self._gathered_partial(probe, widths)
+        else:
+            exact = merge([segment.attend(probe) for segment in self.kept])
         current = exact
         for summary in self.summaries:
             current = summary.join(current, exact, probe)
@@ -182,20 +185,21 @@ class CompressedLayer(CacheLayerMixin):
                 output = correction.correct(probe.query, output, probe.per_query_head(exact.lse), pre_rope)
         return output.to(probe.query.dtype)
 
-    def _gathers(self, probe: Probe) -> bool:
-        """Whether this step reads every token segment from one buffer with one kernel call (see the module
-        docstring)."""
-        return len(self.kept) > 1 and probe.value_heads is None and all(
-            isinstance(segment, SlotWriter) for segment in self.kept) and sum(
-            segment.slot_count for segment in self.kept) <= GATHER_LIMIT
+    def _gathered_widths(self, probe: Probe) -> list[int] | None:
+        """Each token segment's slots when this step reads them all from one buffer with one kernel call (see
+        the module docstring), else None. A segment takes part by its class's ``write_slots`` (``SlotWriter``;
+        looked up on the class: a protocol check would evaluate every property)."""
+        if len(self.kept) < 2 or probe.value_heads is not None or \
+                not all(hasattr(type(segment), "write_slots") for segment in self.kept):
+            return None
+        widths = [segment.slot_count for segment in self.kept]
+        return widths if sum(widths) <= GATHER_LIMIT else None
 
-    def _gathered_partial(self, probe: Probe) -> Partial:
+    def _gathered_partial(self, probe: Probe, widths: list[int]) -> Partial:
         """Every token segment written into one shared buffer (``restkv.cache.partial.workspace``: nothing
         outlives the step) and read with one kernel call."""
         tail = self.tail
-        batch, heads = tail.rows, tail.kv_heads
-        widths = [segment.slot_count for segment in self.kept]
-        total = sum(widths)
+        batch, heads, total = tail.rows, tail.kv_heads, sum(widths)
         keys = workspace("gathered keys", (batch, heads, total, probe.query.shape[-1]), tail.keys.dtype, self.device)
         values = workspace("gathered values", (batch, heads, total, tail.value_dim), tail.values.dtype, self.device)
         columns, start = [], 0

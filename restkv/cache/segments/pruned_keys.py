@@ -51,10 +51,14 @@ class PrunedKeyTokens:
 
     @property
     def holes(self) -> bool:
-        return self.inner.holes
+        """Whether its slots include holes: a ragged inner segment's padded view has them where heads keep fewer."""
+        return self.inner.holes if hasattr(type(self.inner), "slot_count") else True
 
     @property
     def slot_count(self) -> int:
+        """The inner segment's (a ragged one's through its padded view, which ``write_slots`` reads)."""
+        if hasattr(type(self.inner), "slot_count"):
+            return self.inner.slot_count
         return self.inner.padded()[2].shape[-1]
 
     def write_slots(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
