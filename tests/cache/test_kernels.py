@@ -124,8 +124,8 @@ def test_decode_through_every_segment_kind_equals_the_reference_kernel(family, b
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-GATHERED_CONFIGS = {"pruned keys": SEGMENT_CONFIGS["pruned keys"], "quantised blocks": SEGMENT_CONFIGS["quantised blocks"],
-                    "pruned ragged keys": dict(method="adakv", think=True, recent_size=4)}
+GATHERED_CONFIGS = {kind: SEGMENT_CONFIGS[kind] for kind in ("pruned keys", "quantised blocks")} | {
+    "pruned ragged keys": dict(method="adakv", think=True, recent_size=4)}
 
 
 @pytest.mark.parametrize("kind", list(GATHERED_CONFIGS))
@@ -141,7 +141,8 @@ def test_token_segments_gathered_into_one_call_equal_each_read_where_it_lies(fam
     input_ids, attention_mask = left_padded([60, 44])
     step = torch.tensor([[7, 9, 11], [5, 6, 8]])
     cache = prefill(model, input_ids, attention_mask)
-    assert any(isinstance(layer, CompressedLayer) and layer._gathered_widths(Probe(torch.zeros(2, 4, 1, 16), 2, 0, 1.0)) is not None
+    probe = Probe(torch.zeros(2, 4, 1, 16), 2, 0, 1.0)
+    assert any(isinstance(layer, CompressedLayer) and layer._gathered_widths(probe) is not None
                for layer in cache.layers)
     gathered = decode_in_chunks(model, cache, attention_mask, step)
     monkeypatch.setattr(layer_module, "GATHER_LIMIT", -1)
