@@ -124,10 +124,11 @@ class TokenSegment(Segment, Protocol):
         """``[B, H_kv]`` tokens it holds (kept and appended since)."""
 
 
-@runtime_checkable
 class SlotWriter(Protocol):
     """A token segment a decode step can read together with the others in ONE kernel call: it writes its
-    slots, as attention reads them (dequantised, whole keys), into a shared buffer (``CompressedLayer.read``)."""
+    slots, as attention reads them (dequantised, whole keys), into a shared buffer (``CompressedLayer.read``).
+    Not runtime-checkable: the layer looks ``write_slots`` up on the segment's class, where an ``isinstance``
+    check would evaluate ``slot_count`` and ``holes`` every step."""
 
     #: slots it writes (tokens and holes), and whether any is a hole
     slot_count: int

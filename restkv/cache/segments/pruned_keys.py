@@ -50,16 +50,18 @@ class PrunedKeyTokens:
         return attend_block(probe.with_queries(F.pad(queries, padding)), F.pad(compact, padding), values, visible)
 
     @property
+    def _ragged(self) -> bool:
+        """Whether the inner segment keeps each head's tokens apart (``write_slots`` then reads its padded view)."""
+        return not hasattr(type(self.inner), "slot_count")
+
+    @property
     def holes(self) -> bool:
         """Whether its slots include holes: a ragged inner segment's padded view has them where heads keep fewer."""
-        return self.inner.holes if hasattr(type(self.inner), "slot_count") else True
+        return True if self._ragged else self.inner.holes
 
     @property
     def slot_count(self) -> int:
-        """The inner segment's (a ragged one's through its padded view, which ``write_slots`` reads)."""
-        if hasattr(type(self.inner), "slot_count"):
-            return self.inner.slot_count
-        return self.inner.padded()[2].shape[-1]
+        return self.inner.padded()[2].shape[-1] if self._ragged else self.inner.slot_count
 
     def write_slots(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """The compact keys scattered into whole-width slots of a shared buffer, zeros in the dropped

@@ -162,12 +162,11 @@ class QuantizedTensor:
         if self.per_channel:
             groups = slice(start // group, -(-stop // group))
             scale, zero = self.scale[..., groups, :], self.zero[..., groups, :]
-            if count < group:  # within one group: its [..., 1, d] statistics broadcast over the tokens
-                pass
-            elif count % group:
-                scale, zero = (_spread(t, group, -2, count) for t in (scale, zero))
-            else:  # [..., n / g, g, d] codes against [..., n / g, 1, d] statistics
+            if not count % group:  # [..., n / g, g, d] codes against [..., n / g, 1, d] statistics
                 codes, scale, zero = codes.unflatten(-2, (-1, group)), scale[..., None, :], zero[..., None, :]
+            elif count > group:
+                scale, zero = (_spread(t, group, -2, count) for t in (scale, zero))
+            # else within one group: its [..., 1, d] statistics broadcast over the tokens
         else:
             scale, zero = self.scale[..., start:stop, :], self.zero[..., start:stop, :]
             if self.channels % group:

@@ -119,6 +119,10 @@ class RepeatedChunk:
     #: a compressed layer read as sinks + appended chunk + repetition (``observe_held_chunk``)
     offset: int = 0
 
+    def scored_columns(self, device: torch.device) -> torch.Tensor:
+        """The context columns the scores' softmax covers besides the repetition: the sinks, then the chunk."""
+        return torch.cat([self.sinks, torch.arange(self.start, self.stop)]).to(device)
+
 
 @dataclass
 class PendingPrefill:
@@ -170,7 +174,7 @@ def observe_chunk(pending_layer: PendingLayer, chunk: RepeatedChunk, query: torc
     itself (causal), in blocks of at most ``RECONSTRUCTION_BLOCK_ELEMENTS`` weights.
     ``weights_of_queries`` ``[1, q]``: each query's attention is multiplied by it (``query_weights``)."""
     repeated = query.shape[2]
-    columns = torch.cat([chunk.sinks, torch.arange(chunk.start, chunk.stop)]).to(key.device)
+    columns = chunk.scored_columns(key.device)
     scored = torch.cat([key.index_select(2, columns), key[:, :, key.shape[2] - repeated :]], dim=2)
     sinks, context = chunk.sinks.numel(), columns.numel()
     block = max(1, RECONSTRUCTION_BLOCK_ELEMENTS // (query.shape[1] * scored.shape[2]))
@@ -202,7 +206,7 @@ def attend_and_observe(pending_layer: PendingLayer, chunk: RepeatedChunk, query:
         return None
     kv_heads = key.shape[1]
     probe = Probe(query, kv_heads, context, facts.scaling, need_lse=True)
-    scored = torch.cat([chunk.sinks.to(key.device), torch.arange(chunk.start, chunk.stop, device=key.device)])
+    scored = chunk.scored_columns(key.device)
     others = torch.ones(context, dtype=torch.bool, device=key.device).index_fill_(0, scored, False).nonzero()[:, 0]
     inside = attend_block(probe, key.index_select(2, scored), value.index_select(2, scored), None)
     groups = query.shape[1] // kv_heads
