@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from safetensors.torch import save_file
 from transformers import (Cohere2Config, Cohere2ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
                           Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, GraniteConfig, GraniteForCausalLM,
                           LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config,
@@ -296,3 +297,20 @@ def registered_methods(*, uniform: bool = False, splittable: bool = False, keeps
             continue
         chosen.append(name)
     return chosen
+
+
+def surrogate_file(path, layers=3, hidden=64, kv_heads=2, mlp=True, seed=0):
+    """A KVzap surrogates file (random, seeded) for the tiny models: a two-layer MLP per layer, or linear."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(layers):
+        if mlp:
+            tensors[f"layers.{layer}.0.weight"] = torch.randn(16, hidden, generator=generator)
+            tensors[f"layers.{layer}.0.bias"] = torch.randn(16, generator=generator)
+            tensors[f"layers.{layer}.2.weight"] = torch.randn(kv_heads, 16, generator=generator)
+            tensors[f"layers.{layer}.2.bias"] = torch.randn(kv_heads, generator=generator)
+        else:
+            tensors[f"layers.{layer}.weight"] = torch.randn(kv_heads, hidden, generator=generator)
+            tensors[f"layers.{layer}.bias"] = torch.randn(kv_heads, generator=generator)
+    save_file(tensors, str(path))
+    return str(path), tensors

@@ -99,6 +99,11 @@ class CompressedLayer(CacheLayerMixin):
                                else torch.zeros(batch, dtype=torch.long)).cpu()
         #: ``[B, H, w, d]`` the newest tokens' queries (kept when the layer is compressed again later)
         self.recent_queries: torch.Tensor | None = None
+        #: ``(cos, sin)`` ``[B, w, d]`` the RoPE tables of those queries, for scorers that read them before RoPE
+        self.recent_rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: ``[B, H_kv, t]`` the scores of the tokens appended since the last compression, each scored alone as it
+        #: came (``Policy.scores_each_token_alone``), ranked beside ``token_scores`` at the next compression
+        self.arrived_scores: torch.Tensor | None = None
         #: ``[B, H_kv, S]`` the kept tokens' scores, aligned with ``kept_columns`` (+inf: protected), while a
         #: chunked prefill ranks them again beside each new chunk's (``restkv.pipeline.recompress.rank_chunk``)
         self.token_scores: torch.Tensor | None = None
@@ -232,10 +237,21 @@ class CompressedLayer(CacheLayerMixin):
             self.kept.insert(len(self.kept) - 1, self.seal(keys, values, columns))
             self.sealed += tail.drop_oldest(self.seal_every)
 
-    def remember_queries(self, query: torch.Tensor, count: int) -> None:
-        """Keep the newest ``count`` queries ``[B, H, q, d]`` (what a later compression scores with)."""
+    def remember_queries(self, query: torch.Tensor, count: int,
+                         rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Keep the newest ``count`` queries ``[B, H, q, d]`` (what a later compression scores with) and, when
+        given, their RoPE tables ``(cos, sin)`` ``[B, q, d]``."""
         joined = query if self.recent_queries is None else torch.cat([self.recent_queries, query], dim=2)
         self.recent_queries = joined[:, :, -count:]
+        if rotary is not None:
+            rotary = tuple(table.expand(query.shape[0], -1, -1) for table in rotary)
+            if self.recent_rotary is not None:
+                rotary = tuple(torch.cat(pair, dim=1) for pair in zip(self.recent_rotary, rotary))
+            self.recent_rotary = tuple(table[:, -count:] for table in rotary)
+
+    def remember_scores(self, scores: torch.Tensor) -> None:
+        """Keep the scores ``[B, H_kv, q]`` of the step's new tokens (``arrived_scores``)."""
+        self.arrived_scores = scores if self.arrived_scores is None else torch.cat([self.arrived_scores, scores], -1)
 
     def replace(self, state) -> None:
         """Hold a new compression's ``LayerState`` (``restkv.pipeline.recompress``): nothing is appended since."""
@@ -332,7 +348,8 @@ class CompressedLayer(CacheLayerMixin):
         return sum(report.used_nbytes for report in self.reports()) + self._extra_nbytes()
 
     def _extra_nbytes(self) -> int:
-        return tensor_bytes([self.recent_queries, self.token_scores])
+        return tensor_bytes([self.recent_queries, self.token_scores, self.arrived_scores,
+                             *(self.recent_rotary or ())])
 
     def reserve(self, appends: int) -> None:
         """Room in the tail for ``appends`` more tokens at once (what a caller that knows the generation's
@@ -383,7 +400,7 @@ class CompressedLayer(CacheLayerMixin):
         self.summaries, self.corrections = [], []
         self.seal, self.sealed = None, 0
         self.tokens_seen = self.prompt_tokens = 0
-        self.token_scores = None
+        self.token_scores = self.arrived_scores = None
 
     def __copy__(self) -> "CompressedLayer":
         """A snapshot: the segments are shared until either copy writes (``answer_many``)."""
@@ -402,6 +419,10 @@ class CompressedLayer(CacheLayerMixin):
             self.recent_queries = fn(self.recent_queries)
         if self.token_scores is not None:
             self.token_scores = fn(self.token_scores)
+        if self.arrived_scores is not None:
+            self.arrived_scores = fn(self.arrived_scores)
+        if self.recent_rotary is not None:
+            self.recent_rotary = tuple(fn(table) for table in self.recent_rotary)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))

@@ -131,7 +131,16 @@ class RunOptions(Options):
         None, "compress during generation too: every --decode_interval new tokens each layer evicts back to this "
         "many entries per KV head (prompt and generated tokens together); default: off", minimum=1,
     )
-    decode_interval: int = option(32, "--decode_budget: generated tokens between two compressions", minimum=1)
+    decode_compression_ratio: float | None = option(
+        None, "compress during generation too, to a share of every token seen: every --decode_interval new tokens "
+        "each layer keeps floor(seen * (1 - R)) entries per KV head (kvpress' CompressionRatioDecodingPress); "
+        "exclusive with --decode_budget; default: off")
+    decode_interval: int = option(32, "--decode_budget, --decode_compression_ratio: generated tokens between two "
+                                  "compressions", minimum=1)
+    decode_method: str | None = option(
+        None, "--decode_budget, --decode_compression_ratio: the method that scores the compressions during "
+        "generation (kvpress' PrefillDecodingPress: one method for the prompt, another while decoding; its options "
+        "are the same flags); default: --method")
     seed: int = option(0, "seed of the run (the random control policy's scores, Python/NumPy/torch)", minimum=0)
 
     def validate(self) -> None:
@@ -140,15 +149,29 @@ class RunOptions(Options):
             raise ConfigError(f"--compression_ratio must lie in the open interval (0, 1); got {ratio!r}")
         if self.max_capacity_prompts is not None and ratio is not None:
             raise ConfigError("set either --max_capacity_prompts or --compression_ratio, not both")
+        decode_ratio = self.decode_compression_ratio
+        if decode_ratio is not None and not 0.0 <= decode_ratio < 1.0:
+            raise ConfigError(f"--decode_compression_ratio must lie in [0, 1); got {decode_ratio!r}")
+        if self.decode_budget is not None and decode_ratio is not None:
+            raise ConfigError("set either --decode_budget or --decode_compression_ratio, not both")
+
+    @property
+    def compresses_decoding(self) -> bool:
+        """Whether generation is compressed too (a decode budget, fixed or a share of the tokens seen)."""
+        return self.decode_budget is not None or self.decode_compression_ratio is not None
 
 
 _RUN_NAMES = tuple(option_specs(RunOptions))
+#: the options of the prompt's compression that the compressions during generation do not read
+_PROMPT_ONLY_OPTIONS = ("method", "decode_method", "observation", "prefill_chunk_size", "max_capacity_prompts",
+                        "compression_ratio")
 
 #: common options that act only while another setting is on: name -> (the flag that turns it on,
 #: whether the run has it on); given while it is off they are ignored with a warning, as an option
 #: of an inactive part is
 _SWITCHED_RUN_OPTIONS = {
-    "decode_interval": ("--decode_budget", lambda run, policy_cls: run.decode_budget is not None),
+    **{name: ("--decode_budget or --decode_compression_ratio", lambda run, policy_cls: run.compresses_decoding)
+       for name in ("decode_interval", "decode_method")},
     **{name: ("--observation reconstruction",
               lambda run, policy_cls: (run.observation or policy_cls.default_observation) == "reconstruction")
        for name in ("reconstruction_chunk", "reconstruction_reduce", "reconstruction_prompt")},
@@ -238,13 +261,16 @@ class CompressionConfig:
                           if explicit.get(flag) or flag in policy_cls.own_switches]
         part_classes = [policy_cls, allocation_cls, *([merge_cls] if merge_cls else []),
                         *([quant_cls] if quant_cls else []), *switch_classes]
+        # The method that scores the compressions during generation reads the same flags (built in ``_decoding``).
+        decode_cls = (lookup("method", run.decode_method, "decode_method")
+                      if run.decode_method is not None and "decode_method" not in switched_off else None)
 
-        given: dict[type, dict[str, Any]] = {cls: {} for cls in part_classes}
+        given: dict[type, dict[str, Any]] = {cls: {} for cls in [*part_classes, *([decode_cls] if decode_cls else [])]}
         unused: dict[str, Any] = {}
         for name, value in explicit.items():
             if (name in _RUN_NAMES and name not in switched_off) or name in switch_flags or value is None:
                 continue
-            owners = [cls for cls in part_classes if name in option_specs(cls)]
+            owners = [cls for cls in given if name in option_specs(cls)]
             for cls in owners:
                 given[cls][name] = value
             if not owners and name not in inherited:
@@ -281,16 +307,19 @@ class CompressionConfig:
         self._check_budget()
         for part in self.parts:
             part.check(self)
+        set_(self, "decoding", self._decoding())
 
     def _check_budget(self) -> None:
         run = self.run
         if not self.policy.evicts:
-            for flag in ("prefill_chunk_size", "decode_budget"):
-                if getattr(run, flag) is not None:
-                    raise ConfigError(f"--{flag} compresses as tokens come; --method {run.method} evicts nothing")
+            for flag in ("prefill_chunk_size", "decode_budget", "decode_compression_ratio"):
+                if getattr(run, flag) is not None and (flag == "prefill_chunk_size" or run.decode_method is None):
+                    raise ConfigError(f"--{flag} compresses as tokens come; --method {run.method} evicts nothing"
+                                      + ("" if flag == "prefill_chunk_size" else
+                                         " (--decode_method names the method that compresses during generation)"))
             return
         self._check_recompression()
-        if run.max_capacity_prompts is None and run.compression_ratio is None and run.decode_budget is None:
+        if run.max_capacity_prompts is None and run.compression_ratio is None and not run.compresses_decoding:
             raise ConfigError(
                 f"--method {run.method} needs a budget: --max_capacity_prompts N (tokens per layer and KV head, "
                 "window included) or --compression_ratio R in (0, 1)"
@@ -313,12 +342,9 @@ class CompressionConfig:
                 f"--prefill_chunk_size {run.prefill_chunk_size} must be at least --window_size {run.window_size}: "
                 "each chunk's last window_size queries score what the layer holds"
             )
-        if run.decode_budget is not None and not policy.compressible_to(run.window_size, run.decode_budget):
+        if (run.decode_budget is not None and run.decode_method is None
+                and not policy.compressible_to(run.window_size, run.decode_budget)):
             raise ConfigError(f"--decode_budget {run.decode_budget} must exceed {policy.always_kept(run.window_size)}")
-        if self.compresses_after_prefill and run.decode_budget is not None:
-            causes = self.deferring_flags()
-            raise ConfigError(f"--decode_budget compresses as tokens come; {' and '.join(causes)} "
-                              f"need{'s' if len(causes) == 1 else ''} the whole prompt first")
         if self.compresses_after_prefill and run.prefill_chunk_size is not None and not self.fixed_scores:
             raise ConfigError(
                 f"--prefill_chunk_size compresses as tokens come; {' and '.join(self.deferring_flags())} needs the "
@@ -339,10 +365,40 @@ class CompressionConfig:
                          else f"--allocation {run.allocation}")
         return flags
 
-    def rescoring_flags(self) -> list[str]:
-        """The settings that compress layers again after their prefill (``rescores``), as flags."""
-        return [f"--{name} {getattr(self.run, name)}" for name in ("prefill_chunk_size", "decode_budget")
-                if getattr(self.run, name) is not None]
+    def rescoring_flags(self, every_method: bool = False) -> list[str]:
+        """The settings that compress layers again with this config's parts after their prefill (``rescores``), as
+        flags: chunked prefill, and generation unless ``--decode_method`` names the method it runs
+        (``every_method``: generation whatever method)."""
+        names = ("prefill_chunk_size",) + (("decode_budget", "decode_compression_ratio")
+                                           if self.run.decode_method is None or every_method else ())
+        return [f"--{name} {getattr(self.run, name)}" for name in names if getattr(self.run, name) is not None]
+
+    def _decoding(self) -> "CompressionConfig | None":
+        """The config the compressions during generation run: None when generation is not compressed; itself
+        without ``--decode_method``; else ``--decode_method``'s, built from the same flags less the prompt's own
+        (its budget, observation and a model-wide allocation). Generation is compressed one layer at a time with
+        its newest queries, so a method that needs the model repeating the prompt or every layer at once cannot."""
+        run = self.run
+        if not run.compresses_decoding:
+            return None
+        flag, method = ("--method", run.method) if run.decode_method is None else ("--decode_method", run.decode_method)
+        method_cls = lookup("method", method, "decode_method")
+        if (run.observation if run.decode_method is None else method_cls.default_observation) == "reconstruction":
+            raise ConfigError(f"{flag} {method} scores the prompt by the model repeating it (--observation "
+                              "reconstruction), which generated tokens are not; generation is compressed one layer "
+                              "at a time with its newest queries: give --decode_method METHOD (e.g. snapkv)")
+        if run.decode_method is None:
+            if self.allocator.model_wide:
+                raise ConfigError(f"{self.chosen_by(self.allocator)} ranks tokens across every layer at once; "
+                                  "generation is compressed one layer at a time: give --decode_method METHOD "
+                                  "(e.g. snapkv)")
+            return self
+        options = {name: value for name, value in self._explicit.items() if name not in _PROMPT_ONLY_OPTIONS}
+        if self.allocator.model_wide:
+            options.pop("allocation", None)
+        with warnings.catch_warnings():  # the prompt's own options are not the decode method's
+            warnings.simplefilter("ignore")
+            return CompressionConfig(**options, method=method)
 
     def check_model(self, model: ModelShape) -> None:
         """Refuse, before the model runs, what only its shape shows cannot work (``ConfigError``):
@@ -352,13 +408,15 @@ class CompressionConfig:
             self._check_sliding_layers(window, layers)
         for part in self.parts:
             part.check_model(self, model)
+        if self.decoding is not None and self.decoding is not self:
+            self.decoding.check_model(model)
 
     def _check_sliding_layers(self, window: int, layers: list[int]) -> None:
         """Chunked prefill and decode budgets compress full-attention layers again; a sliding-window
         layer that its prefill compressed cannot be, so its prefill must keep all it sees (at most
         ``window - 1`` tokens): the budget of every prompt long enough to be chunked must reach that."""
         run, held = self.run, window - 1
-        if not self.rescores or (run.max_capacity_prompts is None and run.prefill_chunk_size is None):
+        if not self.compresses_again or (run.max_capacity_prompts is None and run.prefill_chunk_size is None):
             return  # a ratio on unchunked prompts: only each prompt's length tells (checked at its prefill)
         chunk = run.prefill_chunk_size
         limit = held if chunk is None else min(chunk, held)
@@ -372,7 +430,7 @@ class CompressionConfig:
             working = next(c for c in itertools.count(chunk + 1) if self.budget_for(c) >= min(c, held))
             keeping = f"--compression_ratio {run.compression_ratio} on a prompt of {chunk} tokens (one chunk)"
             fix = f"use chunks of at least {working} tokens or --max_capacity_prompts {held}"
-        flags = self.rescoring_flags()
+        flags = self.rescoring_flags(every_method=True)
         raise ConfigError(
             f"{' and '.join(flags)} compress{'es' if len(flags) == 1 else ''} full-attention layers again; layers "
             f"{layers} have a sliding window of {window} tokens, and {keeping} keeps fewer than their {limit} at the "
@@ -381,8 +439,14 @@ class CompressionConfig:
 
     @property
     def rescores(self) -> bool:
-        """Whether layers are compressed again after their prefill (chunked prefill, decode budget)."""
-        return self.run.prefill_chunk_size is not None or self.run.decode_budget is not None
+        """Whether this config's parts compress layers again after their prefill (``rescoring_flags``)."""
+        return bool(self.rescoring_flags())
+
+    @property
+    def compresses_again(self) -> bool:
+        """Whether layers are compressed again after their prefill, by any method (chunked prefill, generation):
+        such layers are held compressed from the start and remember their newest queries."""
+        return self.run.prefill_chunk_size is not None or self.run.compresses_decoding
 
     @property
     def fixed_scores(self) -> bool:

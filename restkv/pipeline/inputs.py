@@ -59,6 +59,9 @@ class LayerInputs:
         embeddings), for parts that read keys before RoPE (``pre_rope_key``); None where unknown.
     hidden: ``[B, N, D]`` the attention's input (after the layer's input norm) at every key, for
         scorers of hidden states (``Policy.needs_hidden_states``: KVzap); None where not kept.
+    query_rotary: the ``(cos, sin)`` ``[B, n, d]`` the queries were rotated with, where they are not the last
+        keys' (a compression during generation scores held tokens with the newest tokens' queries); None where
+        unknown.
     """
 
     query: torch.Tensor
@@ -71,6 +74,7 @@ class LayerInputs:
     prompt_padding: torch.Tensor | None = field(default=None, repr=False)
     rotary: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     hidden: torch.Tensor | None = field(default=None, repr=False)
+    query_rotary: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.facts is None:

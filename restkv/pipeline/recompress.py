@@ -6,7 +6,10 @@ what it holds (the tokens it kept so far plus the new chunk) with the newest ``w
 queries and evicts down to the whole prompt's budget (``restkv.integrations.transformers.deferred.chunk_budgets``), so
 no layer ever holds more than ``budget + N`` entries. ``--decode_budget B`` does the same every ``--decode_interval K``
 generated tokens with the queries of the newest ``window_size`` tokens, keeping every layer at
-most ``B + K`` entries however long the generation.
+most ``B + K`` entries after its first compression however long the generation (before it, what the prompt's
+compression kept plus ``K``). ``--decode_compression_ratio R`` keeps ``floor(seen (1 - R))`` of the ``seen``
+tokens instead, ``--decode_method`` scores these compressions with another method, and a scorer of each token
+alone ranks the scores its tokens got as they came (``compress_decoding``).
 
 A layer's heads may hold different tokens, so each KV head's exact tokens (kept, then appended,
 in position order) form its own sequence, right-aligned; the one pipeline
@@ -40,6 +43,7 @@ from typing import Any
 import torch
 
 from restkv.cache.segments.exact import exact_tokens, joined_view
+from restkv.config.composition import kept_at_ratio
 from restkv.pipeline.compress import LayerState, compress_layer
 from restkv.pipeline.inputs import LayerFacts, LayerInputs
 from restkv.pipeline.plan import LayerShape, RowShape, layer_budgets, plan_layer
@@ -76,7 +80,8 @@ class HeldSequences:
         return bool((self.counts == self.counts[:, :1]).all()) and bool((self.slots == self.slots[:, :1]).all())
 
     def head_contexts(self, layer, queries: torch.Tensor, config: Any, budgets: list[int], facts: LayerFacts,
-                      layer_idx: int, num_layers: int, protected: torch.Tensor | None = None) -> list[LayerInputs]:
+                      layer_idx: int, num_layers: int, protected: torch.Tensor | None = None,
+                      query_rotary=None) -> list[LayerInputs]:
         """One ``LayerInputs`` per KV head over its own sequence (``queries`` ``[B, H, w, d]``: the
         newest tokens'), each row keeping ``budgets`` (the layer's, ``layer_budgets``); ``protected``
         ``[B, H_kv, M]``: tokens kept whatever their score."""
@@ -94,16 +99,17 @@ class HeldSequences:
             contexts.append(LayerInputs(
                 queries[:, head * groups : (head + 1) * groups], self.keys[:, head : head + 1],
                 self.values[:, head : head + 1], plan, head_facts,
-                positions=self.positions[:, head : head + 1], prompt_padding=layer.prompt_padding))
+                positions=self.positions[:, head : head + 1], prompt_padding=layer.prompt_padding,
+                query_rotary=query_rotary))
         return contexts
 
 
 def recompress(layer, queries: torch.Tensor, config: Any, budgets: list[int], facts: LayerFacts, layer_idx: int,
-               num_layers: int) -> None:
+               num_layers: int, query_rotary=None) -> None:
     """Evict ``layer``'s exact tokens (kept and appended) down to ``budgets[b]`` per KV head (the layer's
     own share of it, ``layer_budgets``; summary entries counted), scored by ``queries`` ``[B, H, w, d]``
-    (the newest tokens' post-RoPE queries); the layer is rewritten in place. Nothing happens when every
-    head fits its budget."""
+    (the newest tokens' post-RoPE queries; ``query_rotary``: their RoPE tables, for scorers that read them before
+    RoPE); the layer is rewritten in place. Nothing happens when every head fits its budget."""
     held = HeldSequences.of(layer)
     budgets = layer_budgets(config, budgets, seen_tokens(layer), layer_idx, num_layers)
     if held.fit(budgets):
@@ -113,15 +119,75 @@ def recompress(layer, queries: torch.Tensor, config: Any, budgets: list[int], fa
                           budgets=[b - int(s) for b, s in zip(budgets, held.slots[:, 0].tolist())],
                           seen=seen_tokens(layer))
         ctx = LayerInputs(queries, held.keys, held.values, plan, facts, positions=held.positions,
-                          prompt_padding=layer.prompt_padding)
+                          prompt_padding=layer.prompt_padding, query_rotary=query_rotary)
         layer.replace(compress_layer(config, ctx, previous=layer.summaries))
         return
-    contexts = held.head_contexts(layer, queries, config, budgets, facts, layer_idx, num_layers)
+    contexts = held.head_contexts(layer, queries, config, budgets, facts, layer_idx, num_layers,
+                                  query_rotary=query_rotary)
     scores = [config.policy.score(ctx) for ctx in contexts]
     if config.policy.shares_scores_across_heads:  # one kept set per layer
         shared = torch.stack(scores).mean(dim=0)
         scores = [shared] * len(contexts)
     layer.replace(_compress_heads(config, layer, contexts, scores, _head_allocation(config, contexts, scores)))
+
+
+def decode_budgets(decoding: Any, layer) -> list[int]:
+    """Each row's budget per KV head at a compression during generation: ``--decode_budget``, or
+    ``floor(seen * (1 - --decode_compression_ratio))`` of the tokens the row has seen (never below what the method
+    always keeps plus one)."""
+    run = decoding.run
+    if run.decode_budget is not None:
+        return [run.decode_budget] * len(layer.prompt_padding)
+    floor = decoding.policy.protected_count(run.window_size, 0) + 1
+    return [max(kept_at_ratio(seen, run.decode_compression_ratio), floor) for seen in seen_tokens(layer)]
+
+
+def compression_due(layer, interval: int) -> bool:
+    """A compression during generation runs every ``interval`` new tokens (kvpress' ``DecodingPress``: the prompt
+    stays as its prefill left it until then)."""
+    return layer.tail_length >= interval
+
+
+def score_arrivals(decoding: Any, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   facts: LayerFacts, layer_idx: int, num_layers: int, rotary=None, hidden=None) -> torch.Tensor:
+    """``[B, H_kv, n]`` the scores of a step's ``n`` new tokens (already appended to ``layer``), each scored alone
+    (``Policy.scores_each_token_alone``) as it comes, at its own padded-batch column (so the prompt's sinks are
+    told apart)."""
+    batch, num_kv_heads, count = key.shape[:3]
+    valid = torch.ones(batch, count, dtype=torch.bool, device=key.device)
+    plan = plan_layer(decoding, valid, layer_idx, num_layers, budgets=[count] * batch)
+    first = layer.tokens_seen - count
+    positions = (first + torch.arange(count, device=key.device)).expand(batch, num_kv_heads, -1)
+    ctx = LayerInputs(query, key, value, plan, facts, positions=positions, prompt_padding=layer.prompt_padding,
+                      rotary=rotary, hidden=hidden)
+    return decoding.policy.score(ctx).float()
+
+
+def compress_decoding(layer, decoding: Any, budgets: list[int], facts: LayerFacts, layer_idx: int,
+                      num_layers: int) -> None:
+    """Compress ``layer`` during generation with the decode config ``decoding`` (``CompressionConfig.decoding``) to
+    ``budgets``: a scorer of each token alone ranks the scores its tokens got as they came (``token_scores``,
+    ``arrived_scores``); any other scores what the layer holds with its newest queries."""
+    if decoding.policy.scores_each_token_alone:
+        protected = torch.zeros(layer.arrived_scores.shape[0], layer.arrived_scores.shape[-1], dtype=torch.bool,
+                                device=layer.arrived_scores.device)
+        chunk = ScoredChunk(layer, layer.arrived_scores, protected, layer.recent_queries, facts)
+        rank_chunk(decoding, {layer_idx: chunk}, budgets, num_layers)
+        layer.arrived_scores = None
+        return
+    recompress(layer, layer.recent_queries, decoding, budgets, facts, layer_idx, num_layers,
+               query_rotary=layer.recent_rotary)
+
+
+def remember_newest(layer, config: Any, query: torch.Tensor, rotary=None) -> None:
+    """Keep what the layer's next compression scores with: the newest ``--window_size`` queries, or, for a method
+    that models the queries to come (``reads_every_query``), those since the last compression during generation
+    (kvpress' buffer) and their RoPE tables ``(cos, sin)`` ``[B, q, d]``."""
+    decoding = config.decoding
+    if decoding is not None and decoding.policy.reads_every_query:
+        layer.remember_queries(query, max(decoding.run.window_size, decoding.run.decode_interval, 2), rotary)
+    else:
+        layer.remember_queries(query, config.run.window_size)
 
 
 def seen_tokens(layer) -> list[int]:

@@ -88,6 +88,10 @@ class Policy(Options):
     #: reads the attention's input at every key (``LayerInputs.hidden``: KVzap); ``compress_kv``
     #: needs its ``hidden_states`` then, and held tokens (chunked prefill, decode budgets) cannot give them
     needs_hidden_states: ClassVar[bool] = False
+    #: a token's score depends on that token alone (its key, value or hidden state), so it is computed once as the
+    #: token comes and ranked later beside newer tokens': what lets scorers of hidden states or of keys before
+    #: RoPE compress during generation (``restkv.integrations.transformers.steps.compress_again``)
+    scores_each_token_alone: ClassVar[bool] = False
 
     @property
     def reads_every_query(self) -> bool:
@@ -145,8 +149,10 @@ class Policy(Options):
                 f"--window_size {config.run.window_size} must be smaller than --max_capacity_prompts {budget} "
                 f"(the budget includes the window) for --method {self.name}"
             )
-        if self.needs_hidden_states and config.rescores:
-            flags = config.rescoring_flags()
+        # Generation is served by scores taken as each token comes; a later chunk's compression is not.
+        flags = [flag for flag in config.rescoring_flags()
+                 if not (self.scores_each_token_alone and flag.startswith("--decode"))]
+        if self.needs_hidden_states and flags:
             raise ConfigError(f"--method {self.name} scores the hidden states of the prompt's tokens; "
                               f"{' and '.join(flags)} compress tokens whose hidden states are no longer kept")
 

@@ -38,6 +38,7 @@ class FastKVzip(KeepsSinks, Policy):
     reference = "Fast KVzip: Kim, Han and Yun, 2026, arXiv 2601.17668"
     allocation = "model_ranked"
     observes_queries = False
+    scores_each_token_alone = True
     needs_hidden_states = True
 
     fastkvzip_gates: str | None = option(

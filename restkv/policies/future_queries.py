@@ -6,9 +6,12 @@ turned by ``R``, the mean RoPE rotation of the ``--future_positions`` positions 
 prompt. ``R`` is read from the rotation the prompt's own positions were given
 (``restkv.scoring.rope.following_rotation``), so any RoPE scaling transformers applies is followed, and a
 layer without RoPE tables (``compress_kv`` without ``rotary``) is refused. The statistics need
-every prompt query of a layer at once: a reconstruction observation, a model-wide allocation,
-chunked prefill and decode budgets (which see a window of queries or none) are refused in one
-line. The sinks score above every other token.
+every prompt query of a layer at once: a reconstruction observation, a model-wide allocation and
+chunked prefill (which see a window of queries or none) are refused in one line. During generation
+(``--decode_budget``, ``--decode_compression_ratio``) the queries of the tokens generated since the
+last compression model those to come (kvpress' ``DecodingPress`` reads the hidden states of the same
+tokens), turned by the mean rotation of the positions after the newest; a layer keeps them, at most
+``max(--window_size, --decode_interval)``, with their RoPE tables. The sinks score above every other token.
 """
 
 from __future__ import annotations
@@ -49,25 +52,28 @@ class FutureQueries(KeepsSinks, GroupedScores):
         flags = []
         if config.compresses_after_prefill:
             flags += config.deferring_flags()
-        if config.rescores:
-            flags += config.rescoring_flags()
+        if config.run.prefill_chunk_size is not None:
+            flags.append(f"--prefill_chunk_size {config.run.prefill_chunk_size}")
         if flags:
             raise ConfigError(f"--method {self.name} models future queries by every prompt query of a layer at once; "
                               f"{' and '.join(flags)} leave{'s' if len(flags) == 1 else ''} it a window of them or "
                               "none")
 
     def score(self, ctx: LayerInputs) -> torch.Tensor:
-        if ctx.query.shape[2] != ctx.key.shape[2]:
+        generating = ctx.query_rotary is not None  # held tokens scored with the newest tokens' queries
+        if not generating and ctx.query.shape[2] != ctx.key.shape[2]:
             raise ValueError(f"--method {self.name} reads every prompt query: give as many queries as keys")
-        cos, sin = ctx.rotary
+        cos, sin = ctx.query_rotary if generating else ctx.rotary
 
         def row_scores(row: int, columns: slice) -> torch.Tensor:
             count = columns.stop - columns.start
             sinks = self.sinks_among(ctx, row, count)
-            row_cos, row_sin = cos[row, columns], sin[row, columns]
-            queries = unrotate(ctx.query[row : row + 1, :, columns], row_cos[None], row_sin[None])[0].float()
+            asked = slice(None) if generating else columns  # the queries' own tables
+            row_cos, row_sin = cos[row, asked], sin[row, asked]
+            queries = unrotate(ctx.query[row : row + 1, :, asked], row_cos[None], row_sin[None])[0].float()
             rotation = rotation_matrix(*following_rotation(row_cos, row_sin, self.future_positions)).float()
-            scores = self.future_scores(ctx, queries[:, sinks:], ctx.key[row, :, columns][:, sinks:].float(),
+            scores = self.future_scores(ctx, queries if generating else queries[:, sinks:],
+                                        ctx.key[row, :, columns][:, sinks:].float(),
                                         ctx.value[row, :, columns][:, sinks:].float(), rotation)
             full = torch.empty(scores.shape[0], count, dtype=torch.float32, device=scores.device)
             full[:, sinks:] = scores

@@ -39,6 +39,7 @@ class KVzap(Policy):
     name = "kvzap"
     reference = "KVzap: arXiv 2601.07891"
     observes_queries = False
+    scores_each_token_alone = True
     needs_hidden_states = True
     ranks_context_alone = True
     fitted_to_a_model = True

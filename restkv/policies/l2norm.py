@@ -23,6 +23,7 @@ class L2Norm(Policy):
     name = "l2norm"
     reference = "KNorm / L2Norm: Devoto et al., EMNLP 2024, arXiv 2406.11430"
     observes_queries = False
+    scores_each_token_alone = True
 
     l2norm_skip_layers: tuple[int, ...] = option((0, 1), "layers L2Norm leaves uncompressed")
     l2norm_protect_window: bool = option(False, "L2Norm also keeps the observation window")

@@ -41,6 +41,7 @@ class LearnedZip(KeepsSinks, Policy):
     reference = "restkv's own: KVzip's ranking (Kim et al., arXiv 2505.23416) predicted by a trained linear scorer"
     allocation = "model_ranked"
     observes_queries = False
+    scores_each_token_alone = True
     fitted_to_a_model = True
     needs_rotary = True
     ranks_context_alone = True

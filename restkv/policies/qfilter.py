@@ -30,6 +30,7 @@ class QFilter(Policy):
     name = "qfilter"
     reference = "Q-Filters: Godey et al., 2025, arXiv 2503.02812"
     observes_queries = False
+    scores_each_token_alone = True
 
     qfilter_file: str | None = option(
         None, "Q-Filters: safetensors file of the filters, a tensor q_filters [layers, KV heads, head_dim]",

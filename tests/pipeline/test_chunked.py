@@ -202,7 +202,8 @@ def test_a_small_decode_budget_bounds_the_cache_and_keeps_positions_right():
     out = model.generate(random_prompt(1, 50), max_new_tokens=30, min_new_tokens=30, do_sample=False,
                          return_dict_in_generate=True)
     handle.remove()
-    assert max(count for count, _, _ in stored[1:]) <= 20 + 5
+    assert max(count for count, _, _ in stored[1:]) <= 24 + 5  # the prompt's 24 kept, then 5 appended
+    assert max(count for count, _, _ in stored[6:]) <= 20 + 5  # compressed every 5 tokens
     assert [seen for _, seen, _ in stored] == list(range(50, 80))  # every step's position is the tokens seen
     assert all(newest < seen for _, seen, newest in stored)
     assert output_cache(out).layers[0].tokens_seen == 79
@@ -248,11 +249,10 @@ def test_rows_of_a_batch_stay_independent_under_decode_compression():
         (dict(method="h2o", h2o_queries="all", prefill_chunk_size=64),
          "--h2o_queries all accumulates the attention of every prompt query at once; it cannot score chunk by chunk "
          "(--prefill_chunk_size 64)"),
-        (dict(method="kvzip", decode_budget=64), "--decode_budget compresses as tokens come; --observation "
-         "reconstruction (--method kvzip's own) and --method kvzip's model-wide model_ranked allocation need the "
-         "whole prompt first"),
+        (dict(method="kvzip", decode_budget=64), "--method kvzip scores the prompt by the model repeating it "
+         "(--observation reconstruction)"),
         (dict(method="snapkv", observation="reconstruction", decode_budget=64),
-         "--decode_budget compresses as tokens come; --observation reconstruction needs the whole prompt first"),
+         "--method snapkv scores the prompt by the model repeating it (--observation reconstruction)"),
         (dict(method="snapkv", allocation="model_ranked", prefill_chunk_size=64),
          "; --allocation model_ranked needs the whole prompt first (scores read by --observation window change with "
          "each chunk's queries"),
@@ -320,12 +320,12 @@ def test_per_layer_ratios_count_every_token_of_the_prompt_not_those_held_at_each
 def test_per_layer_ratios_under_a_decode_budget_count_every_token_seen():
     """After the prompt (100 tokens: [80, 50, 20] kept) and 4 generated tokens, layers 1 and 2 keep their
     ratio of the 104 tokens seen: 52 and 20 (under the decode budget of 60 the ratio of the tokens held
-    left them at 54 and 24); layer 0, above budget + interval, was compressed to the budget at the first."""
+    left them at 54 and 24); layer 0, above the budget, was compressed to it at the fourth, as every layer is."""
     model = tiny_model("llama")
     replace_for("llama")(**{**PER_LAYER, "max_capacity_prompts": 90}, decode_budget=60, decode_interval=4)
     out = greedy(model, random_prompt(1, 100), new_tokens=5)
     held = [layer.kept_counts.tolist()[0] + [layer.tail_length] for layer in output_cache(out).layers]
-    assert held == [[60, 60, 3], [52, 52, 0], [20, 20, 0]]  # per KV head, and the tokens appended since
+    assert held == [[60, 60, 0], [52, 52, 0], [20, 20, 0]]  # per KV head, and the tokens appended since
 
 
 @pytest.mark.parametrize("length", [100, 68, 66])

@@ -210,10 +210,13 @@ def test_noncausal_default_is_kvpress_with_the_scale_and_without_its_padded_chun
     assert not torch.allclose(partial[:, 32:], padded[:, 32:])
 
 
-@pytest.mark.parametrize("method", ["noncausal_attn", "expected_attention"])
-@pytest.mark.parametrize("options", [dict(prefill_chunk_size=64), dict(decode_budget=48),
-                                     dict(allocation="model_ranked"), dict(observation="reconstruction")])
+@pytest.mark.parametrize("method, options", [
+    (method, options) for method in ("noncausal_attn", "expected_attention")
+    for options in (dict(prefill_chunk_size=64), dict(allocation="model_ranked"), dict(observation="reconstruction"))
+] + [("noncausal_attn", dict(decode_budget=48))])
 def test_scorers_of_every_prompt_query_refuse_what_cannot_give_them_all(method, options):
+    """Expected Attention reads the queries since the last compression while decoding (tests/pipeline/test_decoding.py);
+    the non-causal attention needs the queries of every prompt token."""
     flag = "--" + next(iter(options))
     with pytest.raises(ConfigError, match=flag):
         CompressionConfig(method=method, max_capacity_prompts=40, window_size=8, **options)

@@ -4,29 +4,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from tiny_models import (assert_model_compresses, assert_refused_when_configured, greedy, random_prompt, random_qkv,
-                         replace_for, tiny_model)
+                         replace_for, surrogate_file, tiny_model)
 
 from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.cache import kept_positions
 from restkv.integrations.transformers.compat import output_cache
 from restkv.integrations.transformers.generation import prefill
 from restkv.learned.kvzap import SHIPPED_SURROGATES, surrogates_of, training_record
-
-
-def surrogate_file(path, layers=3, hidden=64, kv_heads=2, mlp=True, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(layers):
-        if mlp:
-            tensors[f"layers.{layer}.0.weight"] = torch.randn(16, hidden, generator=generator)
-            tensors[f"layers.{layer}.0.bias"] = torch.randn(16, generator=generator)
-            tensors[f"layers.{layer}.2.weight"] = torch.randn(kv_heads, 16, generator=generator)
-            tensors[f"layers.{layer}.2.bias"] = torch.randn(kv_heads, generator=generator)
-        else:
-            tensors[f"layers.{layer}.weight"] = torch.randn(kv_heads, hidden, generator=generator)
-            tensors[f"layers.{layer}.bias"] = torch.randn(kv_heads, generator=generator)
-    save_file(tensors, str(path))
-    return str(path), tensors
 
 
 @pytest.mark.parametrize("mlp", [True, False])
@@ -52,8 +36,9 @@ def test_kvzap_reads_its_weights_and_needs_the_hidden_states(tmp_path):
     with pytest.raises(ConfigError, match="holds no KVzapModel layers"):
         CompressionConfig(method="kvzap", max_capacity_prompts=20, window_size=4, kvzap_weights=str(tmp_path / "other.safetensors"))
     path, _ = surrogate_file(tmp_path / "kvzap.safetensors")
-    with pytest.raises(ConfigError, match="--method kvzap scores the hidden states .* --decode_budget"):
-        CompressionConfig(method="kvzap", max_capacity_prompts=20, window_size=4, kvzap_weights=path, decode_budget=64)
+    with pytest.raises(ConfigError, match="--method kvzap scores the hidden states .* --prefill_chunk_size"):
+        CompressionConfig(method="kvzap", max_capacity_prompts=20, window_size=4, kvzap_weights=path,
+                          prefill_chunk_size=32)
     with pytest.raises(ConfigError, match="--block_press .* hidden states"):
         CompressionConfig(method="kvzap", max_capacity_prompts=20, window_size=4, kvzap_weights=path, block_press=True)
     query, key, value = random_qkv(length=50)

@@ -224,7 +224,8 @@ def test_the_template_around_the_context_is_kept_as_kvzip_keeps_it(tiny_weights,
     (dict(quant_method="kivi"), None),
     (dict(think=True), None),
     (dict(prefill_chunk_size=32), None),
-    (dict(decode_budget=20), "--decode_budget compresses as tokens come; --method learned_zip's model-wide"),
+    (dict(decode_budget=20), "--method learned_zip ranks tokens across every layer at once"),
+    (dict(decode_budget=20, decode_method="l2norm"), None),
 ])
 def test_learned_zip_composes_or_refuses_in_one_line(tiny_weights, options, refusal):
     model = tiny_model("llama")

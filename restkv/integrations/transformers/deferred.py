@@ -72,7 +72,7 @@ from restkv.integrations.transformers.replay_gradients import replay_gradient_no
 from restkv.pipeline.compress import compress_layer
 from restkv.pipeline.inputs import LayerInputs
 from restkv.pipeline.plan import LayerPlan
-from restkv.pipeline.recompress import ScoredChunk, rank_chunk
+from restkv.pipeline.recompress import ScoredChunk, rank_chunk, remember_newest
 from restkv.scoring.observation import ReconstructionObservation, ReconstructionStats
 
 #: float32 attention weights (query heads x queries x scored keys) of one block of a reconstruction
@@ -394,6 +394,11 @@ def _compress_pending(cache, pending: PendingPrefill) -> None:
             state = compress_layer(config, ctx, scores=scores[index], keep=keeps.get(index))
             compressed = CompressedLayer.from_state(state, layer.plan.valid.shape[-1], layer.plan.sliding_window,
                                                     config, layer.plan.padding, cache_state(cache).expected_appends)
+            if config.compresses_again:  # what its next compression scores with
+                query = layer.inputs.query
+                rotary = layer.inputs.rotary
+                remember_newest(compressed, config, query,
+                                None if rotary is None else tuple(t[:, t.shape[1] - query.shape[2]:] for t in rotary))
             if config.rescores:  # a chunked prefill: the next chunk's ranking reads the kept tokens' scores
                 lasting = _outside_span(cache, layer, layer.plan.padding)  # not the window: it competes later
                 marked = scores[index].float().masked_fill(lasting[:, None], float("inf"))

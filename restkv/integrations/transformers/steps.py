@@ -41,7 +41,8 @@ from restkv.integrations.transformers.seams import UnsupportedModel, derives_val
 from restkv.pipeline.compress import compress_layer, exact_tokens_only_conflicts, prunes_fitting_layers
 from restkv.pipeline.inputs import LayerFacts, LayerInputs
 from restkv.pipeline.plan import LayerPlan, plan_layer, valid_from_mask
-from restkv.pipeline.recompress import recompress
+from restkv.pipeline.recompress import (compress_decoding, compression_due, decode_budgets, recompress, remember_newest,
+                                        score_arrivals)
 
 
 # ---------------------------------------------------------------- a layer's facts
@@ -176,11 +177,17 @@ def prefill_layer(module, step, call, facts, native, query, key, value, attentio
         defer_layer(cache, module.layer_idx, PendingLayer(config, inputs))
         return output
     inputs = LayerInputs(query, key, value, plan, facts, rotary=rotary, hidden=step.hidden_states)
+    decoding = config.decoding
+    arrived = (decoding.policy.score(inputs).float()
+               if decoding is not None and decoding.policy.scores_each_token_alone else None)
     cache.layers[module.layer_idx] = compressed = CompressedLayer.from_state(
-        compress_layer(config, inputs), query.shape[2], facts.sliding_window, config, plan.padding, step.appends)
+        compress_layer(config, inputs, scores=arrived if decoding is config else None), query.shape[2],
+        facts.sliding_window, config, plan.padding, step.appends)
+    if arrived is not None:  # what generation's compressions rank the prompt's kept tokens by
+        compressed.token_scores = arrived.gather(2, compressed.kept_columns.long().clamp(min=0))
     compressed.value_views = views
-    if config.rescores:
-        compressed.remember_queries(query, config.run.window_size)
+    if config.compresses_again:
+        remember_newest(compressed, config, query, rotary)
     return output
 
 
@@ -208,8 +215,8 @@ def read_layer(module, step, call, facts, native, query, key, value, attention_m
         inputs = LayerInputs(trailing_queries(config, query), key, value, plan, facts, rotary=rotary,
                              hidden=kept_hidden(config, step.hidden_states))
         defer_layer(step.cache, module.layer_idx, PendingLayer(config, inputs, first_column=first))
-    elif config.rescores:
-        compress_again(module, step, facts, query)
+    elif config.compresses_again:
+        compress_again(module, step, facts, query, key, value, rotary)
     return output, None
 
 
@@ -219,30 +226,36 @@ STEPS: dict[str, Callable] = {"prefill": prefill_layer, "read": read_layer, "obs
 
 
 # ---------------------------------------------------------------- recompression
-def compress_again(module, step: Step, facts: LayerFacts, query) -> None:
+def compress_again(module, step: Step, facts: LayerFacts, query, key, value, rotary) -> None:
     """After a prefill chunk, or every ``--decode_interval`` generated tokens: evict again
-    (``restkv.pipeline.recompress``) with the newest queries."""
+    (``restkv.pipeline.recompress``), scored by the newest queries or by the scores each token got as it came."""
     config, layer = step.config, step.layer
-    layer.remember_queries(query, config.run.window_size)  # the newest window's queries, across chunk boundaries
+    layer_idx, num_layers = module.layer_idx, module.config.num_hidden_layers
+    remember_newest(layer, config, query, rotary)  # the newest queries, across chunk boundaries
     if step.chunk_rows is not None:  # a prompt's later chunk (its first was the prefill)
-        budgets = chunk_budgets(config, step.chunk_rows)
-    elif config.run.decode_budget is not None and _due(layer, config.run.decode_budget, config.run.decode_interval):
-        budgets = [config.run.decode_budget] * query.shape[0]
-    else:
+        _check_full_attention(layer, layer_idx)
+        recent = layer.recent_queries
+        recompress(layer, recent[:, :, recent.shape[2] - config.run.window_size:], config,
+                   chunk_budgets(config, step.chunk_rows), facts, layer_idx, num_layers)
         return
+    decoding = config.decoding
+    if decoding is None:  # only the prompt is read in chunks
+        return
+    policy, run = decoding.policy, decoding.run
+    if policy.scores_each_token_alone:
+        layer.remember_scores(score_arrivals(decoding, layer, query, key, value, facts, layer_idx, num_layers, rotary,
+                                             step.hidden_states))
+    if compression_due(layer, run.decode_interval):
+        _check_full_attention(layer, layer_idx)
+        compress_decoding(layer, decoding, decode_budgets(decoding, layer), facts, layer_idx, num_layers)
+
+
+def _check_full_attention(layer: CompressedLayer, layer_idx: int) -> None:
     if layer.sliding_window is not None:
         raise ValueError(
-            f"--prefill_chunk_size and --decode_budget compress full-attention layers again; layer {module.layer_idx} "
-            f"has a sliding window of {layer.sliding_window} and a budget below it (raise the budget to the window)"
+            f"--prefill_chunk_size and --decode_budget compress full-attention layers again; layer {layer_idx} has a "
+            f"sliding window of {layer.sliding_window} and a budget below it (raise the budget to the window)"
         )
-    recompress(layer, layer.recent_queries, config, budgets, facts, module.layer_idx, module.config.num_hidden_layers)
-
-
-def _due(layer: CompressedLayer, budget: int, interval: int) -> bool:
-    """Decode-time compression runs every ``interval`` new tokens, or sooner if the layer would
-    otherwise hold more than ``budget + interval`` entries (a prompt kept above the budget)."""
-    held = int((layer.held_counts + layer.summary_slots).max())
-    return layer.tail_length >= interval or held > budget + interval
 
 
 # ---------------------------------------------------------------- prefill
@@ -269,8 +282,11 @@ def plan_to_compress(module, step: Step, facts: LayerFacts, query, attention_mas
                       budgets, step.span)
     # A layer compressed again later (chunked prefill, decode budget) is held compressed from the start; ThinK
     # prunes the key channels of a layer that evicts nothing too with --prune_fitting_layers, as its release does.
-    owned = config.policy.compresses_layer(module.layer_idx) and (
-        (config.rescores and facts.sliding_window is None) or prunes_fitting_layers(config))
+    decoding = config.decoding
+    compressed_later = config.compresses_again and facts.sliding_window is None and (
+        config.policy.compresses_layer(module.layer_idx)
+        or (decoding is not None and decoding.policy.compresses_layer(module.layer_idx)))
+    owned = compressed_later or (config.policy.compresses_layer(module.layer_idx) and prunes_fitting_layers(config))
     if not plan.compress and not owned:
         return None
     if type(layer) not in COMPRESSIBLE_LAYERS or getattr(cache, "offloading", False):
