@@ -167,20 +167,26 @@ _PROMPT_ONLY_OPTIONS = ("method", "decode_method", "observation", "prefill_chunk
                         "compression_ratio")
 
 #: common options that act only while another setting is on: name -> (the flag that turns it on,
-#: whether the run has it on); given while it is off they are ignored with a warning, as an option
-#: of an inactive part is
+#: whether the run has it on, from its common options, its method and the flat options given); given while it is
+#: off they are ignored with a warning, as an option of an inactive part is
 _SWITCHED_RUN_OPTIONS = {
-    **{name: ("--decode_budget or --decode_compression_ratio", lambda run, policy_cls: run.compresses_decoding)
+    **{name: ("--decode_budget, --decode_compression_ratio or --dms_decoding",
+              lambda run, policy_cls, given: run.compresses_decoding or _dms_decoding(given))
        for name in ("decode_interval", "decode_method")},
     **{name: ("--observation reconstruction",
-              lambda run, policy_cls: (run.observation or policy_cls.default_observation) == "reconstruction")
+              lambda run, policy_cls, given: (run.observation or policy_cls.default_observation) == "reconstruction")
        for name in ("reconstruction_chunk", "reconstruction_reduce", "reconstruction_prompt")},
 }
 
 
-def _idle_run_options(run: RunOptions, policy_cls: type) -> set[str]:
-    """The ``_SWITCHED_RUN_OPTIONS`` that ``run`` under ``policy_cls`` leaves off."""
-    return {name for name, (_, is_on) in _SWITCHED_RUN_OPTIONS.items() if not is_on(run, policy_cls)}
+def _dms_decoding(given: Mapping[str, Any]) -> bool:
+    """Whether the flat options ask DMS's threshold eviction during generation (``--dms --dms_decoding``)."""
+    return bool(given.get("dms") and given.get("dms_decoding"))
+
+
+def _idle_run_options(run: RunOptions, policy_cls: type, given: Mapping[str, Any]) -> set[str]:
+    """The ``_SWITCHED_RUN_OPTIONS`` that ``run`` under ``policy_cls`` (and the flat options ``given``) leaves off."""
+    return {name for name, (_, is_on) in _SWITCHED_RUN_OPTIONS.items() if not is_on(run, policy_cls, given)}
 
 
 @dataclass(frozen=True)
@@ -236,7 +242,7 @@ class CompressionConfig:
         policy_cls = lookup("method", run.method)
         # Given (and checked above) but inactive: the run keeps their defaults (a default given, as
         # ``to_dict`` gives every option, changes nothing and is not worth a warning).
-        switched_off = {name for name in _idle_run_options(run, policy_cls)
+        switched_off = {name for name in _idle_run_options(run, policy_cls, explicit)
                         if explicit.get(name) not in (None, getattr(RunOptions, name))}
         if switched_off:
             run = RunOptions(**{name: explicit[name] for name in _RUN_NAMES
@@ -371,7 +377,11 @@ class CompressionConfig:
         (``every_method``: generation whatever method)."""
         names = ("prefill_chunk_size",) + (("decode_budget", "decode_compression_ratio")
                                            if self.run.decode_method is None or every_method else ())
-        return [f"--{name} {getattr(self.run, name)}" for name in names if getattr(self.run, name) is not None]
+        flags = [f"--{name} {getattr(self.run, name)}" for name in names if getattr(self.run, name) is not None]
+        dms = self.switch("dms")
+        if dms is not None and dms.dms_decoding and (self.run.decode_method is None or every_method):
+            flags.append("--dms_decoding")
+        return flags
 
     def _decoding(self) -> "CompressionConfig | None":
         """The config the compressions during generation run: None when generation is not compressed; itself
@@ -379,7 +389,7 @@ class CompressionConfig:
         (its budget, observation and a model-wide allocation). Generation is compressed one layer at a time with
         its newest queries, so a method that needs the model repeating the prompt or every layer at once cannot."""
         run = self.run
-        if not run.compresses_decoding:
+        if not self.compresses_decoding:
             return None
         flag, method = ("--method", run.method) if run.decode_method is None else ("--decode_method", run.decode_method)
         method_cls = lookup("method", method, "decode_method")
@@ -446,7 +456,14 @@ class CompressionConfig:
     def compresses_again(self) -> bool:
         """Whether layers are compressed again after their prefill, by any method (chunked prefill, generation):
         such layers are held compressed from the start and remember their newest queries."""
-        return self.run.prefill_chunk_size is not None or self.run.compresses_decoding
+        return self.run.prefill_chunk_size is not None or self.compresses_decoding
+
+    @property
+    def compresses_decoding(self) -> bool:
+        """Whether generation is compressed: to a budget (``--decode_budget``, ``--decode_compression_ratio``) or
+        by DMS's threshold (``--dms_decoding``)."""
+        dms = self.switch("dms")
+        return self.run.compresses_decoding or (dms is not None and dms.dms_decoding)
 
     @property
     def fixed_scores(self) -> bool:
@@ -533,7 +550,7 @@ class CompressionConfig:
     def idle_run_options(self) -> set[str]:
         """The common options this run does not use: those that act only while a setting it has off is on
         (``--reconstruction_prompt`` of a window scorer)."""
-        return _idle_run_options(self.run, type(self.policy))
+        return _idle_run_options(self.run, type(self.policy), self._explicit)
 
     def describe(self) -> str:
         """``--method snapkv --allocation adakv --residual``: the composition, as flags."""

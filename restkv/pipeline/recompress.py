@@ -79,18 +79,20 @@ class HeldSequences:
         """Whether every head of a row holds as many tokens and summary slots."""
         return bool((self.counts == self.counts[:, :1]).all()) and bool((self.slots == self.slots[:, :1]).all())
 
-    def head_contexts(self, layer, queries: torch.Tensor, config: Any, budgets: list[int], facts: LayerFacts,
+    def head_contexts(self, layer, queries: torch.Tensor, config: Any, budgets: list, facts: LayerFacts,
                       layer_idx: int, num_layers: int, protected: torch.Tensor | None = None,
                       query_rotary=None) -> list[LayerInputs]:
         """One ``LayerInputs`` per KV head over its own sequence (``queries`` ``[B, H, w, d]``: the
-        newest tokens'), each row keeping ``budgets`` (the layer's, ``layer_budgets``); ``protected``
+        newest tokens'), each row keeping ``budgets`` (the layer's, ``layer_budgets``; or per row a list of each
+        head's); ``protected``
         ``[B, H_kv, M]``: tokens kept whatever their score."""
         num_kv_heads = self.counts.shape[1]
         groups = queries.shape[1] // num_kv_heads
         contexts = []
         for head in range(num_kv_heads):
             plan = plan_layer(config, self.positions[:, head] >= 0, layer_idx, num_layers,
-                              budgets=[b - int(s) for b, s in zip(budgets, self.slots[:, head].tolist())],
+                              budgets=[(b[head] if isinstance(b, list) else b) - int(s)
+                                       for b, s in zip(budgets, self.slots[:, head].tolist())],
                               seen=seen_tokens(layer))
             if protected is not None:
                 plan = dataclasses.replace(plan, protected=plan.protected | protected[:, head])
@@ -169,14 +171,38 @@ def compress_decoding(layer, decoding: Any, budgets: list[int], facts: LayerFact
     ``budgets``: a scorer of each token alone ranks the scores its tokens got as they came (``token_scores``,
     ``arrived_scores``); any other scores what the layer holds with its newest queries."""
     if decoding.policy.scores_each_token_alone:
-        protected = torch.zeros(layer.arrived_scores.shape[0], layer.arrived_scores.shape[-1], dtype=torch.bool,
-                                device=layer.arrived_scores.device)
-        chunk = ScoredChunk(layer, layer.arrived_scores, protected, layer.recent_queries, facts)
-        rank_chunk(decoding, {layer_idx: chunk}, budgets, num_layers)
+        rank_chunk(decoding, {layer_idx: _arrived_chunk(layer, facts)}, budgets, num_layers)
         layer.arrived_scores = None
         return
     recompress(layer, layer.recent_queries, decoding, budgets, facts, layer_idx, num_layers,
                query_rotary=layer.recent_rotary)
+
+
+def evict_below_threshold(layer, config: Any, threshold: float, facts: LayerFacts, layer_idx: int,
+                          num_layers: int) -> None:
+    """DMS while decoding (kvpress' ``DMSPress(decoding=True)``): evict the held tokens past the protected window
+    whose score, taken as each came, is below ``threshold``; no budget, each KV head keeps what reaches it."""
+    chunk = _arrived_chunk(layer, facts)
+    held = HeldSequences.of(layer)
+    scores = _held_scores(chunk, held)
+    window = config.policy.protected_count(config.run.window_size, 0)
+    newest = held.positions >= layer.tokens_seen - window
+    counts = ((scores >= threshold) | newest | torch.isposinf(scores)).logical_and(held.positions >= 0).sum(dim=-1)
+    if bool((counts == held.counts).all()):  # nothing falls below: the tail and its scores keep growing
+        return
+    floor = window + 1  # a head's plan must exceed its protected tokens; its explicit count says what it keeps
+    budgets = [[max(int(c), floor) for c in row] for row in counts.tolist()]
+    contexts = held.head_contexts(layer, chunk.queries, config, budgets, facts, layer_idx, num_layers)
+    _rebuild(config, layer, held, contexts, [scores[:, head : head + 1] for head in range(len(contexts))],
+             [counts[:, head : head + 1] for head in range(len(contexts))], torch.zeros_like(newest))
+    layer.arrived_scores = None
+
+
+def _arrived_chunk(layer, facts: LayerFacts) -> "ScoredChunk":
+    """The tokens appended since the layer's last compression with the scores they got as they came."""
+    scores = layer.arrived_scores
+    protected = torch.zeros(scores.shape[0], scores.shape[-1], dtype=torch.bool, device=scores.device)
+    return ScoredChunk(layer, scores, protected, layer.recent_queries, facts)
 
 
 def remember_newest(layer, config: Any, query: torch.Tensor, rotary=None) -> None:
@@ -254,12 +280,17 @@ def rank_chunk(config: Any, chunks: dict[int, ScoredChunk], budgets: list[int], 
         keeps = {index: _head_allocation(config, contexts, scores)
                  for index, (_, contexts, scores, _) in prepared.items()}
     for index, (held, contexts, scores, protected) in prepared.items():
-        layer = chunks[index].layer
-        layer.replace(_compress_heads(config, layer, contexts, scores, keeps[index]))
-        # Only what stays protected whatever follows (the template around the context) is stored as
-        # +inf; the window a ranking protects is the newest tokens' now, and competes later.
-        joined = torch.cat(scores, dim=1).masked_fill(protected, float("inf"))
-        layer.token_scores = scores_at(joined, held.positions, layer.kept_columns)
+        _rebuild(config, chunks[index].layer, held, contexts, scores, keeps[index], protected)
+
+
+def _rebuild(config, layer, held: HeldSequences, contexts: list[LayerInputs], scores: list[torch.Tensor],
+             keep: list, protected: torch.Tensor) -> None:
+    """Compress each KV head of ``layer`` to ``keep`` by its held tokens' ``scores`` and store the kept ones'
+    scores for the next ranking. Only what stays protected whatever follows (``protected``: the template around
+    the context) is stored as +inf; the window a ranking protects is the newest tokens' now, and competes later."""
+    layer.replace(_compress_heads(config, layer, contexts, scores, keep))
+    joined = torch.cat(scores, dim=1).masked_fill(protected, float("inf"))
+    layer.token_scores = scores_at(joined, held.positions, layer.kept_columns)
 
 
 def _held_scores(chunk: ScoredChunk, held: HeldSequences) -> torch.Tensor:

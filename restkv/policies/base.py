@@ -151,7 +151,7 @@ class Policy(Options):
             )
         # Generation is served by scores taken as each token comes; a later chunk's compression is not.
         flags = [flag for flag in config.rescoring_flags()
-                 if not (self.scores_each_token_alone and flag.startswith("--decode"))]
+                 if not (self.scores_each_token_alone and not flag.startswith("--prefill_chunk_size"))]
         if self.needs_hidden_states and flags:
             raise ConfigError(f"--method {self.name} scores the hidden states of the prompt's tokens; "
                               f"{' and '.join(flags)} compress tokens whose hidden states are no longer kept")

@@ -8,10 +8,14 @@ rows are compressed). The threshold is on the scorer's own
 scale (``-||k||`` for ``l2norm``, an attention weight for ``snapkv``...); DMS's trained
 evictors are not part of it.
 
+``--dms_decoding`` evicts during generation too, without a budget (kvpress' ``decoding=True``): every
+``--decode_interval`` new tokens (1: every step, as kvpress), each held token past the window whose
+score is below the threshold goes. Scores are taken once as each token comes, so the scorer must score
+each token alone (KVzap, L2Norm, a learned scorer: ``Policy.scores_each_token_alone``).
+
 Where this differs from kvpress' ``DMSPress``: the window is the method's protected window
-(``--window_size``; kvpress' ``sliding_window_size``, 128 by default, on any scorer), and
-scoring happens once per prefill (``decoding=False``); with ``--decode_budget`` a layer is
-thresholded again as it is compressed again.
+(``--window_size``; kvpress' ``sliding_window_size``, 128 by default, on any scorer); tokens are evicted
+where kvpress masks them; with ``--decode_budget`` a layer is thresholded again as it is compressed again.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from restkv.config.options import ConfigError, Options, option, register
+from restkv.config.options import ConfigError, Options, lookup, option, register
 from restkv.policies.base import require_ranking
 
 
@@ -35,11 +39,27 @@ class ThresholdEviction(Options):
                   "--dms_threshold (at most the budget)"
 
     dms_threshold: float | None = option(None, "--dms: the score a token must reach to stay (the scorer's scale)")
+    dms_decoding: bool = option(False, "--dms: evict during generation too, without a budget: every "
+                                "--decode_interval new tokens, the tokens past the window below --dms_threshold "
+                                "(kvpress' DMSPress(decoding=True); a scorer of each token alone)")
 
     def check(self, config) -> None:
         if self.dms_threshold is None:
             raise ConfigError("--dms keeps the tokens whose score reaches a threshold: give --dms_threshold")
         require_ranking("--dms", config.policy)
+        if not self.dms_decoding:
+            return
+        run = config.run
+        if run.decode_budget is not None or run.decode_compression_ratio is not None:
+            flag = "--decode_budget" if run.decode_budget is not None else "--decode_compression_ratio"
+            raise ConfigError(f"--dms_decoding evicts by the threshold alone; with {flag} every compression during "
+                              "generation is thresholded already: give one of them")
+        scorer = lookup("method", run.decode_method or run.method)
+        if not scorer.scores_each_token_alone:
+            flag = "--decode_method" if run.decode_method else "--method"
+            raise ConfigError(f"--dms_decoding scores each token once as it comes; {flag} {scorer.name} scores with "
+                              "the newest queries: use --decode_budget, or a scorer of each token alone (l2norm, "
+                              "kvzap, learned_zip...)")
 
     def rescore(self, config, ctx, scores: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The scores as they are; each head's count lowered to its protected tokens and the

@@ -41,8 +41,8 @@ from restkv.integrations.transformers.seams import UnsupportedModel, derives_val
 from restkv.pipeline.compress import compress_layer, exact_tokens_only_conflicts, prunes_fitting_layers
 from restkv.pipeline.inputs import LayerFacts, LayerInputs
 from restkv.pipeline.plan import LayerPlan, plan_layer, valid_from_mask
-from restkv.pipeline.recompress import (compress_decoding, compression_due, decode_budgets, recompress, remember_newest,
-                                        score_arrivals)
+from restkv.pipeline.recompress import (compress_decoding, compression_due, decode_budgets, evict_below_threshold,
+                                        recompress, remember_newest, score_arrivals)
 
 
 # ---------------------------------------------------------------- a layer's facts
@@ -245,9 +245,13 @@ def compress_again(module, step: Step, facts: LayerFacts, query, key, value, rot
     if policy.scores_each_token_alone:
         layer.remember_scores(score_arrivals(decoding, layer, query, key, value, facts, layer_idx, num_layers, rotary,
                                              step.hidden_states))
-    if compression_due(layer, run.decode_interval):
-        _check_full_attention(layer, layer_idx)
+    if not compression_due(layer, run.decode_interval):
+        return
+    _check_full_attention(layer, layer_idx)
+    if run.compresses_decoding:
         compress_decoding(layer, decoding, decode_budgets(decoding, layer), facts, layer_idx, num_layers)
+    else:  # DMS's threshold alone (--dms_decoding)
+        evict_below_threshold(layer, decoding, decoding.switch("dms").dms_threshold, facts, layer_idx, num_layers)
 
 
 def _check_full_attention(layer: CompressedLayer, layer_idx: int) -> None:
