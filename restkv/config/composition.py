@@ -141,6 +141,12 @@ class RunOptions(Options):
         None, "--decode_budget, --decode_compression_ratio: the method that scores the compressions during "
         "generation (kvpress' PrefillDecodingPress: one method for the prompt, another while decoding; its options "
         "are the same flags); default: --method")
+    prefilter: str | None = option(
+        None, "a method that first keeps floor(N (1 - --prefilter_ratio)) of each row's N prompt tokens (its "
+        "protected tokens and --method's among them); --method then ranks only those, to the run's budget "
+        "(kvpress' ComposedPress of two evicting presses; its options are the same flags); default: none")
+    prefilter_ratio: float | None = option(
+        None, "--prefilter: the fraction of the prompt the prefilter removes, in [0, 1)")
     seed: int = option(0, "seed of the run (the random control policy's scores, Python/NumPy/torch)", minimum=0)
 
     def validate(self) -> None:
@@ -149,6 +155,10 @@ class RunOptions(Options):
             raise ConfigError(f"--compression_ratio must lie in the open interval (0, 1); got {ratio!r}")
         if self.max_capacity_prompts is not None and ratio is not None:
             raise ConfigError("set either --max_capacity_prompts or --compression_ratio, not both")
+        if self.prefilter is not None and self.prefilter_ratio is None:
+            raise ConfigError(f"--prefilter {self.prefilter} keeps a share of the prompt: give --prefilter_ratio R")
+        if self.prefilter_ratio is not None and not 0.0 <= self.prefilter_ratio < 1.0:
+            raise ConfigError(f"--prefilter_ratio must lie in [0, 1); got {self.prefilter_ratio!r}")
         decode_ratio = self.decode_compression_ratio
         if decode_ratio is not None and not 0.0 <= decode_ratio < 1.0:
             raise ConfigError(f"--decode_compression_ratio must lie in [0, 1); got {decode_ratio!r}")
@@ -173,6 +183,7 @@ _SWITCHED_RUN_OPTIONS = {
     **{name: ("--decode_budget, --decode_compression_ratio or --dms_decoding",
               lambda run, policy_cls, given: run.compresses_decoding or _dms_decoding(given))
        for name in ("decode_interval", "decode_method")},
+    "prefilter_ratio": ("--prefilter", lambda run, policy_cls, given: run.prefilter is not None),
     **{name: ("--observation reconstruction",
               lambda run, policy_cls, given: (run.observation or policy_cls.default_observation) == "reconstruction")
        for name in ("reconstruction_chunk", "reconstruction_reduce", "reconstruction_prompt")},
@@ -270,8 +281,10 @@ class CompressionConfig:
         # The method that scores the compressions during generation reads the same flags (built in ``_decoding``).
         decode_cls = (lookup("method", run.decode_method, "decode_method")
                       if run.decode_method is not None and "decode_method" not in switched_off else None)
+        prefilter_cls = lookup("method", run.prefilter, "prefilter") if run.prefilter is not None else None
+        secondary = [cls for cls in (decode_cls, prefilter_cls) if cls is not None]
 
-        given: dict[type, dict[str, Any]] = {cls: {} for cls in [*part_classes, *([decode_cls] if decode_cls else [])]}
+        given: dict[type, dict[str, Any]] = {cls: {} for cls in [*part_classes, *secondary]}
         unused: dict[str, Any] = {}
         for name, value in explicit.items():
             if (name in _RUN_NAMES and name not in switched_off) or name in switch_flags or value is None:
@@ -308,6 +321,7 @@ class CompressionConfig:
         set_(self, "merger", merge_cls(**given[merge_cls]) if merge_cls else None)
         set_(self, "quantizer", quant_cls(**given[quant_cls]) if quant_cls else None)
         set_(self, "switches", tuple(cls(**given[cls]) for cls in switch_classes))
+        set_(self, "prefilter", self._prefilter(prefilter_cls, given, run))
         set_(self, "_explicit", {**kept, **unused})
         set_(self, "_unused", unused)
         self._check_budget()
@@ -382,6 +396,26 @@ class CompressionConfig:
         if dms is not None and dms.dms_decoding and (self.run.decode_method is None or every_method):
             flags.append("--dms_decoding")
         return flags
+
+    def _prefilter(self, prefilter_cls: type | None, given: dict[type, dict[str, Any]], run: RunOptions):
+        """``--prefilter``'s policy, built with the same flags, or None; refused where it cannot rank the prompt
+        before ``--method`` (one pass over the whole prompt, with what the prompt's compression reads)."""
+        if prefilter_cls is None:
+            return None
+        name = f"--prefilter {run.prefilter}"
+        if not prefilter_cls.evicts:
+            raise ConfigError(f"{name} evicts nothing: a prefilter keeps a share of the prompt by its scores")
+        if run.prefill_chunk_size is not None:
+            raise ConfigError(f"{name} ranks the whole prompt once; --prefill_chunk_size {run.prefill_chunk_size} "
+                              "compresses it chunk by chunk")
+        observation = run.observation or lookup("method", run.method).default_observation
+        if prefilter_cls.default_observation == "reconstruction" and observation != "reconstruction":
+            raise ConfigError(f"{name} scores by the model repeating the prompt (--observation reconstruction); "
+                              f"--method {run.method} reads the {observation} observation")
+        if prefilter_cls.needs_hidden_states and observation == "reconstruction":
+            raise ConfigError(f"{name} scores the prompt's hidden states, which a layer waiting for the "
+                              "reconstruction does not keep")
+        return prefilter_cls(**given[prefilter_cls]).for_run(run)
 
     def _decoding(self) -> "CompressionConfig | None":
         """The config the compressions during generation run: None when generation is not compressed; itself

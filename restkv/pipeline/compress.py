@@ -26,6 +26,7 @@ layer's state as padded tensors with row-local positions, exactly what the model
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from functools import partial
@@ -39,6 +40,7 @@ from restkv.cache.segments.exact import exact_tokens, joined_view
 from restkv.cache.segments.ragged import RaggedTokens
 from restkv.cache.segments.residual_entries import ResidualEntries
 from restkv.config import CompressionConfig
+from restkv.config.composition import kept_at_ratio
 from restkv.pipeline.inputs import LayerFacts, LayerInputs
 from restkv.pipeline.plan import plan_layer, valid_from_mask
 from restkv.scoring.selection import Reservation, gather_columns, rank_keys, select_columns
@@ -126,6 +128,9 @@ def compress_layer(config: CompressionConfig, ctx: LayerInputs, scores: torch.Te
         scores = policy.score(ctx)
     if keep is None:
         keep = config.allocator.allocate(ctx, scores)
+    survivors = prefiltered(config, ctx)
+    if survivors is not None:
+        keep = torch.minimum(keep, survivors.sum(dim=-1).to(keep.device))
     for part in config.parts:
         if isinstance(part, Rescorer):
             scores, keep = part.rescore(config, ctx, scores, keep)
@@ -137,7 +142,10 @@ def compress_layer(config: CompressionConfig, ctx: LayerInputs, scores: torch.Te
         reservation = part.reserve(ctx, scores, keep, previous)
         scores, keep = reservation.scores, reservation.keep
         memos.append((part, reservation.memo))
-    columns = select_columns(rank_keys(scores, plan.visible, plan.protected, plan.layer_idx), keep)
+    ranked = rank_keys(scores, plan.visible, plan.protected, plan.layer_idx)
+    if survivors is not None:  # what the prefilter evicted competes no more
+        ranked = ranked.masked_fill(~survivors, float("-inf"))
+    columns = select_columns(ranked, keep)
     keys, values = gather_columns(ctx.key, columns), gather_columns(ctx.value, columns)
     if config.merger is not None:
         keys, values = config.merger.merge(ctx, columns, keys, values)
@@ -153,6 +161,29 @@ def compress_layer(config: CompressionConfig, ctx: LayerInputs, scores: torch.Te
                 summaries.append(checked_segment(segment, SummarySegment, f"{config.chosen_by(part)}'s segment"))
     kept, summaries = co_locate(store(config, ctx, keys, values, columns), summaries)
     return LayerState(kept, summaries, corrections, **_sealing(config))
+
+
+def prefiltered(config: CompressionConfig, ctx: LayerInputs) -> torch.Tensor | None:
+    """``[B, H_kv, N]`` the tokens ``--prefilter`` keeps of a prompt (each row's protected tokens, the method's and
+    the prefilter's own, first; then its best-scored; ``floor(visible * (1 - --prefilter_ratio))`` in all, per KV
+    head), or None without a prefilter or when ``ctx`` holds tokens kept before (a compression during generation
+    ranks with ``--method`` alone)."""
+    prefilter = config.prefilter
+    if prefilter is None or ctx.positions is not None:
+        return None
+    plan = ctx.plan
+    length = plan.visible.shape[-1]
+    counts = [kept_at_ratio(int(n), config.run.prefilter_ratio) for n in plan.visible_counts.tolist()]
+    own = torch.tensor([length - prefilter.protected_count(config.run.window_size, count) for count in counts],
+                       device=plan.visible.device)
+    protected = plan.protected | (plan.visible & (torch.arange(length, device=own.device)[None] >= own[:, None]))
+    counts = torch.tensor([[max(count, int(p))] for count, p in zip(counts, protected.sum(dim=-1).tolist())],
+                          device=ctx.key.device).expand(-1, ctx.num_kv_heads)
+    # The prefilter scores as it would alone: its own protected tokens do not compete.
+    own_view = dataclasses.replace(ctx, plan=dataclasses.replace(plan, protected=protected))
+    columns = select_columns(rank_keys(prefilter.score(own_view), plan.visible, protected, plan.layer_idx), counts)
+    survivors = torch.zeros(ctx.key.shape[:3], dtype=torch.bool, device=ctx.key.device)
+    return survivors.scatter_(2, columns.clamp(min=0).long(), columns >= 0)
 
 
 def _sealing(config: CompressionConfig) -> dict:

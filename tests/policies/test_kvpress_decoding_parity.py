@@ -6,6 +6,12 @@ tie at layer 0 made kvpress keep the higher of two equal scores, ``kept_tiebreak
 breaks ties towards the lower position, must hold). The folder's README says how the fixtures were made and which
 kvpress behaviours restkv follows or leaves (``DecodingPress`` over SnapKV or Expected Attention rotates every
 buffered query to the newest position, which restkv does not: those cases are recorded, not mapped here).
+
+``ComposedPress`` chains are prefill cases: ``--prefilter snapkv --prefilter_ratio 0.3`` then ``--method l2norm``
+reproduces ``[SnapKV(0.3), Knorm(0.4)]``. The other two chains are recorded, not mapped: kvpress' second press
+reads the first press's output in its score order, so SnapKV after Knorm takes the 64 lowest-norm rows as its
+window, and Expected Attention after StreamingLLM takes the first four rows StreamingLLM's tied scores left as its
+sinks; restkv's second method sees the prompt's positions (its window is the newest tokens, kept by the prefilter).
 """
 
 from __future__ import annotations
@@ -55,6 +61,16 @@ def held_mask(cache, width: int) -> np.ndarray:
         for head, kept in enumerate(positions.exact[0]):
             mask[layer, head, list(kept)] = True
     return mask
+
+
+def test_a_prefilter_then_a_method_keep_the_composed_press_set():
+    case = "composed_snapkv0.3_knorm0.4"
+    model = tiny_llama("sdpa")
+    with torch.no_grad(), restkv.compression(model, method="l2norm", l2norm_skip_layers=(), window_size=64,
+                                             prefilter="snapkv", prefilter_ratio=0.3,
+                                             compression_ratio=1 - 160 / 384):
+        cache = model.model(input_ids=prompt(), use_cache=True).past_key_values
+    assert np.array_equal(held_mask(cache, 384), fixture(case)["kept_mask"].astype(bool))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
