@@ -442,7 +442,13 @@ class CompressionConfig:
             options.pop("allocation", None)
         with warnings.catch_warnings():  # the prompt's own options are not the decode method's
             warnings.simplefilter("ignore")
-            return CompressionConfig(**options, method=method)
+            decoding = CompressionConfig(**options, method=method)
+        if decoding.scores_on_arrival and self.compresses_after_prefill:
+            raise ConfigError(f"--decode_method {method} ranks the scores each token got as it came; "
+                              f"{' and '.join(self.deferring_flags())} compress the prompt after its whole prefill, "
+                              "when its tokens were not scored that way: give a --decode_method that scores with "
+                              "the newest queries or the keys (e.g. snapkv, l2norm)")
+        return decoding
 
     def check_model(self, model: ModelShape) -> None:
         """Refuse, before the model runs, what only its shape shows cannot work (``ConfigError``):
@@ -491,6 +497,15 @@ class CompressionConfig:
         """Whether layers are compressed again after their prefill, by any method (chunked prefill, generation):
         such layers are held compressed from the start and remember their newest queries."""
         return self.run.prefill_chunk_size is not None or self.compresses_decoding
+
+    @property
+    def scores_on_arrival(self) -> bool:
+        """Whether this config compresses generation by scores taken once as each token came: a scorer of each token
+        alone that reads what a layer does not keep (hidden states, the RoPE tables of its keys), or DMS's
+        threshold alone; a scorer of keys alone scores the held keys again."""
+        policy = self.policy
+        return policy.scores_each_token_alone and (policy.needs_hidden_states or policy.needs_rotary
+                                                   or not self.run.compresses_decoding)
 
     @property
     def compresses_decoding(self) -> bool:

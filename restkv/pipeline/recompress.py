@@ -170,7 +170,7 @@ def compress_decoding(layer, decoding: Any, budgets: list[int], facts: LayerFact
     """Compress ``layer`` during generation with the decode config ``decoding`` (``CompressionConfig.decoding``) to
     ``budgets``: a scorer of each token alone ranks the scores its tokens got as they came (``token_scores``,
     ``arrived_scores``); any other scores what the layer holds with its newest queries."""
-    if decoding.policy.scores_each_token_alone:
+    if decoding.scores_on_arrival:
         rank_chunk(decoding, {layer_idx: _arrived_chunk(layer, facts)}, budgets, num_layers)
         layer.arrived_scores = None
         return

@@ -54,6 +54,9 @@ class ThresholdEviction(Options):
             flag = "--decode_budget" if run.decode_budget is not None else "--decode_compression_ratio"
             raise ConfigError(f"--dms_decoding evicts by the threshold alone; with {flag} every compression during "
                               "generation is thresholded already: give one of them")
+        if run.prefill_chunk_size is not None:
+            raise ConfigError(f"--dms_decoding ranks the scores each token got as it came; --prefill_chunk_size "
+                              f"{run.prefill_chunk_size} scores the prompt's chunks again with their queries")
         scorer = lookup("method", run.decode_method or run.method)
         if not scorer.scores_each_token_alone:
             flag = "--decode_method" if run.decode_method else "--method"

@@ -11,6 +11,7 @@ from restkv import CompressionConfig, ConfigError, kept_positions
 from restkv.cache import CompressedLayer
 from restkv.config.composition import kept_at_ratio
 from restkv.integrations.transformers.compat import CACHE_ARGUMENT, output_cache
+from restkv.learned.kvzap import SHIPPED_SURROGATES
 from restkv.pipeline.inputs import LayerInputs
 from restkv.pipeline.plan import plan_layer
 from restkv.policies.l2norm import L2Norm
@@ -79,17 +80,20 @@ def test_the_decode_method_scores_generation_and_the_method_the_prompt():
 
 
 def test_scores_taken_as_tokens_come_rank_as_rescoring_the_held_tokens_does(monkeypatch):
-    """L2Norm scores each token alone: ranking its stored scores beside the new tokens' keeps what scoring every
-    held key again keeps (the scorer's two ways through a compression during generation)."""
+    """L2Norm scores each token alone: ranking its stored scores beside the new tokens' (the way of scorers that
+    read what a layer does not keep, here forced by declaring it a reader of RoPE tables) keeps what scoring every
+    held key again keeps (its own way)."""
     model = tiny_model("llama")
     prompt = random_prompt(1, 50)
     options = dict(method="l2norm", max_capacity_prompts=24, window_size=4, decode_budget=18, decode_interval=3,
                    l2norm_skip_layers=())
-    replace_for("llama")(**options)
-    stored = greedy(model, prompt, new_tokens=14)
-    monkeypatch.setattr(L2Norm, "scores_each_token_alone", False)
+    assert not CompressionConfig(**options).scores_on_arrival
     replace_for("llama")(**options)
     rescored = greedy(model, prompt, new_tokens=14)
+    monkeypatch.setattr(L2Norm, "needs_rotary", True)
+    assert CompressionConfig(**options).scores_on_arrival
+    replace_for("llama")(**options)
+    stored = greedy(model, prompt, new_tokens=14)
     assert torch.equal(stored.sequences, rescored.sequences)
     assert all(torch.equal(a, b) for a, b in zip(stored.logits, rescored.logits))
     assert held_positions(output_cache(stored)) == held_positions(output_cache(rescored))
@@ -186,6 +190,14 @@ def test_the_uncompressed_prompt_with_a_decode_method_compresses_only_generation
     (dict(method="snapkv", decode_method="nope", decode_budget=64), "--decode_method 'nope' is not a known method"),
     (dict(method="fullkv", decode_budget=64), "--method fullkv evicts nothing \\(--decode_method names"),
     (dict(method="expected_attention", prefill_chunk_size=64), "--method expected_attention models future queries"),
+    (dict(method="kvzip", decode_method="kvzap", kvzap_weights=str(SHIPPED_SURROGATES), decode_budget=64),
+     "--decode_method kvzap ranks the scores each token got as it came"),
+    (dict(method="l2norm", dms=True, dms_threshold=-3.0, dms_decoding=True, decode_budget=64),
+     "--dms_decoding evicts by the threshold alone; with --decode_budget"),
+    (dict(method="snapkv", dms=True, dms_threshold=0.1, dms_decoding=True),
+     "--dms_decoding scores each token once as it comes; --method snapkv"),
+    (dict(method="l2norm", dms=True, dms_threshold=-3.0, dms_decoding=True, prefill_chunk_size=32),
+     "--dms_decoding ranks the scores each token got as it came; --prefill_chunk_size 32"),
 ])
 def test_what_generation_cannot_compress_is_refused_in_one_line(options, fragment):
     with pytest.raises(ConfigError, match=fragment):

@@ -178,8 +178,7 @@ def prefill_layer(module, step, call, facts, native, query, key, value, attentio
         return output
     inputs = LayerInputs(query, key, value, plan, facts, rotary=rotary, hidden=step.hidden_states)
     decoding = config.decoding
-    arrived = (decoding.policy.score(inputs).float()
-               if decoding is not None and decoding.policy.scores_each_token_alone else None)
+    arrived = decoding.policy.score(inputs).float() if decoding is not None and decoding.scores_on_arrival else None
     cache.layers[module.layer_idx] = compressed = CompressedLayer.from_state(
         compress_layer(config, inputs, scores=arrived if decoding is config else None), query.shape[2],
         facts.sliding_window, config, plan.padding, step.appends)
@@ -241,8 +240,8 @@ def compress_again(module, step: Step, facts: LayerFacts, query, key, value, rot
     decoding = config.decoding
     if decoding is None:  # only the prompt is read in chunks
         return
-    policy, run = decoding.policy, decoding.run
-    if policy.scores_each_token_alone:
+    run = decoding.run
+    if decoding.scores_on_arrival:
         layer.remember_scores(score_arrivals(decoding, layer, query, key, value, facts, layer_idx, num_layers, rotary,
                                              step.hidden_states))
     if not compression_due(layer, run.decode_interval):

@@ -95,10 +95,13 @@ def unsupported(config: CompressionConfig) -> str | None:
         return f"--method {run.method} evicts nothing: leave {ENVIRONMENT_VARIABLE} unset to serve without restkv"
     if run.max_capacity_prompts is None and run.compression_ratio is None:
         return "give a prefill budget: max_capacity_prompts or compression_ratio"
-    for flag in ("prefill_chunk_size", "decode_budget"):
-        if getattr(run, flag) is not None:
-            return (f"--{flag} is not served: vLLM chunks the prefill itself and restkv compresses each prompt once, "
-                    "after its last chunk")
+    flags = [f"--{flag}" for flag in ("prefill_chunk_size", "decode_budget", "decode_compression_ratio")
+             if getattr(run, flag) is not None] + (["--dms_decoding"] if config.compresses_decoding else [])
+    if flags:
+        return (f"{flags[0]} is not served: vLLM chunks the prefill itself and restkv compresses each prompt once, "
+                "after its last chunk")
+    if config.prefilter is not None:
+        return f"--prefilter {run.prefilter} is not served: vLLM compresses each prompt with one scorer"
     if config.compresses_after_prefill:
         return (f"{' and '.join(config.deferring_flags())} score{'s' if len(config.deferring_flags()) == 1 else ''} "
                 "after a second pass or across every layer; vLLM compresses each layer as its prefill ends")
