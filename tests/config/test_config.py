@@ -100,8 +100,8 @@ def test_an_option_the_method_does_not_use_is_ignored_loudly_and_not_recorded():
 
 
 @pytest.mark.parametrize("options, warning, switch_on", [
-    (dict(decode_interval=4), r"--decode_interval not used by --method snapkv \(options of --decode_budget or "
-     r"--decode_compression_ratio\)",
+    (dict(decode_interval=4), r"--decode_interval not used by --method snapkv \(options of --decode_budget, "
+     r"--decode_compression_ratio or --dms_decoding\)",
      dict(decode_budget=100)),
     (dict(reconstruction_chunk=64, reconstruction_reduce="mean"),
      r"--reconstruction_chunk, --reconstruction_reduce not used by --method snapkv \(options of --observation "
