@@ -5,7 +5,7 @@ compression)."""
 
 import pytest
 import torch
-from tiny_models import greedy, random_prompt, replace_for, surrogate_file, tiny_model
+from tiny_models import assert_model_compresses, greedy, random_prompt, replace_for, surrogate_file, tiny_model
 
 from restkv import CompressionConfig, ConfigError, kept_positions
 from restkv.cache import CompressedLayer
@@ -215,3 +215,16 @@ def test_the_decode_methods_options_are_the_same_flags():
                                kernel_size=3, window_size=8)
     assert config.decoding.policy.name == "snapkv" and config.decoding.policy.kernel_size == 3
     assert config.decoding.run.window_size == 8 and config.decoding.run.decode_budget == 64
+
+
+@pytest.mark.parametrize("options", [
+    dict(method="snapkv", decode_compression_ratio=0.5, allocation="adakv"),
+    dict(method="snapkv", decode_compression_ratio=0.5, residual=True),
+    dict(method="kvzip", decode_method="adakv", decode_budget=40),
+    dict(method="expected_attention", decode_budget=40, residual=True),
+    dict(method="snapkv", decode_method="expected_attention", decode_budget=40, allocation="adakv"),
+    dict(method="l2norm", l2norm_skip_layers=(), dms=True, dms_threshold=-2.5, dms_decoding=True, decode_interval=2),
+])
+def test_compression_during_generation_composes_with_the_other_parts(options):
+    assert_model_compresses(dict(dict(max_capacity_prompts=48, window_size=8, decode_interval=4), **options),
+                            new_tokens=12)
