@@ -464,4 +464,5 @@ def test_a_delimited_finch_run_puts_the_delimiter_before_the_question_and_answer
 def test_a_delimited_finch_run_refuses_query_agnostic_prompts(tmp_path, tiny, tokenizer):
     with pytest.raises(SystemExit) as stop:
         toy_run(tmp_path, tiny, tokenizer, "--method", "finch", "--finch_delimiter", "9", "--query_agnostic")
-    assert str(stop.value.code).startswith("error: --finch_delimiter 9 finds the window from the question in the prompt")
+    assert str(stop.value.code).startswith("error: --finch_delimiter 9 finds the window from the question in the "
+                                           "prompt; --query_agnostic")
