@@ -7,7 +7,7 @@ without downloads::
 
 DuoAttention trains a gate per KV head; this is the training-free score kvpress computes when it
 has no trained pattern (``DuoAttentionPress(on_the_fly_scoring=True)``): over ``--num_texts``
-texts (the training corpus of ``restkv.tools.training_text``, or ``--text_file``), each layer's mean query and
+texts (the training corpus of ``restkv.learned.training_text``, or ``--text_file``), each layer's mean query and
 mean key before RoPE are repeated over ``--span`` positions and rotated there (with the layer's own
 RoPE and attention scaling; kvpress turns every layer with the model's rotary embedding and scales
 by ``1 / sqrt(d)``: the same where the layers share one RoPE and use the usual scaling); a head's

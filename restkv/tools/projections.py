@@ -75,7 +75,7 @@ def _replaced(module: torch.nn.Module, name: str, stand_in: torch.nn.Module) -> 
 
 def model_and_texts(args: argparse.Namespace, length: int, length_flag: str):
     """``(model, texts)`` of an offline-statistics command: the ``--model_path`` model (sdpa) and
-    ``--num_texts`` token lists of ``length`` tokens (the training corpus of ``restkv.tools.training_text``, seeded by
+    ``--num_texts`` token lists of ``length`` tokens (the training corpus of ``restkv.learned.training_text``, seeded by
     ``--seed``, or cut from ``--text_file``); a bad path or file, or a model restkv does not serve, is a
     one-line error (a rotation restkv cannot undo is one too, at the first text: ``undoable_rotary``)."""
     from restkv.benchmarks.errors import FlagError

@@ -6,7 +6,7 @@ model, without downloads::
 
     python -m restkv.tools.query_stats --model_path smollm2-135m --out data/query_stats/smollm2-135m.safetensors
 
-The texts are the training corpus of ``restkv.tools.training_text`` (``--num_texts`` of ``--text_length``
+The texts are the training corpus of ``restkv.learned.training_text`` (``--num_texts`` of ``--text_length``
 tokens), or ``--text_file``; each text's first ``--n_sink`` queries are left out (attention-sink
 outliers), the rest of all texts pooled: ``query_mean`` ``[L, H, d]`` and ``query_cov``
 ``[L, H, d, d]`` (divided by ``n - 1``), as kvpress' collection computes them.
