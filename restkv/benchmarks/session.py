@@ -363,7 +363,9 @@ class BenchmarkRun:
             if model is None:
                 with model_path_errors(args.model_path):
                     model = load_model(args.model_path, args.attn_implementation, dtype, _device_map(args))
-            replace_for_model(model, config)  # exactly the run's config (what configure() left before is dropped)
+            # exactly the run's config (what configure() left before is dropped), as the model runs it (a
+            # DuoAttention pattern scored on the fly names its file)
+            config = replace_for_model(model, config)
             set_reconstruction_prompt(model, tokenizer)
             results.write_meta(settings, list(inputs.values()), args, model)
         except BaseException:

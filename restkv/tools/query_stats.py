@@ -25,7 +25,8 @@ from restkv.benchmarks.config_file import add_config_flags, parse_command_line
 from restkv.benchmarks.errors import FlagError, command_line
 from restkv.benchmarks.flags import check_output_path
 from restkv.integrations.transformers.models import model_label
-from restkv.tools.projections import model_and_texts, pre_rope_projections
+from restkv.integrations.transformers.projections import pre_rope_projections
+from restkv.tools.projections import model_and_texts
 
 
 def collect_query_stats(model, texts: list[list[int]], n_sink: int) -> tuple[torch.Tensor, torch.Tensor]:
