@@ -466,3 +466,17 @@ def test_a_delimited_finch_run_refuses_query_agnostic_prompts(tmp_path, tiny, to
         toy_run(tmp_path, tiny, tokenizer, "--method", "finch", "--finch_delimiter", "9", "--query_agnostic")
     assert str(stop.value.code).startswith("error: --finch_delimiter 9 finds the window from the question in the "
                                            "prompt; --query_agnostic")
+
+
+def test_a_duo_run_scored_on_the_fly_runs_and_records_the_pattern_it_wrote(tmp_path, tiny_model_dir, tokenizer):
+    """--duo_on_the_fly: the model's heads are scored when the runner configures it, and the compression check reads
+    the config the model runs (its --duo_pattern the file the scores were written to)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa").eval()
+    folder = toy_run(tmp_path, model, tokenizer, "--method", "duo_attention", "--duo_on_the_fly",
+                     "--max_capacity_prompts", "40", "--max_num_examples", "2")
+    records = lines_of(folder / "logs.jsonl")
+    assert len(records) == 2 and all(record["kv_tokens_stored"] < record["kv_tokens_seen"] for record in records)
+    config = json.loads((folder / "run_meta.json").read_text())["settings"]["config"]
+    assert config["duo_on_the_fly"] is True and config["duo_pattern"] is None
