@@ -1,5 +1,6 @@
-"""``--method duo_attention``'s allocation: streaming heads (from a DuoAttention pattern file) keep
-StreamingLLM's tokens, retrieval heads everything."""
+"""``--method duo_attention``'s allocation: streaming heads (from a DuoAttention pattern file, or scored
+from the model on the fly: ``restkv.integrations.transformers.duo_scores``) keep StreamingLLM's tokens,
+retrieval heads everything."""
 
 from __future__ import annotations
 
@@ -56,6 +57,10 @@ class DuoAllocation(Allocation):
         "full_attention_heads.tsv; python -m restkv.tools.duo_pattern computes one)", names_file=True)
     duo_streaming_ratio: float = option(0.5, "DuoAttention: the share of the model's KV heads that stream (lowest "
                                              "pattern scores)", minimum=0, maximum=1)
+    duo_on_the_fly: bool = option(
+        False, "DuoAttention: with no --duo_pattern, score the heads from the model when it is configured (kvpress' "
+        "on_the_fly_scoring, on restkv's generated text; once per model, kept as a pattern file in restkv's cache "
+        "folder, which the model's config then names)")
 
     def __post_init__(self) -> None:
         if isinstance(self.duo_pattern, os.PathLike):
@@ -67,15 +72,20 @@ class DuoAllocation(Allocation):
             read_duo_pattern(self.duo_pattern)
 
     def check(self, config) -> None:
-        if self.duo_pattern is None:
+        if self.duo_pattern is None and not self.duo_on_the_fly:
             raise ConfigError("--allocation duo needs --duo_pattern FILE (head scores; compute one with python -m "
-                              "restkv.tools.duo_pattern --model_path MODEL --out FILE)")
+                              "restkv.tools.duo_pattern --model_path MODEL --out FILE) or --duo_on_the_fly")
+        if self.duo_pattern is not None and self.duo_on_the_fly:
+            raise ConfigError(f"--duo_on_the_fly scores the heads from the model; --duo_pattern {self.duo_pattern} "
+                              "gives them: give one")
         flags = config.rescoring_flags()
         if flags:
             raise ConfigError(f"--allocation duo keeps each head's prefill count; {' and '.join(flags)} would "
                               "compress the heads again to one budget")
 
     def check_model(self, config, model) -> None:
+        if self.duo_pattern is None:  # scored from this model (restkv.integrations.transformers.duo_scores)
+            return
         layers, heads = read_duo_pattern(self.duo_pattern).shape
         if (layers, heads) != (model.num_layers, model.num_kv_heads):
             raise ConfigError(f"--duo_pattern {self.duo_pattern} scores {layers} layers x {heads} KV heads; the model "
@@ -84,6 +94,10 @@ class DuoAllocation(Allocation):
 
     def streaming(self, num_layers: int, num_kv_heads: int) -> np.ndarray:
         """``[L, H_kv]`` bool: the model's streaming heads."""
+        if self.duo_pattern is None:
+            raise ConfigError("--duo_on_the_fly scores the heads from the model when the config is given with it "
+                              "(restkv.compression(model, ...), configure or replace_for_model); this layer was "
+                              "compressed without it (replace_* of a family, compress_kv): give --duo_pattern FILE")
         scores = read_duo_pattern(self.duo_pattern)
         if scores.shape != (num_layers, num_kv_heads):
             raise ConfigError(f"--duo_pattern {self.duo_pattern} scores {scores.shape[0]} layers x {scores.shape[1]} "

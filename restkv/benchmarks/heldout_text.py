@@ -1,6 +1,6 @@
 """Held-out evaluation text: four kinds of text no learned scorer is trained on, each with one fact to ask about.
 
-The learned scorers are trained on ``restkv.tools.training_text`` (encyclopedic, technical and
+The learned scorers are trained on ``restkv.learned.training_text`` (encyclopedic, technical and
 chronicle prose). They are judged here on what that corpus holds none of, each from its own
 generator, word lists and seed space (``SEED_SPACE``, the type's name, the seed and the sample's
 index), so no two types and no two seeds draw the same stream:

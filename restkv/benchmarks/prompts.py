@@ -11,7 +11,9 @@ turn), when it has one; ``answer_prefix`` is appended after that wrapper (it sta
 assistant's turn). The pieces are tokenised apart, as KVzip's reference does: the template's
 opening (or the tokenizer's own leading special tokens), the context, then the question with
 the template's closing, so ``EncodedPrompt.context_span`` says exactly where the context lies.
-Query-aware (default), the whole prompt is prefilled and compressed; ``--query_agnostic``
+Query-aware (default), the whole prompt is prefilled and compressed (for a method that finds its
+window from a delimiter, ``--finch_delimiter ID``, with ``ID`` between the context and the question:
+the question with the template's closing is the window); ``--query_agnostic``
 prefills the opening and the context, to be compressed alone before the question. A
 multi-question sample's prompts (``encode_questions``) share one context: cut, if too long, to
 leave room for its longest question.
@@ -80,8 +82,11 @@ def chat_wrap(tokenizer, text: str, use_chat_template: bool = True) -> str:
     )
 
 
-def encode_prompt(tokenizer, sample: Sample, max_tokens: int, split: bool = False) -> EncodedPrompt:
-    """Truncate, wrap and tokenise ``sample``; ``split`` separates the question (query-agnostic)."""
+def encode_prompt(tokenizer, sample: Sample, max_tokens: int, split: bool = False,
+                  delimiter: int | None = None) -> EncodedPrompt:
+    """Truncate, wrap and tokenise ``sample``; ``split`` separates the question (query-agnostic); ``delimiter``
+    (query-aware): the token put between the context and the question (with the template's closing), where a
+    method finds its window from it (``--finch_delimiter``)."""
     head, tail, truncated = truncate_middle(tokenizer, sample.context + sample.question, max_tokens)
     text = head + tail
     # Where the question starts in the kept text; a question longer than the kept tail was cut
@@ -93,7 +98,8 @@ def encode_prompt(tokenizer, sample: Sample, max_tokens: int, split: bool = Fals
     encoded = _encode_split(tokenizer, sample.chat, context, question, sample.answer_prefix, truncated)
     if split:
         return encoded
-    return EncodedPrompt(encoded.context_ids + encoded.question_ids, [], truncated, encoded.context_span)
+    between = [] if delimiter is None else [delimiter]
+    return EncodedPrompt(encoded.context_ids + between + encoded.question_ids, [], truncated, encoded.context_span)
 
 
 def encode_questions(tokenizer, sample: Sample, max_tokens: int) -> list[EncodedPrompt]:

@@ -51,7 +51,7 @@ import torch
 from tqdm import tqdm
 
 from restkv.benchmarks.benchmark import Benchmark, Sample
-from restkv.benchmarks.errors import CompressionMismatch, CompressionNotApplied, DataError
+from restkv.benchmarks.errors import CompressionMismatch, CompressionNotApplied, DataError, FlagError
 from restkv.benchmarks.flags import compression_config_from_args, default_model_max_len, full_cache_config, shard_of
 from restkv.benchmarks.prompts import EncodedPrompt, encode_prompt, encode_questions, stop_token_ids
 from restkv.benchmarks.results import results_dir
@@ -335,6 +335,10 @@ class BenchmarkRun:
         from restkv.integrations.transformers.patching import replace_for_model
 
         config = compression_config_from_args(args)
+        if args.query_agnostic and config.policy.question_delimiter is not None:
+            raise FlagError(f"--finch_delimiter {config.policy.question_delimiter} finds the window from the question "
+                            "in the prompt; --query_agnostic (and --multi_question) compress the context before the "
+                            "question is seen")
         shard_id, num_shards = shard_of(args)
         with model_path_errors(args.model_path):
             if tokenizer is None:
@@ -359,7 +363,9 @@ class BenchmarkRun:
             if model is None:
                 with model_path_errors(args.model_path):
                     model = load_model(args.model_path, args.attn_implementation, dtype, _device_map(args))
-            replace_for_model(model, config)  # exactly the run's config (what configure() left before is dropped)
+            # exactly the run's config (what configure() left before is dropped), as the model runs it (a
+            # DuoAttention pattern scored on the fly names its file)
+            config = replace_for_model(model, config)
             set_reconstruction_prompt(model, tokenizer)
             results.write_meta(settings, list(inputs.values()), args, model)
         except BaseException:
@@ -379,14 +385,16 @@ class BenchmarkRun:
             prompts = encode_questions(self.tokenizer, sample, self.model_max_len)
             fields = [{**sample.fields, **question.fields} for question in sample.questions]
         else:
-            prompts = [encode_prompt(self.tokenizer, sample, self.model_max_len, split=self.args.query_agnostic)]
+            prompts = [encode_prompt(self.tokenizer, sample, self.model_max_len, split=self.args.query_agnostic,
+                                     delimiter=self.config.policy.question_delimiter)]
             fields = [sample.fields]
         stop_ids = stop_token_ids(self.model, self.tokenizer, sample.stop_tokens)
         max_new_tokens = sample.max_new_tokens if self.args.max_new_tokens is None else self.args.max_new_tokens
-        context_tokens = len(prompts[0].context_ids)
-        reason = uncompressible_reason(self.config, context_tokens, prompts[0].context_span)
+        prompt_config, context_tokens = self.prompt_config(prompts[0])
+        delimiters = len(prompts[0].context_ids) - context_tokens
+        reason = uncompressible_reason(prompt_config, context_tokens, prompts[0].context_span)
         with contextlib.ExitStack() as stack:
-            config = self.config if reason is None else stack.enter_context(full_cache(self.model, self.config))
+            config = prompt_config if reason is None else stack.enter_context(full_cache(self.model, self.config))
             if sample.questions:
                 results = generate_many(self.model, self.tokenizer, prompts, max_new_tokens, stop_ids,
                                         sample.min_new_tokens)
@@ -399,7 +407,7 @@ class BenchmarkRun:
             {
                 "pred": result.text,
                 **line_fields,
-                "prompt_tokens": encoded.num_tokens,
+                "prompt_tokens": encoded.num_tokens - delimiters,
                 "context_tokens": context_tokens,
                 "question_tokens": len(encoded.question_ids),
                 "truncated": encoded.truncated,
@@ -410,6 +418,16 @@ class BenchmarkRun:
             }
             for result, encoded, line_fields, kv in zip(results, prompts, fields, records)
         ]
+
+    def prompt_config(self, prompt: EncodedPrompt) -> tuple[CompressionConfig, int]:
+        """The config the model compresses ``prompt`` with, and the prompt's tokens the model reads: the run's and
+        all of them, or, where the method finds its window from a delimiter, the run's with the question's length
+        as the window and the tokens less the delimiter (``restkv.integrations.transformers.question_window``)."""
+        delimiter = self.config.policy.question_delimiter
+        if delimiter is None:
+            return self.config, len(prompt.context_ids)
+        after = len(prompt.context_ids) - prompt.context_ids.index(delimiter) - 1
+        return self.config.replace(window_size=after), len(prompt.context_ids) - 1
 
     def run_dataset(self, dataset: str) -> Path:
         """Answer this shard's samples of ``dataset`` that no file holds yet; returns the file.

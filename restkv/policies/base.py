@@ -100,6 +100,14 @@ class Policy(Options):
         return False
 
     @property
+    def question_delimiter(self) -> int | None:
+        """The token id that splits a prompt into context and question, where the method finds its window so
+        (Finch's ``--finch_delimiter``): the question's tokens are the observation window, and the token is
+        taken out before the model runs (``restkv.integrations.transformers.question_window``); None: the
+        window is ``--window_size``."""
+        return None
+
+    @property
     def divides_by_hidden_norm(self) -> bool:
         """Whether each reconstruction query's attention is divided by its hidden state's norm
         before it is folded into the statistics (KVzip+)."""

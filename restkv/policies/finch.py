@@ -7,8 +7,20 @@ sees (``--finch_normalize``, Finch's normalisation: a query late in a long promp
 attention thinner, so its weights count for more), averaged over the window and reduced over
 each query group (``--gqa_score_agg``); no pooling. The window itself is always kept.
 
-Where this differs from kvpress' ``FinchPress``: the window is ``--window_size`` tokens, not
-found from a delimiter token inserted between context and question. kvpress may compress chunk
+``--finch_delimiter ID`` finds the window as kvpress' ``FinchPress`` does: the prompt holds the
+token ``ID`` once, between the context and the question; the question is the tokens after it
+(``--window_size`` is then not read), and the token is taken out before the model runs, so the
+model, the cache and the positions of every later token are those of the prompt without it
+(``restkv.integrations.transformers.question_window``). It is a token id, not a string: restkv
+finds it in the input ids, and it never reaches the embedding, so the model needs no new row
+(kvpress adds ``<|finch_sep|>`` to the tokenizer and resizes the embeddings; its id,
+``tokenizer.convert_tokens_to_ids("<|finch_sep|>")`` after ``add_special_tokens``, works here as
+any id does).
+
+Where this differs from kvpress' ``FinchPress``: without ``--finch_delimiter`` the window is
+``--window_size`` tokens; with it, a batch's rows must share their question's length (kvpress
+takes one row), and the tokens after the prompt continue at the delimiter-free positions (kvpress
+continues them one further unless it re-rotates the keys). kvpress may compress chunk
 by chunk of the context (``chunk_length``: ``--chunk_press --chunk_press_global
 --chunk_press_length N`` here) and by default re-rotates the kept keys to consecutive positions
 (``--rerotate_keys`` here, off by default as for every method). The normalising
@@ -36,10 +48,23 @@ class Finch(GroupedScores):
     finch_normalize: bool = option(
         True, "Finch: weight each window query's attention by the number of earlier tokens it sees"
     )
+    finch_delimiter: int | None = option(
+        None, "Finch: the id of a token the prompt holds once, between context and question: the tokens after it "
+        "are the window (instead of --window_size), and it is taken out before the model runs (kvpress' "
+        "<|finch_sep|>; it needs no embedding)", minimum=0)
+
+    @property
+    def question_delimiter(self) -> int | None:
+        return self.finch_delimiter
 
     def check(self, config) -> None:
         super().check(config)
-        if config.run.window_size == 0:
+        if self.finch_delimiter is not None:
+            flags = config.rescoring_flags(every_method=True)
+            if flags:
+                raise ConfigError(f"--finch_delimiter {self.finch_delimiter} finds the question of one whole prompt; "
+                                  f"{' and '.join(flags)} would score what the layer holds with other queries")
+        elif config.run.window_size == 0:
             raise ConfigError(f"--method {self.name} scores the context by the attention of the question, its last "
                               "--window_size tokens: --window_size 0 leaves none")
         if config.run.observation == "reconstruction":

@@ -5,7 +5,7 @@ more forward over the context with twice its keys. ``--method learned_zip`` pred
 scores instead from what the prefill already holds: per layer and KV head, a linear map of each
 token's pre-RoPE key and value to its KVzip score's logarithm (``restkv.learned.scorer``),
 fitted by ``python -m restkv.train_scorer --target kvzip`` on the project's training corpus
-(``restkv.tools.training_text``), which shares no n-gram with the benchmarks' texts, and judged on
+(``restkv.learned.training_text``), which shares no n-gram with the benchmarks' texts, and judged on
 four text types it never saw (``restkv.benchmarks.heldout_text``; the weights carry that report). The
 scoring costs one small matrix product per layer; everything else is KVzip's: no observation
 window, the first ``--n_sink`` tokens always kept, the template around a given context span kept

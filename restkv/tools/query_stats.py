@@ -6,7 +6,7 @@ model, without downloads::
 
     python -m restkv.tools.query_stats --model_path smollm2-135m --out data/query_stats/smollm2-135m.safetensors
 
-The texts are the training corpus of ``restkv.tools.training_text`` (``--num_texts`` of ``--text_length``
+The texts are the training corpus of ``restkv.learned.training_text`` (``--num_texts`` of ``--text_length``
 tokens), or ``--text_file``; each text's first ``--n_sink`` queries are left out (attention-sink
 outliers), the rest of all texts pooled: ``query_mean`` ``[L, H, d]`` and ``query_cov``
 ``[L, H, d, d]`` (divided by ``n - 1``), as kvpress' collection computes them.
@@ -25,7 +25,8 @@ from restkv.benchmarks.config_file import add_config_flags, parse_command_line
 from restkv.benchmarks.errors import FlagError, command_line
 from restkv.benchmarks.flags import check_output_path
 from restkv.integrations.transformers.models import model_label
-from restkv.tools.projections import model_and_texts, pre_rope_projections
+from restkv.integrations.transformers.projections import pre_rope_projections
+from restkv.tools.projections import model_and_texts
 
 
 def collect_query_stats(model, texts: list[list[int]], n_sink: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,7 @@
 
     python -m restkv.tools.train_kvzap --model_path smollm2-135m --kind linear --output kvzap.safetensors
 
-Each training sequence (``restkv.tools.training_text``: generated prose that shares nothing with
+Each training sequence (``restkv.learned.training_text``: generated prose that shares nothing with
 what the scorers are judged on) follows the chat template's opening, as the runners' prompts do,
 and is prefilled under ``--method kvzip`` with the context span set: the model repeats the text,
 and every layer's KVzip score of each text token (not the sinks, not the template) is read per KV
@@ -38,9 +38,9 @@ from restkv.integrations.transformers.models import check_model_path, load_froze
 from restkv.integrations.transformers.patching import shape_of
 from restkv.learned.kvzap import Surrogate, fit_linear, fit_mlp, predict, save_surrogates
 from restkv.learned.scorer import LeastSquares, ScorerWeights
+from restkv.learned.training_text import training_sequences
 from restkv.tools.train_scorer import (CORPUS_NAME, Collected, add_held_out_flags, held_out_recall, kvzip_passes,
                                        overlap_report, patch_for_kvzip_scores)
-from restkv.tools.training_text import training_sequences
 
 KINDS = ("linear", "mlp")
 

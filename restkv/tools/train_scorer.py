@@ -2,7 +2,7 @@
 
     python -m restkv.train_scorer --model_path smollm2-135m --target kvzip --output learned_zip.pt
 
-The training sequences are the project's training corpus (``restkv.tools.training_text``:
+The training sequences are the project's training corpus (``restkv.learned.training_text``:
 encyclopedic, technical and chronicle prose with codes, quantities, names and dates woven in,
 from word lists and structures no benchmark uses), or cut from ``--text_file``; each follows the
 chat template's opening when the tokenizer has one, as the runners' prompts do. Each is prefilled
@@ -46,13 +46,14 @@ from restkv.integrations.transformers.models import check_model_path, load_froze
 from restkv.integrations.transformers.patching import replace_for_model, shape_of
 from restkv.integrations.transformers.reconstruction_prompt import set_reconstruction_prompt, template_opening
 from restkv.learned.scorer import LeastSquares, ScorerWeights, features, load_weights, missing_held_out, save
+from restkv.learned.training_text import training_sequences
 from restkv.policies.kvzip import SINK_SCORE
-from restkv.tools.training_text import training_sequences
 
 TARGETS = ("kvzip",)
 #: the smallest score a log-target reads (KVzip's are attention weights; some are 0 in float32)
 SCORE_FLOOR = 1e-8
-#: what the weights' ``training["text"]`` says when the corpus was the project's own
+#: what the weights' ``training["text"]`` says when the corpus was the project's own (``restkv.learned.training_text``):
+#: the module's name when the shipped weights were made, before it moved below the library's integrations
 CORPUS_NAME = "restkv.tools.training_text"
 
 
@@ -118,7 +119,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def training_texts(tokenizer, args: argparse.Namespace) -> list[list[int]]:
     """``--num_sequences`` token lists of ``--seq_len`` tokens each: cut from ``--text_file``, or the training
-    corpus (``restkv.tools.training_text``) under ``--seed``."""
+    corpus (``restkv.learned.training_text``) under ``--seed``."""
     if args.text_file is None:
         return training_sequences(tokenizer, args.num_sequences, args.seq_len, args.seed)
     ids = tokenizer(Path(args.text_file).read_text(encoding="utf-8"), add_special_tokens=False).input_ids

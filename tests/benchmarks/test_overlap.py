@@ -6,7 +6,7 @@ import pytest
 from restkv.benchmarks.heldout_text import HELD_OUT_TYPES, held_out_sequences
 from restkv.benchmarks.overlap import benchmark_texts, ngram_overlap, token_overlap, word_overlap
 from restkv.benchmarks.text import synthetic_prose
-from restkv.tools.training_text import training_sequences
+from restkv.learned.training_text import training_sequences
 
 #: the sizes the shipped weights' report used (sequences of 2048 tokens)
 SEQ_LEN = 2048

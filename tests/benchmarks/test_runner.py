@@ -444,3 +444,39 @@ def test_a_sample_with_questions_has_no_question_of_its_own_and_plain_digests_ar
     plain = toy_samples(None, "logs", None)[0]
     assert sample_digest(plain).hex() == "513e889a62eebbb74e905d9905c38501b3c51ca6d7e58f834b290f78a192b0b5"
     assert plain.line_ids == ["q0"]
+
+
+def test_a_delimited_finch_run_puts_the_delimiter_before_the_question_and_answers_as_its_window(
+        tmp_path, tiny, tokenizer):
+    """--finch_delimiter: each query-aware prompt holds the delimiter between context and question; the model reads
+    the prompt without it, with the question (and the template's closing) as the window: the lines of a run with
+    that window given as --window_size, token for token."""
+    finch = ["--method", "finch"]
+    delimited = toy_run(tmp_path / "delimited", tiny, tokenizer, *finch, "--finch_delimiter", str(len(tokenizer)))
+    sample = toy_samples(None, "logs", tokenizer)[0]
+    question = len(encode_prompt(tokenizer, sample, 7950, split=True).question_ids)
+    plain = toy_run(tmp_path / "plain", tiny, tokenizer, *finch, "--window_size", str(question))
+    assert without_timing(lines_of(delimited / "logs.jsonl")) == without_timing(lines_of(plain / "logs.jsonl"))
+    ids = encode_prompt(tokenizer, sample, 7950, delimiter=len(tokenizer)).context_ids
+    assert ids[-question - 1] == len(tokenizer) and len(ids) == lines_of(plain / "logs.jsonl")[0]["prompt_tokens"] + 1
+
+
+def test_a_delimited_finch_run_refuses_query_agnostic_prompts(tmp_path, tiny, tokenizer):
+    with pytest.raises(SystemExit) as stop:
+        toy_run(tmp_path, tiny, tokenizer, "--method", "finch", "--finch_delimiter", "9", "--query_agnostic")
+    assert str(stop.value.code).startswith("error: --finch_delimiter 9 finds the window from the question in the "
+                                           "prompt; --query_agnostic")
+
+
+def test_a_duo_run_scored_on_the_fly_runs_and_records_the_pattern_it_wrote(tmp_path, tiny_model_dir, tokenizer):
+    """--duo_on_the_fly: the model's heads are scored when the runner configures it, and the compression check reads
+    the config the model runs (its --duo_pattern the file the scores were written to)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa").eval()
+    folder = toy_run(tmp_path, model, tokenizer, "--method", "duo_attention", "--duo_on_the_fly",
+                     "--max_capacity_prompts", "40", "--max_num_examples", "2")
+    records = lines_of(folder / "logs.jsonl")
+    assert len(records) == 2 and all(record["kv_tokens_stored"] < record["kv_tokens_seen"] for record in records)
+    config = json.loads((folder / "run_meta.json").read_text())["settings"]["config"]
+    assert config["duo_on_the_fly"] is True and config["duo_pattern"] is None

@@ -145,3 +145,18 @@ def test_kvzip_keeps_the_needle_of_a_1k_token_chat_prompt_at_a_fifth_of_the_cont
                                                                method="kvzip", compression_ratio=0.8,
                                                                max_new_tokens=24, do_sample=False)["answer"]
     assert "eat a sandwich and sit in Dolores Park" in answer, answer
+
+
+def test_a_delimited_finch_answers_each_question_with_it_as_the_window(pipe, tiny, tokenizer):
+    """--finch_delimiter: context, delimiter and question as one prompt through generate (query-aware), the
+    answer the one the same prompt gives the model directly."""
+    options = dict(method="finch", max_capacity_prompts=48, finch_delimiter=len(tokenizer))
+    answers = pipe(CONTEXT, questions=[QUESTION, "Where are tickets sold?"], **options, **GREEDY)
+    inputs = pipe.preprocess(CONTEXT, questions=[QUESTION, "Where are tickets sold?"])
+    for answer, question_ids in zip(answers, inputs["question_ids"]):
+        prompt = torch.cat([inputs["context_ids"], torch.tensor([[len(tokenizer)]]), question_ids], dim=-1)
+        with restkv.compression(tiny, **options):
+            expected = tiny.generate(prompt, attention_mask=torch.ones_like(prompt), **GREEDY)[0, prompt.shape[-1]:]
+            cache = restkv.prefill(tiny, prompt)
+        assert answer == {"answer": tokenizer.decode(expected, skip_special_tokens=True).strip()}
+        assert cache.get_seq_length() == prompt.shape[-1] - 1

@@ -13,7 +13,8 @@ from restkv import CompressionConfig, ConfigError, compress_kv
 from restkv.allocations.duo import read_duo_pattern, streaming_heads
 from restkv.cache import kept_positions
 from restkv.integrations.transformers.compat import output_cache
-from restkv.tools.duo_pattern import head_scores_of, main
+from restkv.integrations.transformers.duo_scores import head_scores_of
+from restkv.tools.duo_pattern import main
 
 
 def write_pattern(path, scores, **sizes):
@@ -40,7 +41,7 @@ def test_streaming_heads_keep_sinks_and_recent_tokens_and_retrieval_heads_everyt
 
 
 def test_the_pattern_file_is_checked_before_any_model_runs(tmp_path):
-    with pytest.raises(ConfigError, match="--allocation duo needs --duo_pattern"):
+    with pytest.raises(ConfigError, match="--allocation duo needs --duo_pattern FILE .* or --duo_on_the_fly$"):
         CompressionConfig(method="duo_attention", max_capacity_prompts=30)
     with pytest.raises(ConfigError, match="--duo_pattern .* is not a file"):
         CompressionConfig(method="duo_attention", max_capacity_prompts=30, duo_pattern=str(tmp_path / "none.json"))
@@ -127,8 +128,8 @@ def test_the_pattern_reads_queries_and_keys_after_the_qk_norms_unless_told_to_sk
     """By default the mean query and key are the ones attention computes (after Qwen 3's q/k norms);
     ``--no-qk_norm`` reads them as kvpress' on-the-fly scoring does, which meant to apply the norms
     of Gemma 3 and Qwen 3 but tests the decoder layer, not its attention, so never does."""
-    from restkv.tools.duo_pattern import compute_pattern
-    from restkv.tools.projections import pre_rope_projections
+    from restkv.integrations.transformers.duo_scores import compute_pattern
+    from restkv.integrations.transformers.projections import pre_rope_projections
 
     model = tiny_model("qwen3")
     ids = random_prompt(1, 24)
@@ -151,3 +152,91 @@ def test_the_pattern_reads_queries_and_keys_after_the_qk_norms_unless_told_to_sk
     assert not torch.allclose(compute_pattern(model, texts, 24), compute_pattern(model, texts, 24, qk_norm=False))
     llama = tiny_model("llama")  # no q/k norms: the switch changes nothing
     torch.testing.assert_close(compute_pattern(llama, texts, 24), compute_pattern(llama, texts, 24, qk_norm=False))
+
+
+# ---------------------------------------------------------------- scored on the fly (--duo_on_the_fly)
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tokenizer, tmp_path_factory):
+    """A tiny Llama saved with the embedded tokenizer and loaded back, so its name_or_path names both."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("duo") / "tiny"
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
+
+
+def kvpress_on_the_fly(model, texts: list[list[int]], span: int) -> torch.Tensor:
+    """kvpress' duo_attention_on_the_fly formula, written out on a Llama: each layer's mean query and key of the
+    normed hidden states, repeated over ``span`` positions and rotated by the model's rotary embedding, the last
+    query's softmax over the keys (scaled by 1 / sqrt(d)), the mean of its cumulative sum, averaged per group."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    config = model.config
+    groups = config.num_attention_heads // config.num_key_value_heads
+    scores = torch.zeros(config.num_hidden_layers, config.num_key_value_heads)
+    positions = torch.arange(span)[None]
+    for ids in texts:
+        with torch.no_grad():
+            hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[:-1]
+            for index, states in enumerate(hidden):
+                layer = model.model.layers[index]
+                d = layer.self_attn.head_dim
+                states = layer.input_layernorm(states)
+                query = layer.self_attn.q_proj(states).view(1, len(ids), -1, d).mean(dim=1, keepdim=True)
+                key = layer.self_attn.k_proj(states).view(1, len(ids), -1, d).mean(dim=1, keepdim=True)
+                query = query.repeat(1, span, 1, 1).transpose(1, 2)
+                key = key.repeat(1, span, 1, 1).transpose(1, 2)
+                cos, sin = model.model.rotary_emb(states, positions)
+                query, key = apply_rotary_pos_emb(query, key, cos, sin)
+                key = key.repeat_interleave(groups, dim=1)
+                weights = (query[:, :, -1:] @ key.transpose(2, 3) / d**0.5).softmax(dim=-1).squeeze()
+                scores[index] += torch.cumsum(weights, dim=1).mean(1).view(-1, groups).mean(1) / len(texts)
+    return scores
+
+
+def test_on_the_fly_scores_are_kvpress_formula_on_a_tiny_llama(tiny_with_tokenizer, tokenizer):
+    from restkv.integrations.transformers.duo_scores import compute_pattern
+    from restkv.learned.training_text import training_sequences
+
+    model = tiny_with_tokenizer[1]
+    texts = training_sequences(tokenizer, 3, 64, 0)
+    torch.testing.assert_close(compute_pattern(model, texts, 64), kvpress_on_the_fly(model, texts, 64),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_on_the_fly_scores_are_the_pattern_commands_computed_once_per_model(tiny_with_tokenizer, tmp_path,
+                                                                             monkeypatch):
+    from restkv.integrations.transformers import duo_scores
+
+    folder, model = tiny_with_tokenizer
+    offline = json.loads(main(["--model_path", str(folder), "--out", str(tmp_path / "duo.json")]).read_text())
+    options = dict(method="duo_attention", max_capacity_prompts=20, n_sink=4, duo_on_the_fly=True)
+    with restkv.compression(model, **options) as config:
+        cache = output_cache(greedy(model, random_prompt(1, 60), new_tokens=1))
+    pattern = json.loads(open(config.allocator.duo_pattern).read())
+    assert pattern["head_scores"] == offline["head_scores"]
+    assert (pattern["sink_size"], pattern["recent_size"]) == (128, 256)
+    assert pattern["made_with"].startswith(f"restkv --duo_on_the_fly for {folder}")
+    assert config == CompressionConfig(**{**options, "duo_on_the_fly": False}, duo_pattern=config.allocator.duo_pattern)
+    streaming = streaming_heads(np.array(offline["head_scores"]), 0.5)
+    counts = [[len(head) for head in layer.exact[0]] for layer in kept_positions(cache)]
+    assert counts == np.where(streaming, 20, 60).tolist()
+    monkeypatch.setattr(duo_scores, "compute_pattern", lambda *args: pytest.fail("scored the model again"))
+    with restkv.compression(model, CompressionConfig(**options)) as again:
+        assert again == config
+
+
+def test_on_the_fly_scoring_is_refused_where_it_cannot_run(tmp_path):
+    options = dict(method="duo_attention", max_capacity_prompts=30, duo_on_the_fly=True)
+    with pytest.raises(ConfigError, match=r"^--duo_on_the_fly scores the heads on text the model's tokenizer encodes; "
+                                          r"none loads from its name_or_path '' \(.*\): give --duo_pattern FILE"):
+        with restkv.compression(tiny_model("llama"), **options):
+            pass
+    with pytest.raises(ConfigError, match=r"^--duo_on_the_fly scores the heads from the model when the config is "
+                                          r"given with it .*compress_kv\): give --duo_pattern FILE$"):
+        compress_kv(*random_qkv(length=60), options, layer_idx=0, num_layers=2)
+    pattern = write_pattern(tmp_path / "p.json", [[0.9, 0.1]])
+    with pytest.raises(ConfigError, match=f"^--duo_on_the_fly scores the heads from the model; --duo_pattern {pattern} "
+                                          "gives them: give one$"):
+        CompressionConfig(**options, duo_pattern=pattern)

@@ -10,7 +10,8 @@ restkv must keep, and the number of kept entries it then swaps for others of ``k
 must be exactly the fixture's count. Raw scores are compared too (relative tolerance 1e-4, float32), as the
 policy's ``score(ctx)`` returned them during the run.
 
-Two cases are not in the table: ``chunkkv_snapkv_r0.8`` and ``block_snapkv_r0.5`` differ by
+The Finch cases run a second time from FinchPress' own input, its delimiter in the prompt (the table's
+``delimited``). Two cases are not in the table: ``chunkkv_snapkv_r0.8`` and ``block_snapkv_r0.5`` differ by
 design (tests below show the documented reasons). Docs of each policy say where it departs from
 kvpress and why.
 """
@@ -201,6 +202,22 @@ def test_kvzip_reconstruction_replays_the_ids_kvpress_replayed():
     prefix = set_reconstruction_prompt(tiny_llama("sdpa"), ByteTokenizer(), closing=KVPRESS_CLOSING).before(None)
     replayed = torch.from_numpy(fixture("kvzip_r0.5")["replay_ids_c0"]).long()
     assert torch.equal(torch.cat([prefix, prompt()[0]]), replayed)
+
+
+@pytest.mark.parametrize("case", sorted(TABLE["delimited"]))
+def test_finch_finds_the_window_from_kvpress_delimiter_and_keeps_the_kvpress_set(case):
+    """FinchPress' own input (the prompt with delimiter 511 before position 320) through ``--finch_delimiter``:
+    the delimiter is taken out before the model runs and the 64 tokens after it are the window, so the cache
+    holds the 384-token prompt and keeps the case's set; the scores are those of the window_size run."""
+    data = fixture(case)
+    model = tiny_llama(metadata()[case]["attn_implementation"])
+    ids = torch.from_numpy(np.load(FIXTURES / "finch_input_ids.npy"))[None]
+    with torch.no_grad(), restkv.compression(model, **TABLE["delimited"][case]):
+        cache = output_cache(model.model(input_ids=ids, use_cache=True))
+    assert cache.get_seq_length() == 384
+    ours = as_mask([layer.exact[0] for layer in kept_positions(cache)], data["kept_mask"].shape)
+    assert np.array_equal(ours, data.get("kept_mask_tiebreak_low", data["kept_mask"]))
+    assert np.array_equal(ours, as_mask(replay(case)[0], data["kept_mask"].shape))
 
 
 def test_finch_input_is_the_prompt_whose_question_window_is_the_cases_window():

@@ -142,8 +142,8 @@ def test_a_pre_rope_reader_runs_on_nope_layers():
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "smollm3"])
 def test_pre_rope_projections_turned_with_their_tables_are_what_the_kernel_sees(family):
+    from restkv.integrations.transformers.projections import pre_rope_projections
     from restkv.scoring.rope import rotate
-    from restkv.tools.projections import pre_rope_projections
 
     model = tiny_model(family)
     input_ids = random_prompt(1, 9)

@@ -11,7 +11,8 @@ the same way; restkv re-implements no projection, norm or RoPE:
 * ``model_forward`` wraps a patched decoder class's ``forward`` (the original runs unchanged): it switches a model
   of a ``replace_*`` family to restkv's backend at its first forward, and is the one hook for what needs every
   layer's prefill: the layers that wait for it (``deferred``) and chunked prefill, which runs the original once per
-  chunk (so a forward hook cannot serve it).
+  chunk (so a forward hook cannot serve it); and for what must happen before the embedding: a question delimiter
+  taken out of the prompt (``question_window``).
 
 Scaling, soft-capping and sliding windows are what the module hands its kernel. Sliding-window
 layers (Gemma 2/3, Mistral with ``sliding_window``) already hold at most ``sliding_window - 1``
@@ -22,6 +23,7 @@ generation proceeds.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from typing import Callable
@@ -35,6 +37,7 @@ from restkv.integrations.transformers.capture import CAPTURES
 from restkv.integrations.transformers.compat import CACHE_ARGUMENT, output_cache, with_cache
 from restkv.integrations.transformers.deferred import finish_prefill
 from restkv.integrations.transformers.handles import cache_state, has_class_config, module_config
+from restkv.integrations.transformers.question_window import question_forward
 from restkv.integrations.transformers.steps import ACTIVE, layer_facts, step_for
 
 
@@ -79,18 +82,41 @@ def model_forward(original: Callable) -> Callable:
 
     def forward(self, *args, **kwargs):
         attention = patched_attention_of(self)
-        if attention is not None and module_config(attention) is not None:  # replace_*'s models switch lazily
+        config = module_config(attention) if attention is not None else None
+        if config is not None:  # replace_*'s models switch lazily
             use_backend(self)
-        chunk = _prefill_chunk(self, args, kwargs)
-        output = original(self, *args, **kwargs) if chunk is None else _chunked_prefill(original, self, chunk, kwargs)
-        cache = kwargs.get(CACHE_ARGUMENT, kwargs.get("past_key_values")) or output_cache(output)
-        pending = cache_state(cache).pending if cache is not None else None
-        if pending is not None and not pending.observing:
-            pending.context_ids = kwargs.get("input_ids", args[0] if args else None)
-            finish_prefill(original, self, cache)
-        return output
+        if config is None or config.policy.question_delimiter is None:
+            return _forward_once(original, self, args, kwargs)
+        return question_forward(functools.partial(_forward_once, original, self, ()), self, config,
+                                _keywords(original, self, args, kwargs))
 
     return forward
+
+
+def _keywords(original: Callable, decoder, args: tuple, kwargs: dict) -> dict:
+    """A decoder forward's arguments by name (its ``**kwargs`` spread among them)."""
+    if not args:
+        return dict(kwargs)
+    signature = inspect.signature(original)
+    named = {}
+    for name, value in list(signature.bind(decoder, *args, **kwargs).arguments.items())[1:]:
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[name] = value
+    return named
+
+
+def _forward_once(original: Callable, self, args: tuple, kwargs: dict):
+    """The decoder's forward (in chunks under ``--prefill_chunk_size``), then the layers that waited for it."""
+    chunk = _prefill_chunk(self, args, kwargs)
+    output = original(self, *args, **kwargs) if chunk is None else _chunked_prefill(original, self, chunk, kwargs)
+    cache = kwargs.get(CACHE_ARGUMENT, kwargs.get("past_key_values")) or output_cache(output)
+    pending = cache_state(cache).pending if cache is not None else None
+    if pending is not None and not pending.observing:
+        pending.context_ids = kwargs.get("input_ids", args[0] if args else None)
+        finish_prefill(original, self, cache)
+    return output
 
 
 def _prefill_chunk(decoder, args, kwargs) -> int | None:

@@ -179,6 +179,10 @@ def _answer(model, cache, context_ids, context_mask, question_ids, question_mask
     """Generate after ``question_ids`` from a cache that holds the (compressed) context. Beam search and
     several returned sequences run on copies of each row: ``generate`` repeats the inputs it is given,
     not a cache handed to it, so the cache's rows are repeated here the same way."""
+    if cache_state(cache).question_columns is not None:
+        raise ValueError("--finch_delimiter: the context held the question delimiter, but query-agnostic generation "
+                         "compresses the context before the question; give context, delimiter and question as one "
+                         "prompt (model.generate)")
     question_mask = torch.ones_like(question_ids) if question_mask is None else question_mask
     input_ids = torch.cat([context_ids, question_ids], dim=-1)
     attention_mask = torch.cat([context_mask, question_mask], dim=-1)

@@ -27,6 +27,9 @@ class CacheState:
     #: tokens the caller will append after the prefill (question and answer), when it knows: each
     #: compressed layer then holds room for exactly them (``restkv.integrations.transformers.generation``)
     expected_appends: int | None = None
+    #: each row's column of the question delimiter its prompt held, taken out before the model ran
+    #: (``restkv.integrations.transformers.question_window``), or None
+    question_columns: Any = None
 
 
 @dataclass

@@ -27,7 +27,9 @@ table; any other decoder-only model type is found through transformers' auto map
 patch time for the seams restkv needs (``restkv.integrations.transformers.seams``: a one-line error naming the model
 type and why otherwise). A config given with a model (``compression``, ``configure``,
 ``replace_for_model``) is checked against that model before it runs: its shape, its attention
-implementation, its cache layers, and the rotation of its keys where a part reads them before RoPE.
+implementation, its cache layers, and the rotation of its keys where a part reads them before RoPE; what a
+part computes from the model itself is computed then (DuoAttention's ``--duo_on_the_fly`` head scores:
+the config the model runs names the pattern file they were written to).
 
 While any family is patched, a model of a family that is not (``replace_llama`` then a Qwen3
 model) would generate uncompressed without a word: restkv's dispatcher, which every attention
@@ -50,6 +52,7 @@ from restkv.integrations.transformers.attention import model_forward, patched_at
 from restkv.integrations.transformers.backend import use_backend, use_native
 from restkv.integrations.transformers.capture import SERVED_KERNELS, native_name
 from restkv.integrations.transformers.compat import CACHE_ARGUMENT, check_transformers_version, output_cache
+from restkv.integrations.transformers.duo_scores import with_model_scores
 from restkv.integrations.transformers.handles import (clear_class_config, has_class_config, module_config,
                                                       module_config_entry, restore_module_config, set_class_config,
                                                       set_module_config, switched_decoders)
@@ -330,8 +333,9 @@ def replace_for_model(model: torch.nn.Module, method: str | CompressionConfig | 
     options, parts as values, or a whole ``CompressionConfig``), after checking the config against the
     model (``check_for_model``); the model runs restkv's attention backend. The runners use this."""
     family = family_of(model)
-    config = config_of_call(method, options)
-    check_for_model(model, config, _attention_modules_of(model, family))
+    modules = _attention_modules_of(model, family)
+    config = with_model_scores(model, config_of_call(method, options), modules)
+    check_for_model(model, config, modules)
     _replace(family, config)
     for decoder in _decoders_of(model, family):
         use_backend(decoder)
@@ -393,8 +397,7 @@ def configure(model: torch.nn.Module, config: CompressionConfig | None = None, /
         new = CompressionConfig.from_options(**options)
     else:
         new = current.replace(**options)
-    _set_model_config(model, modules, new)
-    return new
+    return _set_model_config(model, modules, new)
 
 
 @contextlib.contextmanager
@@ -423,6 +426,7 @@ def compression(model: torch.nn.Module, config: CompressionConfig | None = None,
         raise ConfigError("compression(model, config) takes a complete CompressionConfig and no other options")
     new = CompressionConfig.from_any(config) if config is not None else CompressionConfig.from_options(**options)
     family = family_of(model)
+    new = with_model_scores(model, new, _attention_modules_of(model, family))
     check_for_model(model, new, _attention_modules_of(model, family))
     patched_here = not is_patched(family)
     if patched_here:
@@ -468,14 +472,18 @@ def model_shape(modules: list[torch.nn.Module]) -> ModelShape:
     )
 
 
-def _set_model_config(model: torch.nn.Module, modules: list[torch.nn.Module], config: CompressionConfig) -> None:
-    """Give these modules their own config, valid while their class's current patch lasts, once
-    it is checked against their model, and switch the model to restkv's attention backend."""
+def _set_model_config(model: torch.nn.Module, modules: list[torch.nn.Module],
+                      config: CompressionConfig) -> CompressionConfig:
+    """Give these modules their own config (``config`` as the model runs it: ``with_model_scores``), valid while
+    their class's current patch lasts, once it is checked against their model, and switch the model to restkv's
+    attention backend; returns that config."""
+    config = with_model_scores(model, config, modules)
     check_for_model(model, config, modules)
     for module in modules:
         set_module_config(module, config)
     for decoder in _decoders_of(model, family_of(model)):
         use_backend(decoder)
+    return config
 
 
 def _decoders_of(model: torch.nn.Module, family: str) -> list[torch.nn.Module]:

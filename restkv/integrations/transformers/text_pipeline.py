@@ -19,7 +19,10 @@ and the answer prefix come after, attending to the compressed cache (``answer_ma
 on the cache, so a reconstruction scorer (``method="kvzip"``) keeps the template's opening and repeats the
 context alone (after what ``--reconstruction_prompt`` names, built by ``set_reconstruction_prompt`` and closed
 as this prompt is: each call sets it on the model). With ``method="fullkv"`` the answer is ``model.generate``'s
-on the whole prompt.
+on the whole prompt. A method that finds its window from a question delimiter (``method="finch",
+finch_delimiter=ID``) is query-aware by definition: each question is answered by ``model.generate`` on the context,
+the delimiter and the question as one prompt, compressed with that question as its window (the context is then
+compressed once per question).
 
 Compression options are any of ``CompressionConfig``'s (the flat names, ``config=CompressionConfig(...)``, or
 the parts as values: ``policy=SnapKV(kernel_size=7)``); given to a call they replace those given when the
@@ -42,7 +45,9 @@ from transformers.pipelines import PIPELINE_REGISTRY
 
 from restkv.config import CompressionConfig, ConfigError, option_names
 from restkv.config.parts import PART_ARGUMENTS
+from restkv.integrations.transformers.attention import patched_attention_of
 from restkv.integrations.transformers.generation import answer_many
+from restkv.integrations.transformers.handles import module_config
 from restkv.integrations.transformers.patching import compression
 from restkv.integrations.transformers.reconstruction_prompt import PLAIN_CLOSING, set_reconstruction_prompt
 
@@ -133,8 +138,13 @@ class RestKVTextGenerationPipeline(Pipeline):
             # the repetition a reconstruction scorer reads continues the user turn as this prompt's format closes it
             set_reconstruction_prompt(self.model, self.tokenizer,
                                       closing=None if inputs["templated"] else PLAIN_CLOSING)
-            answers = answer_many(self.model, inputs["context_ids"], inputs["question_ids"],
-                                  context_span=inputs["context_span"], **generate_kwargs)
+            delimiter = _question_delimiter(self.model)
+            if delimiter is None:
+                answers = answer_many(self.model, inputs["context_ids"], inputs["question_ids"],
+                                      context_span=inputs["context_span"], **generate_kwargs)
+            else:
+                answers = [_answer_delimited(self.model, inputs["context_ids"], delimiter, question, generate_kwargs)
+                           for question in inputs["question_ids"]]
         return {"answer_ids": answers}
 
     def postprocess(self, outputs, several=False):
@@ -152,6 +162,23 @@ def _compression_config(options: dict[str, Any]) -> CompressionConfig:
     if others:
         raise ConfigError(f"{TASK}: config= is a complete CompressionConfig; give {others[0]} inside it, not beside it")
     return CompressionConfig.from_any(options["config"])
+
+
+def _question_delimiter(model) -> int | None:
+    """The delimiter the model's running config finds its window from (``--finch_delimiter``), or None."""
+    attention = patched_attention_of(model.get_decoder())
+    config = module_config(attention) if attention is not None else None
+    return config.policy.question_delimiter if config is not None else None
+
+
+def _answer_delimited(model, context_ids: torch.Tensor, delimiter: int, question_ids: torch.Tensor,
+                      generate_kwargs: dict) -> torch.Tensor:
+    """One question answered query-aware: context, delimiter and question as one prompt, compressed with the
+    question as its window."""
+    prompt = torch.cat([context_ids, torch.tensor([[delimiter]]), question_ids], dim=-1)
+    output = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **generate_kwargs)
+    sequences = output.sequences if hasattr(output, "sequences") else output
+    return sequences[:, prompt.shape[-1] :]
 
 
 def _questions(question, questions) -> list[str]:

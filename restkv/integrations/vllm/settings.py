@@ -105,6 +105,9 @@ def unsupported(config: CompressionConfig) -> str | None:
     if config.compresses_after_prefill:
         return (f"{' and '.join(config.deferring_flags())} score{'s' if len(config.deferring_flags()) == 1 else ''} "
                 "after a second pass or across every layer; vLLM compresses each layer as its prefill ends")
+    if policy.question_delimiter is not None:
+        return (f"--finch_delimiter {policy.question_delimiter} is taken out of the prompt before the model runs; vLLM "
+                "schedules, caches and positions a prompt's tokens as it is given (give --window_size instead)")
     allocation = policy.own_allocation() or run.allocation
     if allocation != "uniform":
         return (f"--allocation {allocation} gives layers or KV heads different budgets; a paged cache holds one "

@@ -63,6 +63,8 @@ def test_a_json_file_holds_the_options(tmp_path):
     ('{"method": "kvzap", "compression_ratio": 0.5, "allocation": "uniform"}', "attention's input"),
     ('{"method": "expected_attention", "compression_ratio": 0.5}', "before RoPE"),
     ('{"method": "h2o", "compression_ratio": 0.5, "h2o_queries": "all"}', "every prompt token"),
+    ('{"method": "finch", "compression_ratio": 0.5, "finch_delimiter": 7}', "--finch_delimiter 7 is taken out"),
+    ('{"method": "duo_attention", "max_capacity_prompts": 64, "duo_on_the_fly": true}', "--allocation duo"),
 ])
 def test_what_vllm_cannot_serve_is_refused_in_one_line_naming_it(text, says):
     with pytest.raises(VllmSettingsError) as refused:

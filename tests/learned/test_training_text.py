@@ -1,10 +1,10 @@
-"""The learned scorers' training corpus (restkv.tools.training_text): exact lengths, reproducible per sequence,
+"""The learned scorers' training corpus (restkv.learned.training_text): exact lengths, reproducible per sequence,
 facts to copy (that it shares nothing with what it is judged on: tests/benchmarks/test_overlap.py)."""
 
 import random
 import re
 
-from restkv.tools.training_text import training_sequences, training_text
+from restkv.learned.training_text import training_sequences, training_text
 
 
 def test_sequences_have_the_asked_length_and_each_is_the_same_whatever_the_count(tokenizer):
