@@ -88,6 +88,10 @@ class Policy(Options):
     #: reads the attention's input at every key (``LayerInputs.hidden``: KVzap); ``compress_kv``
     #: needs its ``hidden_states`` then, and held tokens (chunked prefill, decode budgets) cannot give them
     needs_hidden_states: ClassVar[bool] = False
+    #: asks for a step between its scoring and the eviction, after the whole prefill (RestoreKV's restore pass):
+    #: ``before_eviction(decoder, layers, forward) -> {layer: [summary segments]}``, ``forward(embeddings)`` the
+    #: K/V of embeddings run after the uncompressed context (``restkv.integrations.transformers.deferred``)
+    steps_before_eviction: ClassVar[bool] = False
 
     @property
     def reads_every_query(self) -> bool:
