@@ -20,8 +20,13 @@ attention, unchanged); a chunk's scores are its queries' softmax over the contex
 template before the context span, or the method's ``--n_sink`` first tokens), the context
 chunk it repeats and its own repetition, restricted to the context chunk, and every layer folds
 them into ``ReconstructionStats``. The repetition's K/V is dropped after each chunk. Then the
-cache is as the prefill left it, every pending layer is scored, the allocation runs (across
-the model if it is model-wide), and each layer is replaced by its compressed form.
+cache is as the prefill left it; a policy that asks for a step before eviction
+(``Policy.steps_before_eviction``: RestoreKV's restore pass) runs it, given ``forward_after_context`` (new
+embeddings run after the whole uncompressed context, their K/V returned and the cache left as it was), and
+the summary segments it returns wait in their ``PendingLayer`` (``joining``): each layer's budget is
+lowered by the slots they fill before it is ranked, and they join its compressed form. Then every pending
+layer is scored, the allocation runs (across the model if it is model-wide), and each layer is replaced by
+its compressed form.
 
 Under ``--prefill_chunk_size`` such a run waits for each chunk instead of the whole prompt
 (``restkv.integrations.transformers.attention``'s chunked prefill calls ``finish_prefill`` after every chunk). The first
