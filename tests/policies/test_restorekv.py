@@ -48,12 +48,15 @@ def compressed(model, path, ids=None, **options):
             return prefill(model, ids)
 
 
-def test_the_restore_tokens_fill_n_slots_of_each_head_budget(model_and_file):
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_the_restore_tokens_fill_n_slots_of_each_head_budget(model_and_file, layerwise):
     model, path = model_and_file
-    cache = compressed(model, path)
+    cache = compressed(model, path, kvzip_layerwise=layerwise)
     budget = LENGTH - int(LENGTH * 0.5)
     kept = [[len(head) for head in layer.exact[0]] for layer in kept_positions(cache)]
     assert sum(map(sum, kept)) + RESTORE * 3 * 2 == budget * 3 * 2  # the model-wide budget, less n per head
+    if layerwise:  # every layer keeps the same total: its heads' budgets, less n each
+        assert all(sum(heads) + RESTORE * 2 == budget * 2 for heads in kept)
     for layer in cache.layers:
         (restore,) = layer.summaries
         assert restore.kind == "restore tokens" and restore.budget_slots().tolist() == [[RESTORE, RESTORE]]
