@@ -58,10 +58,10 @@ STUDENT_ATTENTION = "restkv_restore_student"
 
 
 class StudentAttention:
-    """The student's attention while ``kept`` is set (``{layer: [H_kv, N] bool}``): a query reads each KV
-    head's kept columns of the first ``N`` keys, every key after them up to its own tokens (the restore
-    tokens), and its own tokens causally. That is what ``--method restorekv``'s cache holds, with evicted
-    tokens masked instead of removed."""
+    """The student's attention, given each layer's kept columns (``kept``: ``{layer: [H_kv, N] bool}``, set
+    around the student's forward): a query reads each KV head's kept columns of the first ``N`` keys, every
+    key after them up to its own tokens (the restore tokens), and its own tokens causally. That is what
+    ``--method restorekv``'s cache holds, with evicted tokens masked instead of removed."""
 
     def __init__(self) -> None:
         self.kept: dict[int, torch.Tensor] = {}

@@ -303,7 +303,7 @@ def finish_prefill(model_forward: Callable, model, cache) -> None:
 
 
 def _before_eviction(model_forward: Callable, model, cache, pending: PendingPrefill) -> None:
-    """The step a policy asks for between its scoring and the eviction (``Policy.before_eviction``: RestoreKV's
+    """The step a policy asks for between its scoring and the eviction (``Policy.steps_before_eviction``: RestoreKV's
     restore pass): given the decoder, its pending layers and ``forward_after_context``, it returns the summary
     segments each layer joins (``PendingLayer.joining``)."""
     for config in dict.fromkeys(layer.config for layer in pending.layers.values()):
