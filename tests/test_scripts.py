@@ -352,6 +352,7 @@ SMOKE_TESTS = {
     "restkv/tools/query_stats.py": "test_query_stats::test_the_command_writes_statistics_expected_attention_reads",
     "restkv/tools/train_indexmem.py": "test_indexmem::test_the_training_command_writes_weights_the_method_loads",
     "restkv/tools/train_kvzap.py": "test_train_kvzap::test_the_training_command_writes_surrogates_the_method_scores_with",
+    "restkv/tools/train_restore.py": "test_train_restore::test_the_training_command_writes_weights_that_restorekv_reads",
     "restkv/tools/train_scorer.py": "test_learned_zip::test_the_training_command_writes_weights_the_method_loads_and_head_scores_headkv_reads",
     **{path: "test_scripts::test_the_tools_documented_command_paths_run_them" for path in (
         "restkv/train_scorer.py", "restkv/train_indexmem.py", "restkv/benchmarks/head_scores.py",

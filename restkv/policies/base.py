@@ -92,6 +92,10 @@ class Policy(Options):
     #: token comes and ranked later beside newer tokens': what lets scorers of hidden states or of keys before
     #: RoPE compress during generation (``restkv.integrations.transformers.steps.compress_again``)
     scores_each_token_alone: ClassVar[bool] = False
+    #: asks for a step between its scoring and the eviction, after the whole prefill (RestoreKV's restore pass):
+    #: ``before_eviction(decoder, layers, forward) -> {layer: [summary segments]}``, ``forward(embeddings)`` the
+    #: K/V of embeddings run after the uncompressed context (``restkv.integrations.transformers.deferred``)
+    steps_before_eviction: ClassVar[bool] = False
 
     @property
     def reads_every_query(self) -> bool:

@@ -20,8 +20,13 @@ attention, unchanged); a chunk's scores are its queries' softmax over the contex
 template before the context span, or the method's ``--n_sink`` first tokens), the context
 chunk it repeats and its own repetition, restricted to the context chunk, and every layer folds
 them into ``ReconstructionStats``. The repetition's K/V is dropped after each chunk. Then the
-cache is as the prefill left it, every pending layer is scored, the allocation runs (across
-the model if it is model-wide), and each layer is replaced by its compressed form.
+cache is as the prefill left it; a policy that asks for a step before eviction
+(``Policy.steps_before_eviction``: RestoreKV's restore pass) runs it, given ``forward_after_context`` (new
+embeddings run after the whole uncompressed context, their K/V returned and the cache left as it was), and
+the summary segments it returns wait in their ``PendingLayer`` (``joining``): each layer's budget is
+lowered by the slots they fill before it is ranked, and they join its compressed form. Then every pending
+layer is scored, the allocation runs (across the model if it is model-wide), and each layer is replaced by
+its compressed form.
 
 Under ``--prefill_chunk_size`` such a run waits for each chunk instead of the whole prompt
 (``restkv.integrations.transformers.attention``'s chunked prefill calls ``finish_prefill`` after every chunk). The first
@@ -57,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -94,6 +100,9 @@ class PendingLayer:
     first_column: int | None = None
     #: ``[1, q]`` the running reconstruction chunk's gradient norms (KVgrad), set before its scoring forward
     gradient_norms: torch.Tensor | None = None
+    #: summary segments a step before eviction made for the layer (RestoreKV's restore tokens): they join the
+    #: compressed layer and fill ``budget_slots()`` of each head's budget, which its eviction keeps less by
+    joining: list = field(default_factory=list)
 
     @property
     def plan(self) -> LayerPlan:
@@ -287,9 +296,48 @@ def finish_prefill(model_forward: Callable, model, cache) -> None:
     try:
         if any(layer.reconstructed for layer in pending.layers.values()):
             _reconstruct(model_forward, model, cache, pending)
+        _before_eviction(model_forward, model, cache, pending)
         _compress_pending(cache, pending)
     finally:
         cache_state(cache).pending = None
+
+
+def _before_eviction(model_forward: Callable, model, cache, pending: PendingPrefill) -> None:
+    """The step a policy asks for between its scoring and the eviction (``Policy.steps_before_eviction``: RestoreKV's
+    restore pass): given the decoder, its pending layers and ``forward_after_context``, it returns the summary
+    segments each layer joins (``PendingLayer.joining``)."""
+    for config in dict.fromkeys(layer.config for layer in pending.layers.values()):
+        if not config.policy.steps_before_eviction:
+            continue
+        layers = {index: layer for index, layer in pending.layers.items() if layer.config == config}
+        forward = functools.partial(forward_after_context, model_forward, model, cache, pending)
+        for index, segments in config.policy.before_eviction(model, sorted(layers), forward).items():
+            layers[index].joining = list(segments)
+
+
+def forward_after_context(model_forward: Callable, model, cache, pending: PendingPrefill,
+                          embeddings: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Run ``embeddings`` ``[1, n, D]`` through the decoder right after the context (positions following its
+    real tokens, attending to the whole uncompressed context and causally to each other, the model's own
+    attention) and return each pending layer's ``(key, value)`` ``[1, H_kv, n, d]`` of them; the cache is
+    left as the prefill left it."""
+    context = pending.context_ids
+    if context is None or context.shape[0] != 1:
+        raise ValueError("a step before eviction runs after one prompt at a time (batch size 1, input_ids)")
+    padding = int(next(iter(pending.layers.values())).plan.padding[0])
+    count, device = embeddings.shape[1], context.device
+    positions = torch.arange(context.shape[1] - padding, context.shape[1] - padding + count, device=device)[None]
+    mask = torch.cat([(torch.arange(context.shape[1], device=device) >= padding).long()[None],
+                      torch.ones(1, count, dtype=torch.long, device=device)], dim=-1)
+    saved = [copy.copy(layer) for layer in cache.layers]
+    try:
+        with torch.no_grad():
+            model_forward(model, inputs_embeds=embeddings, position_ids=positions, attention_mask=mask, use_cache=True,
+                          **with_cache(cache))
+        return {index: (cache.layers[index].keys[:, :, -count:], cache.layers[index].values[:, :, -count:])
+                for index in pending.layers}
+    finally:
+        cache.layers[:] = saved
 
 
 def _reconstruct(model_forward: Callable, model, cache, pending: PendingPrefill) -> None:
@@ -392,6 +440,7 @@ def _compress_pending(cache, pending: PendingPrefill) -> None:
         for index in indices:
             layer, ctx = pending.layers[index], contexts[index]
             state = compress_layer(config, ctx, scores=scores[index], keep=keeps.get(index))
+            state.summaries.extend(layer.joining)
             compressed = CompressedLayer.from_state(state, layer.plan.valid.shape[-1], layer.plan.sliding_window,
                                                     config, layer.plan.padding, cache_state(cache).expected_appends)
             if config.compresses_again:  # what its next compression scores with
@@ -478,4 +527,9 @@ def _scoring_inputs(cache, index: int, layer: PendingLayer) -> LayerInputs:
         batch, num_kv_heads, length = key.shape[:3]
         positions = (layer.first_column + torch.arange(length, device=key.device)).expand(batch, num_kv_heads, -1)
         padding = cache.layers[index].prompt_padding
-    return dataclasses.replace(layer.inputs, observation=observation, positions=positions, prompt_padding=padding)
+    plan = layer.plan
+    if layer.joining:  # what a step before eviction made fills slots of each head's budget: the eviction keeps less
+        slots = sum(segment.budget_slots() for segment in layer.joining).amax(dim=-1).to(plan.budgets)
+        plan = dataclasses.replace(plan, budgets=plan.budgets - slots)
+    return dataclasses.replace(layer.inputs, plan=plan, observation=observation, positions=positions,
+                               prompt_padding=padding)
