@@ -72,6 +72,10 @@ class RestoreKV(KVzip):
         if config.run.prefill_chunk_size is not None:
             raise ConfigError(f"--method restorekv encodes its restore tokens over the whole uncompressed context; "
                               f"--prefill_chunk_size {config.run.prefill_chunk_size} compresses it chunk by chunk")
+        if config.compresses_decoding:
+            raise ConfigError(f"--method restorekv keeps its restore tokens as entries of their own, which a compression "
+                              f"during generation ({' and '.join(config.rescoring_flags(every_method=True))}) would "
+                              "not carry over: compress the prompt only")
         budget = config.run.max_capacity_prompts
         if budget is not None and not self.compressible_to(config.run.window_size, budget):
             raise ConfigError(f"--max_capacity_prompts {budget} must exceed {self.always_kept(config.run.window_size)}")

@@ -196,6 +196,8 @@ def test_the_uncompressed_prompt_with_a_decode_method_compresses_only_generation
      "--dms_decoding evicts by the threshold alone; with --decode_budget"),
     (dict(method="snapkv", dms=True, dms_threshold=0.1, dms_decoding=True),
      "--dms_decoding scores each token once as it comes; --method snapkv"),
+    (dict(method="restorekv", decode_method="snapkv", decode_budget=64),
+     "--method restorekv keeps its restore tokens as entries of their own"),
     (dict(method="l2norm", dms=True, dms_threshold=-3.0, dms_decoding=True, prefill_chunk_size=32),
      "--dms_decoding ranks the scores each token got as it came; --prefill_chunk_size 32"),
 ])
