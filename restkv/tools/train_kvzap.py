@@ -32,15 +32,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from restkv.benchmarks.flags import check_output_path
 from restkv.benchmarks.heldout_text import held_out_sequences
-from restkv.integrations.transformers.models import check_model_path, load_frozen
+from restkv.integrations.transformers.models import load_frozen
 from restkv.integrations.transformers.patching import shape_of
 from restkv.learned.kvzap import Surrogate, fit_linear, fit_mlp, predict, save_surrogates
 from restkv.learned.scorer import LeastSquares, ScorerWeights
 from restkv.learned.training_text import training_sequences
-from restkv.tools.train_scorer import (CORPUS_NAME, Collected, add_held_out_flags, held_out_recall, kvzip_passes,
-                                       overlap_report, patch_for_kvzip_scores)
+from restkv.tools.train_scorer import (CORPUS_NAME, Collected, add_held_out_flags, check_trainer_args, held_out_recall,
+                                       kvzip_passes, overlap_report, patch_for_kvzip_scores)
 
 KINDS = ("linear", "mlp")
 
@@ -73,14 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Every check that needs no model, before the model loads (``ValueError`` naming the flag)."""
-    check_model_path(args.model_path)
-    check_output_path(args.output, "--output")
-    if args.held_out < 1 or not args.held_out_types:
-        raise ValueError(f"--held_out {args.held_out} --held_out_types {' '.join(args.held_out_types) or '(none)'}: "
-                         "surrogates are written only with a held-out report (at least 1 sequence of at least 1 type)")
-    for flag in ("num_sequences", "hidden", "epochs", "batch_size", "reconstruction_chunk"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be at least 1; got {getattr(args, flag)}")
+    check_trainer_args(args, "surrogates", ("num_sequences", "hidden", "epochs", "batch_size", "reconstruction_chunk"))
     if args.seq_len < 64:
         raise ValueError(f"--seq_len must be at least 64 (a sequence must leave KVzip something to evict); "
                          f"got {args.seq_len}")
@@ -90,8 +82,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--ridge must be >= 0; got {args.ridge}")
     if not args.lr > 0:
         raise ValueError(f"--lr must be > 0; got {args.lr}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be at least 1; got {args.threads}")
 
 
 class AttentionInputs:

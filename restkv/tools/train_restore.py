@@ -40,18 +40,17 @@ import torch
 from tqdm import tqdm
 from transformers import AttentionInterface, DynamicCache
 
-from restkv.benchmarks.flags import check_output_path
 from restkv.benchmarks.heldout_text import held_out_sequences
 from restkv.cache import kept_positions
 from restkv.integrations.transformers.compat import with_cache
 from restkv.integrations.transformers.deferred import listening_to_scores
 from restkv.integrations.transformers.generation import prefill
-from restkv.integrations.transformers.models import check_model_path, load_frozen
+from restkv.integrations.transformers.models import load_frozen
 from restkv.integrations.transformers.patching import compression
 from restkv.integrations.transformers.reconstruction_prompt import set_reconstruction_prompt, template_opening
 from restkv.learned.restore import RestoreWeights, new_restore_weights, save_restore_weights
 from restkv.learned.training_text import training_sequences
-from restkv.tools.train_scorer import CORPUS_NAME, add_held_out_flags, overlap_report
+from restkv.tools.train_scorer import CORPUS_NAME, add_held_out_flags, check_trainer_args, overlap_report
 
 #: the attention implementation the student's continuation runs with (``StudentAttention``)
 STUDENT_ATTENTION = "restkv_restore_student"
@@ -213,14 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Every check that needs no model, before the model loads (``ValueError`` naming the flag)."""
-    check_model_path(args.model_path)
-    check_output_path(args.output, "--output")
-    if args.held_out < 1 or not args.held_out_types:
-        raise ValueError(f"--held_out {args.held_out} --held_out_types {' '.join(args.held_out_types) or '(none)'}: "
-                         "restore weights are written only with a held-out report (at least 1 sequence of a type)")
-    for flag in ("num_sequences", "epochs", "restore_tokens", "rank", "reconstruction_chunk"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be at least 1; got {getattr(args, flag)}")
+    check_trainer_args(args, "restore weights", ("num_sequences", "epochs", "restore_tokens", "rank",
+                                                 "reconstruction_chunk"))
     if args.continuation_tokens < 2:
         raise ValueError(f"--continuation_tokens must be at least 2; got {args.continuation_tokens}")
     if args.context_tokens < args.continuation_tokens:
@@ -236,8 +229,6 @@ def check_args(args: argparse.Namespace) -> None:
                                  "restore tokens and KVzip's 4 sinks")
     if not args.lr > 0 or not args.lora_scale > 0:
         raise ValueError(f"--lr and --lora_scale must be > 0; got {args.lr}, {args.lora_scale}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be at least 1; got {args.threads}")
 
 
 def held_out_report(model, tokenizer, args, weights: RestoreWeights, opening: list[int],

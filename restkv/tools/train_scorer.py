@@ -65,6 +65,21 @@ def add_held_out_flags(parser: argparse.ArgumentParser) -> None:
                         metavar="TYPE", help=f"held-out text types (default: all: {' '.join(HELD_OUT_TYPES)})")
 
 
+def check_trainer_args(args: argparse.Namespace, written: str, counts: tuple[str, ...]) -> None:
+    """What every trainer checks before its model loads (``ValueError`` naming the flag): the model, the output
+    file, the held-out report its ``written`` file needs, and its ``counts`` flags at least 1."""
+    check_model_path(args.model_path)
+    check_output_path(args.output, "--output")
+    if args.held_out < 1 or not args.held_out_types:
+        raise ValueError(f"--held_out {args.held_out} --held_out_types {' '.join(args.held_out_types) or '(none)'}: "
+                         f"{written} are written only with a held-out report (at least 1 sequence of at least 1 type)")
+    for flag in counts:
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be at least 1; got {getattr(args, flag)}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1; got {args.threads}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default="smollm2-135m")
@@ -91,30 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Every check that needs no model, before the model loads (``ValueError`` naming the flag)."""
-    check_model_path(args.model_path)
+    check_trainer_args(args, "weights", ("num_sequences", "reconstruction_chunk"))
     for flag in ("text_file", "baseline_weights"):
         if getattr(args, flag) is not None and not Path(getattr(args, flag)).is_file():
             raise ValueError(f"--{flag} {getattr(args, flag)!r}: no such file")
     if args.baseline_weights is not None:
         load_weights(args.baseline_weights, "--baseline_weights")
-    for flag in ("output", "head_scores_output"):
-        if getattr(args, flag) is not None:
-            check_output_path(getattr(args, flag), f"--{flag}")
-    for flag in ("num_sequences", "reconstruction_chunk"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be at least 1; got {getattr(args, flag)}")
+    if args.head_scores_output is not None:
+        check_output_path(args.head_scores_output, "--head_scores_output")
     if args.seq_len < 64:
         raise ValueError(f"--seq_len must be at least 64 (a sequence must leave KVzip something to evict); "
                          f"got {args.seq_len}")
-    if args.held_out < 1 or not args.held_out_types:
-        raise ValueError(f"--held_out {args.held_out} --held_out_types {' '.join(args.held_out_types) or '(none)'}: "
-                         "weights are written only with a held-out report (at least 1 sequence of at least 1 type)")
     if not args.ridge >= 0:
         raise ValueError(f"--ridge must be >= 0; got {args.ridge}")
     if not 0 < args.check_ratio < 1:
         raise ValueError(f"--check_ratio must lie in (0, 1); got {args.check_ratio}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be at least 1; got {args.threads}")
 
 
 def training_texts(tokenizer, args: argparse.Namespace) -> list[list[int]]:

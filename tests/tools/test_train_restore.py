@@ -66,7 +66,7 @@ def test_the_training_command_writes_weights_that_restorekv_reads(tiny_model_dir
 
 @pytest.mark.parametrize("flags, message", [
     (["--held_out", "0"], f"--held_out 0 --held_out_types {' '.join(HELD_OUT_TYPES)}: restore weights are written "
-                          "only with a held-out report (at least 1 sequence of a type)"),
+                          "only with a held-out report (at least 1 sequence of at least 1 type)"),
     (["--rank", "0"], "--rank must be at least 1; got 0"),
     (["--ratios", "0.5", "1.0"], "--ratios must lie in (0, 1); got 1.0"),
     (["--check_ratio", "0.99"], "--check_ratio 0.99 keeps 4 of --context_tokens 384: not more than the 8 restore "
