@@ -1,6 +1,5 @@
 """RestoreKV: KVzip's scores, a restore pass before eviction, the restore tokens filling n slots of each budget."""
 
-import warnings
 
 import pytest
 import torch
@@ -17,12 +16,7 @@ from restkv.learned.restore import SHIPPED_RESTORE, new_restore_weights, restore
 LENGTH, RESTORE = 96, 6
 
 
-@pytest.fixture(autouse=True)
-def quiet():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*reconstruction prompt.*")
-        warnings.filterwarnings("ignore", message=".*past_key_values.*")
-        yield
+pytestmark = pytest.mark.filterwarnings("ignore:.*reconstruction prompt.*", "ignore:.*past_key_values.*")
 
 
 def weights_file(path, model, tokens=RESTORE, seed=0):

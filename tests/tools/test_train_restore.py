@@ -1,6 +1,5 @@
 """``python -m restkv.tools.train_restore``: the differentiable student is what ``--method restorekv`` computes."""
 
-import warnings
 
 import pytest
 import torch
@@ -13,13 +12,7 @@ from restkv.cache import kept_positions
 from restkv.integrations.transformers.generation import prefill
 from restkv.learned.restore import new_restore_weights, restore_weights_of, save_restore_weights
 
-
-@pytest.fixture(autouse=True)
-def quiet():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*reconstruction prompt.*")
-        warnings.filterwarnings("ignore", message=".*past_key_values.*")
-        yield
+pytestmark = pytest.mark.filterwarnings("ignore:.*reconstruction prompt.*", "ignore:.*past_key_values.*")
 
 
 def test_the_student_gives_the_logits_of_the_restkv_inference_path_for_the_same_kept_set_and_weights(tmp_path):
