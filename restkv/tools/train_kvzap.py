@@ -33,13 +33,12 @@ import torch
 from tqdm import tqdm
 
 from restkv.benchmarks.heldout_text import held_out_sequences
-from restkv.integrations.transformers.models import load_frozen
 from restkv.integrations.transformers.patching import shape_of
 from restkv.learned.kvzap import Surrogate, fit_linear, fit_mlp, predict, save_surrogates
 from restkv.learned.scorer import LeastSquares, ScorerWeights
 from restkv.learned.training_text import training_sequences
 from restkv.tools.train_scorer import (CORPUS_NAME, Collected, add_held_out_flags, check_trainer_args, held_out_recall,
-                                       kvzip_passes, overlap_report, patch_for_kvzip_scores)
+                                       kvzip_passes, loaded_for_training, overlap_report, patch_for_kvzip_scores)
 
 KINDS = ("linear", "mlp")
 
@@ -138,13 +137,7 @@ def fit(args: argparse.Namespace, hidden: list[torch.Tensor], targets: list[torc
 def main(argv: list[str] | None = None) -> list[Surrogate]:
     """The command line; bad input (flags, a model that does not load) is one ``error:`` line."""
     args = build_parser().parse_args(argv)
-    try:
-        check_args(args)
-        model, tokenizer = load_frozen(args.model_path)
-    except ValueError as error:  # a flag, a --model_path (ModelPathError)
-        raise SystemExit(f"error: {error}") from None
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    model, tokenizer = loaded_for_training(args, check_args)
     opening = patch_for_kvzip_scores(model, tokenizer, args.seq_len, args.reconstruction_chunk)
     shape = shape_of(model)
     started = time.time()

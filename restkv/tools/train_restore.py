@@ -45,12 +45,12 @@ from restkv.cache import kept_positions
 from restkv.integrations.transformers.compat import with_cache
 from restkv.integrations.transformers.deferred import listening_to_scores
 from restkv.integrations.transformers.generation import prefill
-from restkv.integrations.transformers.models import load_frozen
 from restkv.integrations.transformers.patching import compression
 from restkv.integrations.transformers.reconstruction_prompt import set_reconstruction_prompt, template_opening
 from restkv.learned.restore import RestoreWeights, new_restore_weights, save_restore_weights
 from restkv.learned.training_text import training_sequences
-from restkv.tools.train_scorer import CORPUS_NAME, add_held_out_flags, check_trainer_args, overlap_report
+from restkv.tools.train_scorer import (CORPUS_NAME, add_held_out_flags, check_trainer_args, loaded_for_training,
+                                       overlap_report)
 
 #: the attention implementation the student's continuation runs with (``StudentAttention``)
 STUDENT_ATTENTION = "restkv_restore_student"
@@ -273,13 +273,7 @@ def held_out_table(held_out: dict) -> str:
 def main(argv: list[str] | None = None) -> RestoreWeights:
     """The command line; bad input (flags, a model that does not load) is one ``error:`` line."""
     args = build_parser().parse_args(argv)
-    try:
-        check_args(args)
-        model, tokenizer = load_frozen(args.model_path)
-    except ValueError as error:  # a flag, a --model_path (ModelPathError)
-        raise SystemExit(f"error: {error}") from None
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    model, tokenizer = loaded_for_training(args, check_args)
     set_reconstruction_prompt(model, tokenizer)
     opening = tokenizer(template_opening(tokenizer), add_special_tokens=False).input_ids
     if not opening and tokenizer.bos_token_id is not None:

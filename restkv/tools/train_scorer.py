@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -78,6 +78,19 @@ def check_trainer_args(args: argparse.Namespace, written: str, counts: tuple[str
             raise ValueError(f"--{flag} must be at least 1; got {getattr(args, flag)}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1; got {args.threads}")
+
+
+def loaded_for_training(args: argparse.Namespace, check: Callable[[argparse.Namespace], None]):
+    """``(model, tokenizer)`` frozen for a trainer, after ``check(args)``: bad input (a flag, a model that does not
+    load) is one ``error:`` line; ``--threads`` set."""
+    try:
+        check(args)
+        model, tokenizer = load_frozen(args.model_path)
+    except ValueError as error:  # a flag, a --model_path (ModelPathError)
+        raise SystemExit(f"error: {error}") from None
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    return model, tokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@ import torch
 from tiny_models import random_qkv
 
 import restkv.tools.train_kvzap as train_kvzap
+import restkv.tools.train_scorer as train_scorer
 from restkv import compress_kv
 from restkv.benchmarks.heldout_text import HELD_OUT_TYPES
 from restkv.learned.kvzap import fit_linear, fit_mlp, predict, save_surrogates, surrogates_of, training_record
@@ -103,7 +104,7 @@ def test_the_training_command_writes_surrogates_the_method_scores_with(tiny_mode
     (["--output", "{tmp}"], "--output {tmp}: a folder; give a file path"),
 ])
 def test_the_training_command_checks_its_flags_before_the_model_loads(flags, message, tmp_path, refuse_model_loading):
-    refuse_model_loading(train_kvzap, "load_frozen")
+    refuse_model_loading(train_scorer, "load_frozen")  # the trainers load through it
     with pytest.raises(SystemExit) as stop:
         train_kvzap.main([flag.format(tmp=tmp_path) for flag in flags])
     assert str(stop.value) == "error: " + message.format(tmp=tmp_path)

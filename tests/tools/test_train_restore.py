@@ -7,6 +7,7 @@ from tiny_models import random_prompt, tiny_model
 
 import restkv
 import restkv.tools.train_restore as train_restore
+import restkv.tools.train_scorer as train_scorer
 from restkv.benchmarks.heldout_text import HELD_OUT_TYPES
 from restkv.cache import kept_positions
 from restkv.integrations.transformers.generation import prefill
@@ -68,7 +69,7 @@ def test_the_training_command_writes_weights_that_restorekv_reads(tiny_model_dir
     (["--output", "{tmp}"], "--output {tmp}: a folder; give a file path"),
 ])
 def test_the_training_command_checks_its_flags_before_the_model_loads(flags, message, tmp_path, refuse_model_loading):
-    refuse_model_loading(train_restore, "load_frozen")
+    refuse_model_loading(train_scorer, "load_frozen")  # the trainers load through it
     with pytest.raises(SystemExit) as stop:
         train_restore.main([flag.format(tmp=tmp_path) for flag in flags])
     assert str(stop.value) == "error: " + message.format(tmp=tmp_path)
