@@ -325,14 +325,11 @@ def forward_after_context(model_forward: Callable, model, cache, pending: Pendin
     if context is None or context.shape[0] != 1:
         raise ValueError("a step before eviction runs after one prompt at a time (batch size 1, input_ids)")
     padding = int(next(iter(pending.layers.values())).plan.padding[0])
-    count, device = embeddings.shape[1], context.device
-    positions = torch.arange(context.shape[1] - padding, context.shape[1] - padding + count, device=device)[None]
-    mask = torch.cat([(torch.arange(context.shape[1], device=device) >= padding).long()[None],
-                      torch.ones(1, count, dtype=torch.long, device=device)], dim=-1)
+    count = embeddings.shape[1]
     saved = [copy.copy(layer) for layer in cache.layers]
     try:
         with torch.no_grad():
-            model_forward(model, inputs_embeds=embeddings, position_ids=positions, attention_mask=mask, use_cache=True,
+            model_forward(model, inputs_embeds=embeddings, use_cache=True, **_after_context(context, padding, count),
                           **with_cache(cache))
         return {index: (cache.layers[index].keys[:, :, -count:], cache.layers[index].values[:, :, -count:])
                 for index in pending.layers}
@@ -366,15 +363,12 @@ def _reconstruct(model_forward: Callable, model, cache, pending: PendingPrefill)
             layer.stats = _stats_for(layer, expected)
     if not pieces:  # a chunk of template alone: every token of it is protected
         return
-    seen = (torch.arange(context.shape[1], device=context.device) >= padding).long()[None]
     saved = [copy.copy(layer) for layer in cache.layers]
     try:
         with torch.no_grad():
             for (piece, last), ids in zip(pieces, inputs):
                 pending.repeating = _repeated(piece, last, padding, min(sink_end, piece), waiting.first_column)
-                positions = torch.arange(real, real + ids.shape[0], device=context.device)[None]
-                mask = torch.cat([seen, torch.ones(1, ids.shape[0], dtype=torch.long, device=context.device)], dim=-1)
-                forward = dict(position_ids=positions, use_cache=True, attention_mask=mask, **with_cache(cache))
+                forward = dict(use_cache=True, **_after_context(context, padding, ids.shape[0]), **with_cache(cache))
                 if config.policy.weights_by_gradient:
                     _set_gradient_norms(model_forward, model, cache, pending, ids[None], forward, saved)
                 model_forward(model, input_ids=ids[None], **forward)
@@ -382,6 +376,15 @@ def _reconstruct(model_forward: Callable, model, cache, pending: PendingPrefill)
     finally:
         pending.repeating = None
         cache.layers[:] = saved
+
+
+def _after_context(context: torch.Tensor, padding: int, count: int) -> dict[str, torch.Tensor]:
+    """The ``position_ids`` and ``attention_mask`` of ``count`` tokens run right after a context of ids
+    ``[1, N]`` left-padded by ``padding``: positions following its real tokens, its padding unseen."""
+    real = context.shape[1] - padding
+    seen = torch.arange(context.shape[1] + count, device=context.device) >= padding
+    return dict(position_ids=torch.arange(real, real + count, device=context.device)[None],
+                attention_mask=seen.long()[None])
 
 
 def _set_gradient_norms(model_forward: Callable, model, cache, pending: PendingPrefill, ids: torch.Tensor,

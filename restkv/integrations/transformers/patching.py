@@ -426,8 +426,9 @@ def compression(model: torch.nn.Module, config: CompressionConfig | None = None,
         raise ConfigError("compression(model, config) takes a complete CompressionConfig and no other options")
     new = CompressionConfig.from_any(config) if config is not None else CompressionConfig.from_options(**options)
     family = family_of(model)
-    new = with_model_scores(model, new, _attention_modules_of(model, family))
-    check_for_model(model, new, _attention_modules_of(model, family))
+    attention = _attention_modules_of(model, family)
+    new = with_model_scores(model, new, attention)
+    check_for_model(model, new, attention)
     patched_here = not is_patched(family)
     if patched_here:
         _replace(family, None)

@@ -232,7 +232,7 @@ def compress_again(module, step: Step, facts: LayerFacts, query, key, value, rot
     layer_idx, num_layers = module.layer_idx, module.config.num_hidden_layers
     remember_newest(layer, config, query, rotary)  # the newest queries, across chunk boundaries
     if step.chunk_rows is not None:  # a prompt's later chunk (its first was the prefill)
-        _check_full_attention(layer, layer_idx)
+        _check_full_attention(layer, layer_idx, config)
         recent = layer.recent_queries
         recompress(layer, recent[:, :, recent.shape[2] - config.run.window_size:], config,
                    chunk_budgets(config, step.chunk_rows), facts, layer_idx, num_layers)
@@ -246,18 +246,19 @@ def compress_again(module, step: Step, facts: LayerFacts, query, key, value, rot
                                              step.hidden_states))
     if not compression_due(layer, run.decode_interval):
         return
-    _check_full_attention(layer, layer_idx)
+    _check_full_attention(layer, layer_idx, config)
     if run.compresses_decoding:
         compress_decoding(layer, decoding, decode_budgets(decoding, layer), facts, layer_idx, num_layers)
     else:  # DMS's threshold alone (--dms_decoding)
         evict_below_threshold(layer, decoding, decoding.switch("dms").dms_threshold, facts, layer_idx, num_layers)
 
 
-def _check_full_attention(layer: CompressedLayer, layer_idx: int) -> None:
+def _check_full_attention(layer: CompressedLayer, layer_idx: int, config) -> None:
     if layer.sliding_window is not None:
         raise ValueError(
-            f"--prefill_chunk_size and --decode_budget compress full-attention layers again; layer {layer_idx} has a "
-            f"sliding window of {layer.sliding_window} and a budget below it (raise the budget to the window)"
+            f"{' and '.join(config.rescoring_flags(every_method=True))} compress full-attention layers again; layer "
+            f"{layer_idx} has a sliding window of {layer.sliding_window} and a budget below it (raise the budget to "
+            "the window)"
         )
 
 
