@@ -389,11 +389,11 @@ class CompressionConfig:
         """The settings that compress layers again with this config's parts after their prefill (``rescores``), as
         flags: chunked prefill, and generation unless ``--decode_method`` names the method it runs
         (``every_method``: generation whatever method)."""
-        names = ("prefill_chunk_size",) + (("decode_budget", "decode_compression_ratio")
-                                           if self.run.decode_method is None or every_method else ())
+        generation = self.run.decode_method is None or every_method
+        names = ("prefill_chunk_size",) + (("decode_budget", "decode_compression_ratio") if generation else ())
         flags = [f"--{name} {getattr(self.run, name)}" for name in names if getattr(self.run, name) is not None]
         dms = self.switch("dms")
-        if dms is not None and dms.dms_decoding and (self.run.decode_method is None or every_method):
+        if generation and dms is not None and dms.dms_decoding:
             flags.append("--dms_decoding")
         return flags
 
@@ -503,9 +503,9 @@ class CompressionConfig:
         """Whether this config compresses generation by scores taken once as each token came: a scorer of each token
         alone that reads what a layer does not keep (hidden states, the RoPE tables of its keys), or DMS's
         threshold alone; a scorer of keys alone scores the held keys again."""
-        policy = self.policy
+        policy, threshold_alone = self.policy, self.compresses_decoding and not self.run.compresses_decoding
         return policy.scores_each_token_alone and (policy.needs_hidden_states or policy.needs_rotary
-                                                   or not self.run.compresses_decoding)
+                                                   or threshold_alone)
 
     @property
     def compresses_decoding(self) -> bool:
