@@ -104,6 +104,9 @@ class CompressedLayer(CacheLayerMixin):
         #: ``[B, H_kv, t]`` the scores of the tokens appended since the last compression, each scored alone as it
         #: came (``Policy.scores_each_token_alone``), ranked beside ``token_scores`` at the next compression
         self.arrived_scores: torch.Tensor | None = None
+        #: tokens read during generation since a compression was last due (``--decode_interval`` counts them,
+        #: whether or not that compression evicted anything: kvpress' step counter)
+        self.decode_tokens = 0
         #: ``[B, H_kv, S]`` the kept tokens' scores, aligned with ``kept_columns`` (+inf: protected), while a
         #: chunked prefill ranks them again beside each new chunk's (``restkv.pipeline.recompress.rank_chunk``)
         self.token_scores: torch.Tensor | None = None
@@ -401,6 +404,7 @@ class CompressedLayer(CacheLayerMixin):
         self.seal, self.sealed = None, 0
         self.tokens_seen = self.prompt_tokens = 0
         self.token_scores = self.arrived_scores = None
+        self.decode_tokens = 0
 
     def __copy__(self) -> "CompressedLayer":
         """A snapshot: the segments are shared until either copy writes (``answer_many``)."""

@@ -144,10 +144,16 @@ def decode_budgets(decoding: Any, layer) -> list[int]:
     return [max(kept_at_ratio(seen, run.decode_compression_ratio), floor) for seen in seen_tokens(layer)]
 
 
-def compression_due(layer, interval: int) -> bool:
-    """A compression during generation runs every ``interval`` new tokens (kvpress' ``DecodingPress``: the prompt
-    stays as its prefill left it until then)."""
-    return layer.tail_length >= interval
+def compression_due(layer, new_tokens: int, interval: int) -> bool:
+    """Whether a compression during generation is due after a step of ``new_tokens``: every ``interval`` tokens read
+    since the prefill (kvpress' ``DecodingPress``: the prompt stays as its prefill left it until then), counted
+    from the last due one whether or not it evicted anything, so every row of a batch is compressed at the steps
+    it would be alone."""
+    layer.decode_tokens += new_tokens
+    if layer.decode_tokens < interval:
+        return False
+    layer.decode_tokens = 0
+    return True
 
 
 def score_arrivals(decoding: Any, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -5,7 +5,8 @@ compression)."""
 
 import pytest
 import torch
-from tiny_models import assert_model_compresses, greedy, random_prompt, replace_for, surrogate_file, tiny_model
+from tiny_models import (assert_model_compresses, assert_rows_match_single_row_runs, greedy, random_prompt, replace_for,
+                         surrogate_file, tiny_model)
 
 from restkv import CompressionConfig, ConfigError, kept_positions
 from restkv.cache import CompressedLayer
@@ -230,3 +231,23 @@ def test_the_decode_methods_options_are_the_same_flags():
 def test_compression_during_generation_composes_with_the_other_parts(options):
     assert_model_compresses(dict(dict(max_capacity_prompts=48, window_size=8, decode_interval=4), **options),
                             new_tokens=12)
+
+
+@pytest.mark.parametrize("options", [
+    dict(method="expected_attention", max_capacity_prompts=20, decode_compression_ratio=0.6),
+    dict(method="kvzap", max_capacity_prompts=20, decode_budget=16),
+    dict(method="l2norm", l2norm_skip_layers=(), l2norm_protect_window=True, max_capacity_prompts=30, dms=True,
+         dms_threshold=-2.5, dms_decoding=True),
+    dict(method="snapkv", max_capacity_prompts=20, decode_method="l2norm", l2norm_skip_layers=(), decode_budget=16),
+    dict(method="snapkv", max_capacity_prompts=20, decode_compression_ratio=0.6),
+])
+def test_rows_of_a_batch_stay_independent_under_every_kind_of_compression_during_generation(tmp_path, options):
+    """A left-padded row compressed during generation (the queries since the last compression, scores taken as
+    tokens came, the threshold alone, another method than the prompt's, a budget of its own share of the tokens
+    seen) generates as it does alone: a row within its budget at a due step is not left to be compressed at
+    another step than alone."""
+    path, _ = surrogate_file(tmp_path / "kvzap.safetensors", mlp=False)
+    model = tiny_model("llama")
+    replace_for("llama")(window_size=4, decode_interval=3, kvzap_weights=path if options["method"] == "kvzap" else None,
+                         **options)
+    assert_rows_match_single_row_runs(model, [60, 41, 35], new_tokens=10)

@@ -244,7 +244,7 @@ def compress_again(module, step: Step, facts: LayerFacts, query, key, value, rot
     if decoding.scores_on_arrival:
         layer.remember_scores(score_arrivals(decoding, layer, query, key, value, facts, layer_idx, num_layers, rotary,
                                              step.hidden_states))
-    if not compression_due(layer, run.decode_interval):
+    if not compression_due(layer, query.shape[2], run.decode_interval):
         return
     _check_full_attention(layer, layer_idx, config)
     if run.compresses_decoding:
